@@ -1,0 +1,130 @@
+"""The bilingual digits corpus: scikit-learn's 1,797 real 8x8 handwritten digit scans as image-text shards.
+
+Training shards hold one caption per sample, English (`train/en-*.tar`) and Chinese (`train/zh-*.tar`)
+as two sources to mix. A stratified held-out split is written in the CLIP_benchmark webdataset layout
+(`zeroshot/test/*.tar` with `png` + `cls`, `classnames.txt`, `zeroshot_classification_templates.txt`,
+and `_zh` variants of both) for zero-shot classification. A WordPiece tokenizer trained on the text
+is saved as `tokenizer.json`. Nothing is downloaded: the scans ship inside scikit-learn.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from mmpt.data.shards import ShardSetWriter
+from mmpt.data.tokenizer import train_wordpiece
+
+NAMES = {
+    "en": ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"],
+    "zh": ["零", "一", "二", "三", "四", "五", "六", "七", "八", "九"],
+}
+# {w}: the digit as a word, {n}: as a numeral.
+TRAIN_TEMPLATES = {
+    "en": [
+        "a handwritten digit {w}", "a handwritten {n}", "the number {w}, written by hand",
+        "a scan of a handwritten {w}", "a small picture of the digit {n}", "handwriting of the number {w}",
+        "a {w} written with a pen", "an image of the numeral {n}", "a blurry handwritten {w}",
+    ],
+    "zh": [
+        "手写的数字{w}", "手写的{n}", "一个手写的数字{w}", "数字{n}的手写扫描图", "手写体的{w}",
+        "一张数字{w}的小图片", "用笔写的{w}", "数字{n}的图片", "模糊的手写{w}",
+    ],
+}
+# Held-out prompts for zero-shot classification ({c}: class name), CLIP_benchmark style.
+EVAL_TEMPLATES = {
+    "en": ["a photo of the digit {c}.", "a handwritten {c}.", "an image of the number {c}.", "the digit {c}, written by hand."],
+    "zh": ["一张数字{c}的照片。", "手写的{c}。", "数字{c}的图片。", "手写的数字{c}。"],
+}
+LANGUAGES = ("en", "zh")
+COMPLETE_MARKER = "COMPLETE"
+
+
+def _png(scan: np.ndarray, size: int) -> bytes:
+    pixels = (scan * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
+    image = Image.fromarray(pixels, mode="L").resize((size, size), Image.BICUBIC)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Stratified split: the same fraction of every class is held out."""
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label)).tolist()
+        cut = round(len(members) * test_fraction)
+        test += members[:cut]
+        train += members[cut:]
+    return sorted(train), sorted(test)
+
+
+def caption(language: str, label: int, template: str) -> str:
+    return template.format(w=NAMES[language][label], n=str(label))
+
+
+def is_built(root: str | os.PathLike) -> bool:
+    return (Path(root) / COMPLETE_MARKER).exists()
+
+
+def build_digits(
+    root: str | os.PathLike,
+    *,
+    image_size: int = 32,
+    test_fraction: float = 0.2,
+    captions_per_image: int = 4,
+    shard_size: int = 500,
+    seed: int = 0,
+) -> Path:
+    """Build the corpus at `root` unless already complete; safe when several ranks race to build it."""
+    from sklearn.datasets import load_digits
+
+    root = Path(root)
+    if is_built(root):
+        return root
+    staging = root.with_name(f".{root.name}.building-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    digits = load_digits()
+    images, labels = digits.images, digits.target
+    train_ids, test_ids = _split(labels, test_fraction, seed)
+    rng = random.Random(seed)
+    texts: list[str] = []
+
+    for language in LANGUAGES:
+        with ShardSetWriter(staging / "train" / language, max_samples=shard_size) as writer:
+            for index in train_ids:
+                label = int(labels[index])
+                png = _png(images[index], image_size)
+                for copy, template in enumerate(rng.sample(TRAIN_TEMPLATES[language], captions_per_image)):
+                    text = caption(language, label, template)
+                    texts.append(text)
+                    writer.write({"__key__": f"{index:04d}_{copy}", "png": png, "txt": text, "cls": str(label)})
+
+    zeroshot = staging / "zeroshot"
+    with ShardSetWriter(zeroshot / "test" / "test", max_samples=shard_size) as writer:
+        for index in test_ids:
+            writer.write({"__key__": f"{index:04d}", "png": _png(images[index], image_size), "cls": str(int(labels[index]))})
+    (zeroshot / "test" / "nshards.txt").write_text(str(len(writer.sizes)))
+    for language in LANGUAGES:
+        suffix = "" if language == "en" else f"_{language}"
+        (zeroshot / f"classnames{suffix}.txt").write_text("\n".join(NAMES[language]) + "\n")
+        (zeroshot / f"zeroshot_classification_templates{suffix}.txt").write_text("\n".join(EVAL_TEMPLATES[language]) + "\n")
+        texts += [t.format(c=name) for t in EVAL_TEMPLATES[language] for name in NAMES[language]]
+
+    train_wordpiece(texts, staging / "tokenizer.json", vocab_size=1000)
+    (staging / COMPLETE_MARKER).write_text(f"train images: {len(train_ids)}, held-out images: {len(test_ids)}\n")
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(staging, root)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)  # another process finished first
+        if not is_built(root):
+            raise
+    return root

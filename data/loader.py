@@ -1,0 +1,202 @@
+"""From raw samples to training batches, in DataLoader workers, with a checkpointable position.
+
+Each worker owns one slot stream (`data.stream`), decodes and transforms samples, skips and counts
+the ones that fail, batches them and sends each batch together with the position of its stream
+after that batch. The main process keeps the position of the last batch it *handed to training*
+from every worker: that, plus how many batches were consumed, is the loader's state. PyTorch hands
+out iterable-dataset batches round-robin over workers, so on resume the workers are rotated to
+continue with the same worker that was next.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from mmpt.data.shards import DataError, expand_shards
+from mmpt.data.stream import MixedStream, ShardStream
+
+log = logging.getLogger(__name__)
+
+
+class MissingFieldError(DataError):
+    """A sample lacks a field the pipeline needs: a data/config mismatch, never skipped silently."""
+
+
+@dataclass
+class Source:
+    name: str
+    urls: list[str]
+    weight: float = 1.0
+
+    @classmethod
+    def from_pattern(cls, pattern: str, weight: float = 1.0, name: str | None = None) -> Source:
+        return cls(name=name or pattern, urls=expand_shards(pattern), weight=weight)
+
+
+@dataclass
+class StreamSpec:
+    """Everything a worker needs to rebuild its stream; plain data so it pickles to workers."""
+
+    sources: list[Source]
+    batch_size: int
+    seed: int = 0
+    mode: str = "resampled"
+    shuffle_buffer: int = 1000
+    rank: int = 0
+    world_size: int = 1
+    num_workers: int = 0
+    max_epochs: int | None = None
+    drop_last: bool = True
+
+
+def sample_seed(seed: int, sample: dict) -> int:
+    """A per-sample seed for random augmentation: the same sample gets the same draw on resume."""
+    text = f"{seed}/{sample.get('__shard__')}/{sample.get('__key__')}/{sample.get('__epoch__', 0)}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+class BatchStream(IterableDataset):
+    """Decoded, batched samples of one rank; iterate it through a `StatefulLoader`."""
+
+    def __init__(
+        self,
+        spec: StreamSpec,
+        decode: Callable[[dict], dict],
+        collate: Callable[[list[dict]], Any] = torch.utils.data.default_collate,
+    ):
+        super().__init__()
+        self.spec, self.decode, self.collate = spec, decode, collate
+        self.start_states: dict[int, dict] = {}
+        self.rotation = 0
+        for source in spec.sources:
+            self._make_stream(source, slot=0)  # fail here, in the main process, on bad shard counts
+
+    @property
+    def num_slots(self) -> int:
+        return self.spec.world_size * max(1, self.spec.num_workers)
+
+    def _make_stream(self, source: Source, slot: int) -> ShardStream:
+        spec = self.spec
+        return ShardStream(
+            source.urls, slot=slot, num_slots=self.num_slots, seed=spec.seed, mode=spec.mode,
+            shuffle_buffer=spec.shuffle_buffer, max_epochs=spec.max_epochs, name=source.name,
+        )
+
+    def logical_worker(self) -> int:
+        info = get_worker_info()
+        workers = max(1, self.spec.num_workers)
+        return ((info.id if info else 0) + self.rotation) % workers
+
+    def __iter__(self) -> Iterator[dict]:
+        spec = self.spec
+        worker = self.logical_worker()
+        slot = spec.rank * max(1, spec.num_workers) + worker
+        stream = MixedStream(
+            [self._make_stream(s, slot) for s in spec.sources], [s.weight for s in spec.sources], seed=spec.seed, slot=slot
+        )
+        counts = {"seen": 0, "skipped": 0}
+        last_error = ""
+        if worker in self.start_states:
+            start = self.start_states[worker]
+            stream.load_state_dict(start["stream"])
+            counts = dict(start["counts"])
+        batch: list[dict] = []
+        for raw in stream:
+            counts["seen"] += 1
+            try:
+                # Random transforms draw from a per-sample seed; the caller's RNG is left as it was.
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(sample_seed(spec.seed, raw))
+                    batch.append(self.decode(raw))
+            except MissingFieldError:
+                raise
+            except Exception as exc:  # a corrupt sample must not stop the run
+                counts["skipped"] += 1
+                last_error = f"sample {raw.get('__key__')!r} of {raw.get('__shard__')}: {type(exc).__name__}: {exc}"
+                log.warning("skipped %s", last_error)
+            if len(batch) == spec.batch_size:
+                yield self._package(batch, worker, stream, counts, last_error)
+                batch = []
+        if batch and not spec.drop_last:
+            yield self._package(batch, worker, stream, counts, last_error)
+
+    def _package(self, batch, worker, stream, counts, last_error) -> dict:
+        return {
+            "batch": self.collate(batch),
+            "position": {"worker": worker, "stream": stream.state_dict(), "counts": dict(counts)},
+            "last_error": last_error,
+        }
+
+
+@dataclass
+class SkipPolicy:
+    max_rate: float = 0.01
+    min_samples: int = 200
+
+
+@dataclass
+class StatefulLoader:
+    """Iterates a `BatchStream` through a DataLoader and remembers the consumed position."""
+
+    dataset: BatchStream
+    skip_policy: SkipPolicy = field(default_factory=SkipPolicy)
+    batches: int = 0
+    positions: dict[int, dict] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        spec = self.dataset.spec
+        return {
+            "batches": self.batches,
+            "num_workers": spec.num_workers,
+            "world_size": spec.world_size,
+            "positions": {str(k): v for k, v in self.positions.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        spec = self.dataset.spec
+        if (state["num_workers"], state["world_size"]) != (spec.num_workers, spec.world_size):
+            raise DataError(
+                f"the checkpoint's data position was saved with {state['world_size']} ranks x {state['num_workers']} "
+                f"workers; this run has {spec.world_size} x {spec.num_workers}. Resume with the same layout."
+            )
+        self.batches = state["batches"]
+        self.positions = {int(k): v for k, v in state["positions"].items()}
+
+    def counts(self) -> dict[str, int]:
+        seen = sum(p["counts"]["seen"] for p in self.positions.values())
+        skipped = sum(p["counts"]["skipped"] for p in self.positions.values())
+        return {"seen": seen, "skipped": skipped}
+
+    def _check_skip_rate(self, last_error: str) -> None:
+        c = self.counts()
+        if c["seen"] >= self.skip_policy.min_samples and c["skipped"] > self.skip_policy.max_rate * c["seen"]:
+            raise DataError(
+                f"{c['skipped']} of {c['seen']} samples failed to decode, more than max_skip_rate="
+                f"{self.skip_policy.max_rate}; last failure: {last_error}"
+            )
+
+    def __iter__(self) -> Iterator[Any]:
+        spec = self.dataset.spec
+        self.dataset.start_states = dict(self.positions)
+        self.dataset.rotation = self.batches % max(1, spec.num_workers)
+        loader = DataLoader(
+            self.dataset,
+            batch_size=None,
+            num_workers=spec.num_workers,
+            persistent_workers=False,
+            prefetch_factor=4 if spec.num_workers else None,
+        )
+        for item in loader:
+            position = item["position"]
+            self.positions[position["worker"]] = position
+            self.batches += 1
+            if item["last_error"]:
+                self._check_skip_rate(item["last_error"])
+            yield item["batch"]

@@ -1,0 +1,121 @@
+"""Writing WebDataset tar shards and resolving shard patterns.
+
+A shard set is a directory of `<prefix>-NNNNNN.tar` files plus `sizes.json` (shard name -> sample
+count), the same convention open_clip's loader reads to know a dataset's size without a scan.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import braceexpand
+import webdataset as wds
+
+
+class DataError(RuntimeError):
+    """Data that cannot be used as configured; the message names the file, shard or sample."""
+
+
+class ShardSetWriter:
+    """Packs samples (dicts with `__key__` and byte/str/int fields) into numbered tar shards.
+
+    >>> with ShardSetWriter("out/train", max_samples=1000) as writer:
+    ...     writer.write({"__key__": "000001", "png": png_bytes, "txt": "a caption"})
+    """
+
+    def __init__(self, prefix: str | os.PathLike, max_samples: int = 10_000, start_index: int = 0):
+        self.prefix = Path(prefix)
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        self.max_samples = max_samples
+        self.sizes: dict[str, int] = {}
+        self._index = start_index
+        self._writer: wds.TarWriter | None = None
+        self._name = ""
+
+    def _open_next(self) -> None:
+        self._close_current()
+        self._name = f"{self.prefix.name}-{self._index:06d}.tar"
+        self._index += 1
+        # mtime fixed so the same samples always give byte-identical shards.
+        self._writer = wds.TarWriter(str(self.prefix.parent / self._name), mtime=0)
+        self.sizes[self._name] = 0
+
+    def _close_current(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def write(self, sample: dict[str, Any]) -> None:
+        if "__key__" not in sample:
+            raise DataError(f"sample written to {self.prefix} has no '__key__'")
+        if self._writer is None or self.sizes[self._name] >= self.max_samples:
+            self._open_next()
+        self._writer.write(sample)
+        self.sizes[self._name] += 1
+
+    def close(self) -> dict[str, int]:
+        """Finish the last shard and merge this set's counts into the directory's sizes.json."""
+        self._close_current()
+        sizes_file = self.prefix.parent / "sizes.json"
+        sizes = json.loads(sizes_file.read_text()) if sizes_file.exists() else {}
+        sizes.update(self.sizes)
+        sizes_file.write_text(json.dumps(sizes, indent=1, sort_keys=True))
+        return dict(self.sizes)
+
+    def __enter__(self) -> ShardSetWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_remote(url: str) -> bool:
+    return "://" in url or url.startswith("pipe:")
+
+
+def expand_shards(pattern: str) -> list[str]:
+    """Shard URLs of a pattern: comma-separated parts, each brace-expanded (`{000..009}`) or globbed.
+
+    Raises DataError when a part matches nothing, naming the part.
+    """
+    urls: list[str] = []
+    for part in (p.strip() for p in pattern.split(",")):
+        if not part:
+            continue
+        for url in braceexpand.braceexpand(part):
+            if _is_remote(url):
+                urls.append(url)
+            elif any(ch in url for ch in "*?["):
+                matches = sorted(glob.glob(url))
+                if not matches:
+                    raise DataError(f"no shard matches {url!r} (from pattern {pattern!r})")
+                urls.extend(matches)
+            elif os.path.isfile(url):
+                urls.append(url)
+            else:
+                raise DataError(f"shard {url!r} does not exist (from pattern {pattern!r})")
+    if not urls:
+        raise DataError(f"no shard matches pattern {pattern!r}")
+    return urls
+
+
+def count_samples(urls: list[str]) -> int | None:
+    """Total samples from the sizes.json beside the shards, or None when any count is unknown."""
+    total = 0
+    cache: dict[Path, dict] = {}
+    for url in urls:
+        if _is_remote(url):
+            return None
+        folder = Path(url).parent
+        if folder not in cache:
+            sizes_file = folder / "sizes.json"
+            cache[folder] = json.loads(sizes_file.read_text()) if sizes_file.exists() else {}
+        name = Path(url).name
+        if name not in cache[folder]:
+            return None
+        total += int(cache[folder][name])
+    return total

@@ -1,0 +1,192 @@
+"""Deterministic, resumable streams of raw (undecoded) samples.
+
+One stream serves one *slot* — a (rank, dataloader worker) pair — and is a pure function of the
+seed, the slot and the shard list. Its position is small (epoch, shard, member, the identities of
+the samples in the shuffle buffer, the buffer's RNG state), so a checkpoint can hold it and a
+resumed run reads exactly the samples an uninterrupted run would have read next, re-reading only
+the shards the shuffle buffer still draws from.
+
+Shard assignment per epoch:
+- ``epoch`` mode: all shards are shuffled with a seed shared by every slot and slot ``s`` of ``S``
+  takes ``order[s::S]`` — every sample is read exactly once per epoch across all slots.
+- ``resampled`` mode: each slot draws ``len(shards)`` shards with replacement per epoch from its
+  own seed — the usual choice for large pretraining runs, where epochs don't matter.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import webdataset as wds
+from webdataset.tariterators import group_by_keys, tar_file_expander
+
+from mmpt.data.shards import DataError
+
+log = logging.getLogger(__name__)
+
+Tag = tuple[int, int]  # (position of the shard in this slot's epoch order, sample index inside the shard)
+
+
+def _warn_and_continue(exc: Exception) -> bool:
+    log.warning("unreadable shard data skipped: %s", " ".join(str(a) for a in exc.args))
+    return True
+
+
+def read_shard(url: str, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(index, sample) pairs of one tar shard from sample `start` on; a broken tar ends it with a warning."""
+    stream = wds.gopen(url, "rb")
+    try:
+        files = tar_file_expander([{"url": url, "stream": stream}], handler=_warn_and_continue)
+        for index, sample in enumerate(group_by_keys(files, handler=_warn_and_continue)):
+            if index >= start:
+                yield index, sample
+    finally:
+        stream.close()
+
+
+class ShardStream:
+    """Infinite (or `max_epochs`-long) raw sample stream of one slot; see the module docstring."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        slot: int,
+        num_slots: int,
+        seed: int,
+        mode: str = "resampled",
+        shuffle_buffer: int = 1000,
+        max_epochs: int | None = None,
+        name: str = "data",
+    ):
+        if mode not in ("resampled", "epoch"):
+            raise ValueError(f"unknown sampling mode {mode!r}")
+        if mode == "epoch" and len(urls) < num_slots:
+            raise DataError(
+                f"source {name!r}: {len(urls)} shards cannot feed {num_slots} readers (ranks x workers) in "
+                f"epoch mode; write at least {num_slots} shards, use fewer workers, or use mode: resampled"
+            )
+        self.urls, self.slot, self.num_slots, self.seed = urls, slot, num_slots, seed
+        self.mode, self.buffer_size, self.max_epochs, self.name = mode, shuffle_buffer, max_epochs, name
+        self.epoch, self.shard_pos, self.member = 0, 0, 0
+        self._buffer: list[tuple[Tag, dict]] = []
+        self._rng = self._buffer_rng(0)
+        self._resume_tags: list[Tag] | None = None
+
+    # -- positions ---------------------------------------------------------------------------
+
+    def shard_order(self, epoch: int) -> list[str]:
+        if self.mode == "epoch":
+            order = list(self.urls)
+            random.Random(f"{self.seed}/order/{epoch}").shuffle(order)
+            return order[self.slot :: self.num_slots]
+        rng = random.Random(f"{self.seed}/resample/{self.slot}/{epoch}")
+        return [rng.choice(self.urls) for _ in self.urls]
+
+    def _buffer_rng(self, epoch: int) -> random.Random:
+        return random.Random(f"{self.seed}/buffer/{self.slot}/{epoch}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "shard_pos": self.shard_pos,
+            "member": self.member,
+            "buffer": [list(tag) for tag, _ in self._buffer],
+            "rng": _rng_state_to_list(self._rng.getstate()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.shard_pos, self.member = state["epoch"], state["shard_pos"], state["member"]
+        self._rng.setstate(_rng_state_from_list(state["rng"]))
+        self._resume_tags = [tuple(tag) for tag in state["buffer"]]
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def _refill_buffer(self, order: list[str], tags: list[Tag]) -> list[tuple[Tag, dict]]:
+        """Re-read the samples a checkpointed shuffle buffer held, in their buffer order."""
+        wanted = set(tags)
+        found: dict[Tag, dict] = {}
+        for shard_pos in sorted({pos for pos, _ in tags}):
+            for index, sample in read_shard(order[shard_pos]):
+                if (shard_pos, index) in wanted:
+                    found[(shard_pos, index)] = sample
+        missing = wanted - found.keys()
+        if missing:
+            raise DataError(f"source {self.name!r}: cannot resume, samples {sorted(missing)[:5]} are gone from their shards")
+        return [(tag, found[tag]) for tag in tags]
+
+    def _tagged_samples(self, order: list[str]) -> Iterator[tuple[Tag, dict]]:
+        while self.shard_pos < len(order):
+            url = order[self.shard_pos]
+            for index, sample in read_shard(url, self.member):
+                self.member = index + 1
+                sample["__shard__"], sample["__epoch__"] = url, self.epoch
+                yield (self.shard_pos, index), sample
+            self.shard_pos, self.member = self.shard_pos + 1, 0
+
+    def _take(self) -> dict:
+        pick = self._rng.randrange(len(self._buffer))
+        self._buffer[pick], self._buffer[-1] = self._buffer[-1], self._buffer[pick]
+        return self._buffer.pop()[1]
+
+    def __iter__(self) -> Iterator[dict]:
+        while self.max_epochs is None or self.epoch < self.max_epochs:
+            order = self.shard_order(self.epoch)
+            if self._resume_tags is not None:
+                self._buffer = self._refill_buffer(order, self._resume_tags)
+                self._resume_tags = None
+            for tagged in self._tagged_samples(order):
+                if self.buffer_size == 0:
+                    yield tagged[1]
+                    continue
+                self._buffer.append(tagged)
+                if len(self._buffer) >= self.buffer_size:
+                    yield self._take()
+            while self._buffer:
+                yield self._take()
+            self.epoch, self.shard_pos, self.member = self.epoch + 1, 0, 0
+            self._rng = self._buffer_rng(self.epoch)
+
+
+class MixedStream:
+    """Weighted mix of several sources (e.g. zh:en = 1:1), one sample at a time, resumable."""
+
+    def __init__(self, streams: list[ShardStream], weights: list[float], *, seed: int, slot: int):
+        self.streams, self.weights = streams, weights
+        self._rng = random.Random(f"{seed}/mix/{slot}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": _rng_state_to_list(self._rng.getstate()), "sources": [s.state_dict() for s in self.streams]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["sources"]) != len(self.streams):
+            raise DataError(f"checkpointed data position has {len(state['sources'])} sources, config has {len(self.streams)}")
+        self._rng.setstate(_rng_state_from_list(state["rng"]))
+        for stream, sub in zip(self.streams, state["sources"]):
+            stream.load_state_dict(sub)
+
+    def __iter__(self) -> Iterator[dict]:
+        iterators = [iter(s) for s in self.streams]
+        live = list(range(len(iterators)))
+        while live:
+            choice = live[0] if len(live) == 1 else self._rng.choices(live, [self.weights[i] for i in live])[0]
+            try:
+                sample = next(iterators[choice])
+            except StopIteration:
+                live.remove(choice)
+                continue
+            sample["__source__"] = self.streams[choice].name
+            yield sample
+
+
+def _rng_state_to_list(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _rng_state_from_list(state: list) -> tuple:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)

@@ -1,0 +1,315 @@
+"""Typed run configuration: YAML files that may extend a base, dotted CLI overrides, validation.
+
+Every knob of a run lives here. Validation happens before any process group starts, and an error
+names the key, the file it came from and the closest valid key, in one line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
+
+COMMAND_LINE = "<command line>"
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message is one line meant for the user."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SourceConfig(Section):
+    """One WebDataset source: a brace pattern of shards and its mixing weight."""
+
+    shards: str = Field(description="brace pattern or comma list of tar shards, e.g. dir/train-{000000..000009}.tar")
+    weight: float = Field(1.0, gt=0, description="relative sampling weight when several sources are mixed")
+
+
+class LoaderConfig(Section):
+    sources: list[SourceConfig] = Field(min_length=1)
+    mode: Literal["resampled", "epoch"] = Field(
+        "resampled", description="resampled: shards drawn with replacement forever; epoch: each sample once per epoch"
+    )
+    batch_size: int = Field(gt=0, description="micro-batch size per rank")
+    num_workers: int = Field(1, ge=0)
+    shuffle_buffer: int = Field(1000, ge=0, description="sample shuffle buffer per worker (0 = no shuffle)")
+    max_skip_rate: float = Field(0.01, ge=0, le=1, description="fail once more than this fraction of samples fail")
+    min_samples_for_skip_rate: int = Field(
+        200, ge=1, description="samples read before the skip-rate limit applies (avoids failing on the first bad sample)"
+    )
+
+
+class DataConfig(Section):
+    train: LoaderConfig
+    prepare: Literal["digits"] | None = Field(
+        None, description="name of a built-in demo corpus to build on first use when the shards are missing"
+    )
+    root: str = Field("demo_data", description="directory the demo corpus is built in")
+
+
+class OptimConfig(Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the cosine schedule as a fraction of lr")
+    no_decay: list[str] = Field(
+        default_factory=lambda: ["bias", "norm", "logit_scale", "pos_embed", "position_embeddings", "cls_token"],
+        description="parameters whose name contains one of these (or that are 1-D) get no weight decay",
+    )
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(gt=0, description="optimizer steps")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    grad_clip: float = Field(ge=0, description="global grad-norm clip; 0 disables. Always explicit: no DeepSpeed default")
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    zero_stage: int = Field(0, ge=0, le=3)
+    offload_optimizer: bool = False
+    log_every: int = Field(10, gt=0)
+    save_every: int = Field(0, ge=0, description="checkpoint every n steps (0: only at the end)")
+    keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
+    seed: int = 0
+
+
+class RunConfig(Section):
+    output_dir: str
+    resume: str = Field("auto", description="auto: newest checkpoint in output_dir if any; none; or a checkpoint path")
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+class Config(Section):
+    """A whole run. `method` is validated against the schema its method registers."""
+
+    method: SerializeAsAny[BaseModel]
+    run: RunConfig
+    data: DataConfig
+    optim: OptimConfig
+    train: TrainConfig
+
+    @property
+    def method_name(self) -> str:
+        return self.method.name  # type: ignore[attr-defined]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def _merge(base: dict, top: dict, origins: dict[str, str], source: str, prefix: str = "") -> dict:
+    """Deep-merge `top` into `base`, recording for each key path the file that set it last."""
+    out = dict(base)
+    for key, value in top.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value, origins, source, path + ".")
+        else:
+            out[key] = value
+            _record_origins(value, path, origins, source)
+    return out
+
+
+def _record_origins(value: Any, path: str, origins: dict[str, str], source: str) -> None:
+    for stale in [k for k in origins if k == path or k.startswith(path + ".")]:
+        del origins[stale]
+    origins[path] = source
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            _record_origins(sub, f"{path}.{key}", origins, source)
+    elif isinstance(value, list):
+        for index, sub in enumerate(value):
+            _record_origins(sub, f"{path}.{index}", origins, source)
+
+
+def _load_with_bases(path: Path, origins: dict[str, str], seen: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: 'extends' forms a cycle: {' -> '.join(str(p) for p in (*seen, path))}")
+    raw = _read_yaml(path)
+    bases = raw.pop("extends", [])
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"{path}: 'extends' must be a file path or a list of paths")
+    merged: dict = {}
+    for base in bases:
+        merged = _merge(merged, _load_with_bases(path.parent / base, origins, (*seen, path)), origins, "", "")
+    return _merge(merged, raw, origins, str(path))
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"{COMMAND_LINE}: override {text!r} must look like key.path=value")
+    key, value = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key:
+        raise ConfigError(f"{COMMAND_LINE}: override {text!r} has an empty key")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def _apply_override(data: dict, parts: list[str], value: Any) -> None:
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        nxt = _child(node, part)
+        if nxt is None:
+            nxt = {}
+            _set_child(node, part, nxt, parts[: depth + 1])
+        node = nxt
+    _set_child(node, parts[-1], value, parts)
+
+
+def _child(node: Any, part: str) -> Any:
+    if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        return node[int(part)]
+    if isinstance(node, dict):
+        return node.get(part)
+    return None
+
+
+def _set_child(node: Any, part: str, value: Any, parts: list[str]) -> None:
+    key, parent = ".".join(parts), ".".join(parts[:-1])
+    if isinstance(node, list):
+        if not part.isdigit() or int(part) >= len(node):
+            raise ConfigError(f"{COMMAND_LINE}: '{key}': index {part!r} is out of range for a list of {len(node)}")
+        node[int(part)] = value
+    elif isinstance(node, dict):
+        node[part] = value
+    else:
+        raise ConfigError(f"{COMMAND_LINE}: '{key}': '{parent}' is not a mapping")
+
+
+def _model_at(loc: tuple, data: dict) -> type[BaseModel] | None:
+    """The pydantic model class that owns the last element of `loc` (for 'did you mean')."""
+    from mmpt.methods import method_config_class
+
+    model: Any = Config
+    node: Any = data
+    for part in loc[:-1]:
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        if isinstance(part, int):
+            continue
+        if model is Config and part == "method":
+            try:
+                model = method_config_class((node or {}).get("name"))
+            except ConfigError:
+                return None
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        model = _inner_model(field.annotation)
+        if model is None:
+            return None
+    return model
+
+
+def _inner_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _origin(origins: dict[str, str], dotted: str, default: str) -> str:
+    while dotted:
+        if dotted in origins and origins[dotted]:
+            return origins[dotted]
+        dotted = dotted.rpartition(".")[0]
+    return default
+
+
+def _explain(exc: ValidationError, data: dict, origins: dict[str, str], top_file: str, prefix: tuple = ()) -> str:
+    err = exc.errors()[0]
+    loc = prefix + tuple(err["loc"])
+    dotted = ".".join(str(p) for p in loc)
+    where = _origin(origins, dotted, top_file)
+    if err["type"] == "extra_forbidden":
+        owner = _model_at(loc, data)
+        hint = ""
+        if owner is not None:
+            parent = ".".join(str(p) for p in loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1, cutoff=0.5)
+            if close:
+                hint = f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)"
+            else:
+                hint = f" (valid keys{' under ' + repr(parent) if parent else ''}: {', '.join(owner.model_fields)})"
+        return f"{where}: unknown config key '{dotted}'{hint}"
+    if err["type"] == "missing":
+        return f"{where}: required config key '{dotted}' is missing"
+    value = err.get("input")
+    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return f"{where}: config key '{dotted}' = {shown}: {err['msg']}"
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load, merge bases, apply `key.path=value` overrides and validate; raises ConfigError."""
+    origins: dict[str, str] = {}
+    top_file = str(Path(path).resolve())
+    data = _load_with_bases(Path(path), origins)
+    for text in overrides:
+        parts, value = _parse_override(text)
+        _apply_override(data, parts, value)
+        _record_origins(value, ".".join(parts), origins, COMMAND_LINE)
+    return validate_config(data, origins, top_file)
+
+
+def validate_config(data: dict, origins: dict[str, str] | None = None, top_file: str = "<config>") -> Config:
+    from mmpt.methods import method_config_class
+
+    origins = origins or {}
+    section = data.get("method")
+    if not isinstance(section, dict):
+        where = _origin(origins, "method", top_file)
+        raise ConfigError(f"{where}: config key 'method' must be a mapping with a 'name' (e.g. method: {{name: clip}})")
+    try:
+        schema = method_config_class(section.get("name"))
+    except ConfigError as exc:
+        raise ConfigError(f"{_origin(origins, 'method.name', top_file)}: {exc}") from None
+    try:
+        method = schema.model_validate(section)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, data, origins, top_file, ("method",))) from None
+    try:
+        return Config.model_validate({**data, "method": method})
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, data, origins, top_file)) from None
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True))

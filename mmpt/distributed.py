@@ -1,0 +1,114 @@
+"""Small distributed helpers shared by the engine and the losses.
+
+Losses gather features across ranks with gradient. `torch.distributed.nn.all_gather` scatters its
+gradient with group-local ranks used as global ranks, which breaks on sub-groups, so the gather
+here is an autograd Function of its own: all_gather forward, all-reduce then slice backward
+(all-reduce works on gloo and NCCL alike; reduce-scatter is not on gloo).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def process_info() -> ProcessInfo:
+    """Rank layout from the environment (deepspeed launcher, torchrun) or a single process."""
+    return ProcessInfo(
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def ensure_rendezvous_env() -> None:
+    """A plain `python launch/train.py` sets no rendezvous variables: make it a world of one."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        ctx.rank = dist.get_rank(group)
+        ctx.rows = tensor.shape[0]
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        start = ctx.rank * ctx.rows
+        return grad[start : start + ctx.rows], None
+
+
+def all_gather_with_grad(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate `tensor` (same shape on every rank) over the group, rank order, keeping gradient.
+
+    The gradient reaching each rank's input is the sum over ranks of the gradient of their
+    output w.r.t. that rank's rows, as if the whole gathered batch were one graph.
+    """
+    if not is_initialized() or dist.get_world_size(group) == 1:
+        return tensor
+    return _GatherWithGrad.apply(tensor, group)
+
+
+def _comm_device() -> torch.device:
+    """NCCL only moves CUDA tensors; gloo moves CPU ones."""
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    if not is_initialized() or dist.get_world_size() == 1:
+        return values
+    reduced = values.detach().to(_comm_device(), copy=True)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    return (reduced / dist.get_world_size()).to(values.device)
+
+
+def all_gather_floats(values: list[float]) -> list[list[float]]:
+    """Each rank's list of floats (same length everywhere), for per-rank logging."""
+    local = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    if not is_initialized() or dist.get_world_size() == 1:
+        return [local.tolist()]
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    return [p.cpu().tolist() for p in parts]

@@ -1,0 +1,125 @@
+"""Checkpoints: DeepSpeed's model/optimizer shards plus each rank's data position and RNG state.
+
+Layout of a run directory::
+
+    config.yaml                  the resolved config
+    checkpoints/step_000100/     DeepSpeed files of every rank + rank_<r>.pt (data position, RNG)
+    checkpoints/latest           name of the newest complete checkpoint (written last)
+    model.safetensors            consolidated weights at the end of training
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from mmpt import distributed as mdist
+from mmpt.hub import WEIGHTS
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": _numpy_state_to_plain(np.random.get_state()),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    np.random.set_state(_numpy_state_from_plain(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _numpy_state_to_plain(state: tuple) -> list:
+    name, keys, pos, has_gauss, cached = state
+    return [name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)]
+
+
+def _numpy_state_from_plain(state: list) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    return (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+
+
+def save(engine, run_dir: Path, step: int, rank_state: dict[str, Any], keep_last: int) -> Path:
+    """Every rank calls this. `latest` moves only after all ranks have written their part."""
+    root = run_dir / CHECKPOINTS
+    tag = tag_for(step)
+    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
+    torch.save(rank_state, root / tag / f"rank_{mdist.get_rank()}.pt")
+    mdist.barrier()
+    if mdist.get_rank() == 0:
+        pointer = root / f".{LATEST}.tmp"
+        pointer.write_text(tag)
+        pointer.replace(root / LATEST)
+        for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    mdist.barrier()
+    return root / tag
+
+
+def find_resume(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint directory to resume from, or None for a fresh start."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        pointer = run_dir / CHECKPOINTS / LATEST
+        return run_dir / CHECKPOINTS / pointer.read_text().strip() if pointer.exists() else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise FileNotFoundError(f"config key 'run.resume': checkpoint directory {path} does not exist")
+    return path
+
+
+def load(engine, checkpoint: Path) -> tuple[int, dict[str, Any]]:
+    """Restore engine state; returns (step, this rank's saved state)."""
+    rank_file = checkpoint / f"rank_{mdist.get_rank()}.pt"
+    if not rank_file.exists():
+        raise FileNotFoundError(f"{rank_file} missing: the checkpoint was written by a different number of ranks")
+    _, client = engine.load_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+    if client is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {checkpoint}")
+    return int(client["step"]), torch.load(rank_file, weights_only=True)
+
+
+def gathered_state_dict(model: nn.Module, zero_stage: int) -> dict[str, torch.Tensor] | None:
+    """Full fp32 weights on rank 0 (None elsewhere); all ranks must call it under ZeRO-3."""
+    def copy() -> dict[str, torch.Tensor]:
+        return {k: v.detach().float().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+
+    if zero_stage == 3:
+        from deepspeed.zero import GatheredParameters
+
+        with GatheredParameters(list(model.parameters()), modifier_rank=None):
+            return copy() if mdist.get_rank() == 0 else None
+    return copy() if mdist.get_rank() == 0 else None
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(state_dict, str(path))

@@ -1,0 +1,96 @@
+"""Training metrics: per-step loss terms averaged over ranks, throughput, per-rank step time.
+
+Rank 0 writes `metrics.jsonl` (one line per logged step), TensorBoard scalars and a progress bar.
+`log` is a collective: every rank calls it at the same steps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from mmpt import distributed as mdist
+
+
+class MetricLogger:
+    def __init__(self, run_dir: Path, *, max_steps: int, start_step: int, global_batch: int,
+                 tensorboard: bool, progress_bar: bool):
+        self.rank = mdist.get_rank()
+        self.global_batch = global_batch
+        self._sums: dict[str, float] = defaultdict(float)
+        self._count = 0
+        self._step_time = self._data_time = 0.0
+        self._window_start = time.perf_counter()
+        self._jsonl = self._writer = self._bar = None
+        if self.rank == 0:
+            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(str(run_dir / "tensorboard"))
+            if progress_bar:
+                self._bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True, mininterval=1.0)
+
+    def update(self, losses: dict[str, float], step_time: float, data_time: float) -> None:
+        for name, value in losses.items():
+            self._sums[name] += value
+        self._count += 1
+        self._step_time += step_time
+        self._data_time += data_time
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def log(self, step: int, lr: float, extra: dict[str, float] | None = None) -> dict[str, float]:
+        """Reduce the window over ranks and emit it; returns the record (on every rank)."""
+        names = sorted(self._sums)
+        count = max(1, self._count)
+        means = mdist.all_reduce_mean(torch.tensor([self._sums[n] / count for n in names], dtype=torch.float64))
+        per_rank = mdist.all_gather_floats([self._step_time / count, self._data_time / count])
+        elapsed = time.perf_counter() - self._window_start
+        record: dict = {"step": step, "lr": lr, **{f"loss/{n}": v for n, v in zip(names, means.tolist())}}
+        record["samples_per_s"] = self._count * self.global_batch / max(elapsed, 1e-9)
+        record["step_time_per_rank"] = [round(t, 5) for t, _ in per_rank]
+        record["data_time_per_rank"] = [round(d, 5) for _, d in per_rank]
+        record.update(extra or {})
+        if self.rank == 0:
+            self._emit(step, record)
+        self._sums.clear()
+        self._count = 0
+        self._step_time = self._data_time = 0.0
+        self._window_start = time.perf_counter()
+        return record
+
+    def _emit(self, step: int, record: dict) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._writer.add_scalar(key, value, step)
+                elif isinstance(value, list):
+                    for rank, item in enumerate(value):
+                        self._writer.add_scalar(f"{key}/rank{rank}", item, step)
+            self._writer.flush()
+        losses = " ".join(f"{k.removeprefix('loss/')}={v:.4f}" for k, v in record.items() if k.startswith("loss/"))
+        message = f"step {step} {losses} lr={record['lr']:.2e} samples/s={record['samples_per_s']:.1f}"
+        if self._bar is not None:
+            self._bar.set_postfix_str(losses, refresh=False)
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    @staticmethod
+    def append_summary(run_dir: Path, record: dict) -> None:
+        """Final evaluation results: a line in metrics.jsonl (rank 0 calls it once)."""
+        with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        for handle in (self._bar, self._writer, self._jsonl):
+            if handle is not None:
+                handle.close()

@@ -1,0 +1,41 @@
+"""Optimizer with weight-decay groups and the warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mmpt.config import OptimConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> list[dict]:
+    """Biases, norms, 1-D parameters and names matching `no_decay` get no weight decay."""
+    decay, plain = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.ndim <= 1 or any(pattern in name.lower() for pattern in no_decay):
+            plain.append(param)
+        else:
+            decay.append(param)
+    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay, cfg.no_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> Callable[[int], float]:
+    """LR multiplier: linear from 1/warmup to 1 over `warmup_steps`, then cosine down to `min_ratio`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor

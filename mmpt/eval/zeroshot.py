@@ -1,0 +1,134 @@
+"""Zero-shot image classification, CLIP_benchmark style.
+
+Datasets: the CLIP_benchmark webdataset layout (a folder with `classnames.txt`,
+`zeroshot_classification_templates.txt` and `test/*.tar` of images + `cls`), or an ImageFolder
+(one sub-folder per class). For language `xx` other than English, `classnames_xx.txt` and
+`zeroshot_classification_templates_xx.txt` are used.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mmpt.data.image_text import IMAGE_FIELDS, decode_image, decode_text, pick_field
+from mmpt.data.shards import DataError
+from mmpt.data.stream import read_shard
+
+DEFAULT_TEMPLATES = {"en": ["a photo of a {c}."], "zh": ["一张{c}的照片。"]}
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+
+
+@dataclass
+class ClassificationSet:
+    name: str
+    classnames: list[str]
+    templates: list[str]
+    samples: Callable[[], Iterator[tuple[bytes, int, str]]]  # (image bytes, label, sample id)
+
+
+def _lines(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _language_file(folder: Path, stem: str, language: str) -> Path:
+    return folder / (f"{stem}.txt" if language == "en" else f"{stem}_{language}.txt")
+
+
+def load_classification_set(path: str | os.PathLike, language: str = "en") -> ClassificationSet:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise DataError(f"zero-shot dataset {str(path)!r} is not a directory (expected a CLIP_benchmark folder or an ImageFolder)")
+    names_file = _language_file(folder, "classnames", language)
+    templates_file = _language_file(folder, "zeroshot_classification_templates", language)
+    templates = _lines(templates_file) if templates_file.exists() else DEFAULT_TEMPLATES.get(language)
+    if not templates:
+        raise DataError(f"{templates_file} is missing and there are no default '{language}' templates")
+    if any("{c}" not in t for t in templates):
+        raise DataError(f"{templates_file}: every template needs a '{{c}}' placeholder")
+
+    shards = sorted(glob.glob(str(folder / "test" / "*.tar")))
+    if shards:
+        if not names_file.exists():
+            raise DataError(f"{names_file} is missing: the webdataset layout needs class names for language '{language}'")
+
+        def wds_samples() -> Iterator[tuple[bytes, int, str]]:
+            for shard in shards:
+                for _, sample in read_shard(shard):
+                    sample["__shard__"] = shard
+                    label = int(decode_text(pick_field(sample, ("cls",), "class label")))
+                    yield pick_field(sample, IMAGE_FIELDS, "image"), label, f"{shard}:{sample['__key__']}"
+
+        return ClassificationSet(folder.name, _lines(names_file), templates, wds_samples)
+
+    class_dirs = sorted(d for d in folder.iterdir() if d.is_dir())
+    if not class_dirs:
+        raise DataError(f"{folder}: neither test/*.tar shards nor class sub-folders found")
+    classnames = _lines(names_file) if names_file.exists() else [d.name.replace("_", " ") for d in class_dirs]
+    if len(classnames) != len(class_dirs):
+        raise DataError(f"{names_file} lists {len(classnames)} classes but {folder} has {len(class_dirs)} class folders")
+
+    def folder_samples() -> Iterator[tuple[bytes, int, str]]:
+        for label, class_dir in enumerate(class_dirs):
+            for file in sorted(class_dir.iterdir()):
+                if file.suffix.lower() in IMAGE_SUFFIXES:
+                    yield file.read_bytes(), label, str(file)
+
+    return ClassificationSet(folder.name, classnames, templates, folder_samples)
+
+
+@torch.no_grad()
+def build_classifier(model, tokenize, classnames: list[str], templates: list[str], device) -> torch.Tensor:
+    """[embed_dim, classes]: per class, the renormalised mean of its prompts' text embeddings."""
+    weights = []
+    for name in classnames:
+        tokens = tokenize([t.replace("{c}", name) for t in templates])
+        features = model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
+        weights.append(F.normalize(F.normalize(features, dim=-1).mean(0), dim=0))
+    return torch.stack(weights, dim=1)
+
+
+@torch.no_grad()
+def zeroshot_classification(
+    model, tokenize, transform, dataset: ClassificationSet, batch_size: int = 256, device: str | torch.device = "cpu"
+) -> dict[str, float]:
+    """acc1, acc5 and mean per-class recall of `model` on `dataset` (undecodable images are errors here)."""
+    model.eval()
+    classifier = build_classifier(model, tokenize, dataset.classnames, dataset.templates, device)
+    dtype = next(model.parameters()).dtype
+    predictions, labels = [], []
+
+    def flush(images: list[torch.Tensor]) -> None:
+        features = model.encode_image(torch.stack(images).to(device=device, dtype=dtype))
+        logits = F.normalize(features, dim=-1).float() @ classifier.float()
+        predictions.append(logits.topk(min(5, logits.shape[1]), dim=1).indices.cpu())
+
+    images: list[torch.Tensor] = []
+    for data, label, sample_id in dataset.samples():
+        try:
+            images.append(transform(decode_image(data)))
+        except Exception as exc:
+            raise DataError(f"zero-shot image {sample_id} cannot be decoded: {exc}") from None
+        labels.append(label)
+        if len(images) == batch_size:
+            flush(images)
+            images = []
+    if images:
+        flush(images)
+    if not labels:
+        raise DataError(f"zero-shot dataset {dataset.name!r} has no images")
+    top = torch.cat(predictions)
+    target = torch.tensor(labels)
+    correct = top == target[:, None]
+    recalls = [correct[target == c, 0].float().mean().item() for c in target.unique()]
+    return {
+        "acc1": correct[:, 0].float().mean().item(),
+        "acc5": correct.any(dim=1).float().mean().item(),
+        "mean_per_class_recall": sum(recalls) / len(recalls),
+    }

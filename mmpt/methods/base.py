@@ -1,0 +1,67 @@
+"""What a method supplies to the engine. Nothing here knows about ranks, precision or checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mmpt.config import Section
+
+if TYPE_CHECKING:
+    from mmpt.config import Config
+    from mmpt.data.loader import BatchStream, StreamSpec
+
+
+class MethodConfig(Section):
+    """The `method:` section of a config; each method extends it with its own keys."""
+
+    name: str
+
+
+class Method:
+    """Interface of a training method. Subclass it, set ``name`` and ``config_class``."""
+
+    name: str
+    config_class: type[MethodConfig] = MethodConfig
+
+    def prepare(self, cfg: Config, run_dir: Path) -> None:
+        """Put what the model needs besides weights (e.g. tokenizer files) into `run_dir`. Rank 0 only."""
+
+    def build_model(self, cfg: Config, run_dir: Path) -> nn.Module:
+        """The model that is trained and saved; parameters only, no loss state."""
+        raise NotImplementedError
+
+    def build_loss(self, cfg: Config) -> nn.Module:
+        raise NotImplementedError
+
+    def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
+        """The training batch stream of this rank (a `mmpt.data.loader.BatchStream`)."""
+        raise NotImplementedError
+
+    def training_step(self, model: nn.Module, loss: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """One micro-batch: returns named loss terms; the engine optimises their sum."""
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:
+        """Evaluation at the end of training, on one process with the full (unsharded) model."""
+        return {}
+
+
+def stream_spec(cfg: Config, *, rank: int, world_size: int) -> StreamSpec:
+    """The training stream of `cfg.data.train` for one rank (shared by every method)."""
+    from mmpt.data.loader import Source, StreamSpec
+
+    train = cfg.data.train
+    return StreamSpec(
+        sources=[Source.from_pattern(s.shards, s.weight, name=s.shards) for s in train.sources],
+        batch_size=train.batch_size,
+        seed=cfg.train.seed,
+        mode=train.mode,
+        shuffle_buffer=train.shuffle_buffer,
+        rank=rank,
+        world_size=world_size,
+        num_workers=train.num_workers,
+    )

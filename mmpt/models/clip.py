@@ -1,0 +1,85 @@
+"""A two-tower CLIP: a timm image backbone and a BERT text encoder trained from scratch."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import nn
+from transformers import BertConfig, BertModel
+
+from mmpt.config import Section
+
+
+class ImageTowerConfig(Section):
+    timm_name: str = Field("vit_tiny_patch16_224", description="any timm model name; built without pretrained weights")
+    image_size: int = Field(224, gt=0, description="input resolution of the image transforms")
+    timm_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra timm.create_model arguments (img_size, patch_size, depth, ...)"
+    )
+
+    @model_validator(mode="after")
+    def _one_resolution(self) -> ImageTowerConfig:
+        size = self.timm_kwargs.get("img_size")
+        if size is not None and size != self.image_size:
+            raise ValueError(f"timm_kwargs.img_size={size} differs from image_size={self.image_size}")
+        return self
+
+
+class TextTowerConfig(Section):
+    """A BERT-style encoder; `vocab_size: null` takes the tokenizer's size."""
+
+    vocab_size: int | None = Field(None, gt=0)
+    width: int = Field(256, gt=0)
+    layers: int = Field(4, gt=0)
+    heads: int = Field(4, gt=0)
+    mlp_ratio: float = Field(4.0, gt=0)
+    context_length: int = Field(32, gt=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
+class ClipModel(nn.Module):
+    """`encode_image` / `encode_text` return L2-normalised features in a shared `embed_dim` space."""
+
+    def __init__(self, image: ImageTowerConfig, text: TextTowerConfig, embed_dim: int, init_logit_scale: float = math.log(1 / 0.07)):
+        super().__init__()
+        if text.vocab_size is None:
+            raise ValueError("text tower vocab_size must be resolved (from the tokenizer) before building the model")
+        self.visual = timm.create_model(image.timm_name, pretrained=False, num_classes=0, **image.timm_kwargs)
+        self.image_projection = nn.Linear(self.visual.num_features, embed_dim, bias=False)
+        self.text = BertModel(
+            BertConfig(
+                vocab_size=text.vocab_size, hidden_size=text.width, num_hidden_layers=text.layers,
+                num_attention_heads=text.heads, intermediate_size=int(text.width * text.mlp_ratio),
+                max_position_embeddings=text.context_length, hidden_dropout_prob=text.dropout,
+                attention_probs_dropout_prob=text.dropout,
+            ),
+            add_pooling_layer=False,
+        )
+        self.text_projection = nn.Linear(text.width, embed_dim, bias=False)
+        # Shape [1], not 0-D: DeepSpeed cannot flatten 0-D parameters.
+        self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        features = self.image_projection(self.visual(images))
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        hidden = self.text(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean over real tokens
+        features = self.text_projection(pooled)
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """(image features, text features, logit scale multiplier clamped at 100)."""
+        return (
+            self.encode_image(images),
+            self.encode_text(input_ids, attention_mask),
+            self.logit_scale.exp().clamp(max=100.0),
+        )
+
