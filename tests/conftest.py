@@ -1,0 +1,97 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def digits_root(tmp_path_factory) -> Path:
+    from mmpt.data.demo_digits import build_digits
+
+    return build_digits(tmp_path_factory.mktemp("data") / "digits", captions_per_image=2, shard_size=400)
+
+
+def tiny_config(digits_root: Path, run_dir: Path, **sections) -> dict:
+    """A small clip config on the digits corpus; `sections` deep-update it."""
+    cfg = {
+        "extends": [str(REPO / "configs/base/zero2.yaml"), str(REPO / "configs/base/optim_adamw.yaml")],
+        "method": {
+            "name": "clip",
+            "tokenizer": str(digits_root / "tokenizer.json"),
+            "embed_dim": 32,
+            "image": {"timm_name": "resnet10t", "image_size": 32},
+            "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16, "dropout": 0.1},
+            "zeroshot": {"dataset": None},
+        },
+        "data": {
+            "train": {
+                "sources": [
+                    {"shards": str(digits_root / "train/en-*.tar")},
+                    {"shards": str(digits_root / "train/zh-*.tar")},
+                ],
+                "batch_size": 16,
+                "num_workers": 1,
+                "shuffle_buffer": 100,
+            }
+        },
+        "optim": {"lr": 1e-3, "warmup_steps": 2},
+        "train": {"max_steps": 8, "log_every": 1, "save_every": 4, "keep_last": 3},
+        "run": {"output_dir": str(run_dir), "progress_bar": False, "tensorboard": False},
+    }
+    return _deep_update(cfg, sections)
+
+
+def _deep_update(base: dict, top: dict) -> dict:
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def deepspeed_command(config: Path, *overrides: str, ranks: int = 2) -> list[str]:
+    launcher = str(Path(sys.executable).with_name("deepspeed"))
+    return [launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()),
+            str(REPO / "launch/train.py"), "--config", str(config), *overrides]
+
+
+def run_deepspeed(config: Path, *overrides: str, ranks: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run(deepspeed_command(config, *overrides, ranks=ranks), cwd=REPO, env=launcher_env(),
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def launcher_env() -> dict:
+    env = dict(os.environ)
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss/total"] for r in read_metrics(run_dir) if "loss/total" in r}

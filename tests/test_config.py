@@ -1,0 +1,98 @@
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from conftest import REPO, deepspeed_command, launcher_env, tiny_config, write_config
+from mmpt.config import ConfigError, load_config, save_config
+
+
+@pytest.fixture
+def config_file(tmp_path, digits_root):
+    return write_config(tmp_path / "run.yaml", tiny_config(digits_root, tmp_path / "run"))
+
+
+def error_of(path, overrides=()):
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_demo_config_is_valid():
+    cfg = load_config(REPO / "configs/clip/demo.yaml")
+    assert cfg.train.zero_stage == 2 and cfg.optim.name == "adamw" and cfg.method.name == "clip"
+
+
+def test_unknown_key_names_key_file_and_closest(config_file):
+    data = yaml.safe_load(config_file.read_text())
+    data["train"]["max_step"] = 5
+    write_config(config_file, data)
+    message = error_of(config_file)
+    assert "'train.max_step'" in message and str(config_file) in message and "'train.max_steps'" in message
+
+
+def test_unknown_method_key_names_closest(config_file):
+    message = error_of(config_file, ["method.text.widht=8"])
+    assert "'method.text.widht'" in message and "'method.text.width'" in message and "<command line>" in message
+
+
+def test_wrong_type_and_bad_value(config_file):
+    assert "'optim.lr'" in error_of(config_file, ["optim.lr=fast"])
+    message = error_of(config_file, ["train.zero_stage=4"])
+    assert "'train.zero_stage'" in message and "less than or equal to 3" in message
+    assert "'train.precision'" in error_of(config_file, ["train.precision=fp8"])
+
+
+def test_unknown_method_is_named(config_file):
+    message = error_of(config_file, ["method.name=clp"])
+    assert "'clp'" in message and "did you mean 'clip'" in message
+
+
+def test_error_in_base_file_names_the_base(tmp_path, config_file):
+    base = tmp_path / "base.yaml"
+    base.write_text("train:\n  grad_clipp: 1.0\n")
+    data = yaml.safe_load(config_file.read_text())
+    data["extends"] = [*data["extends"], str(base)]
+    write_config(config_file, data)
+    message = error_of(config_file)
+    assert str(base) in message and "'train.grad_clip'" in message
+
+
+def test_extends_merges_and_overrides_win(config_file):
+    cfg = load_config(config_file, ["optim.lr=0.25", "data.train.sources.1.weight=3"])
+    assert cfg.train.zero_stage == 2  # from configs/base/zero2.yaml
+    assert cfg.optim.betas == (0.9, 0.98)  # from configs/base/optim_adamw.yaml
+    assert cfg.optim.lr == 0.25 and cfg.data.train.sources[1].weight == 3
+
+
+def test_resolved_config_round_trips(tmp_path, config_file):
+    cfg = load_config(config_file, ["train.max_steps=77"])
+    save_config(cfg, tmp_path / "saved.yaml")
+    again = load_config(tmp_path / "saved.yaml")
+    assert again == cfg and again.train.max_steps == 77
+
+
+def test_launcher_rejects_typo_within_seconds(tmp_path, config_file):
+    data = yaml.safe_load(config_file.read_text())
+    data["optim"]["learning_rate"] = 1.0
+    write_config(config_file, data)
+    started = time.monotonic()
+    result = subprocess.run(deepspeed_command(config_file), cwd=REPO, env=launcher_env(),
+                            capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
+    assert len(lines) == 1, result.stderr
+    assert "'optim.learning_rate'" in lines[0] and str(config_file) in lines[0]
+    assert elapsed < 60
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_plain_python_rejects_typo(tmp_path, config_file):
+    result = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config_file), "run.resum=auto"],
+                            cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "did you mean 'run.resume'" in result.stderr

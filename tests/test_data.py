@@ -1,0 +1,181 @@
+import io
+import json
+from collections import Counter
+from itertools import islice
+
+import pytest
+import torch
+from PIL import Image
+
+from mmpt.data import BatchStream, DataError, MissingFieldError, ShardSetWriter, Source, StatefulLoader, StreamSpec
+from mmpt.data.image_text import decode_image, decode_text
+from mmpt.data.loader import SkipPolicy
+from mmpt.data.shards import count_samples, expand_shards
+from mmpt.data.stream import ShardStream, read_shard
+
+
+def png_bytes(value: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("L", (4, 4), color=value).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_set(folder, n=40, per_shard=5, prefix="part", corrupt=(), drop_text=()):
+    with ShardSetWriter(folder / prefix, max_samples=per_shard) as writer:
+        for i in range(n):
+            sample = {"__key__": f"{i:05d}", "png": png_bytes(i % 256), "txt": f"caption {i}", "cls": str(i)}
+            if i in corrupt:
+                sample["png"] = sample["png"][: len(sample["png"]) // 2]  # truncated image bytes
+            if i in drop_text:
+                del sample["txt"]
+            writer.write(sample)
+    return str(folder / f"{prefix}-*.tar")
+
+
+def decode(sample):
+    image = decode_image(sample["png"])
+    if "txt" not in sample:
+        raise MissingFieldError(f"sample {sample['__key__']!r} has no text field")
+    return {"pixel": torch.tensor(image.getpixel((0, 0))[0]), "id": torch.tensor(int(decode_text(sample["cls"])))}
+
+
+def ids_of(batches):
+    return [int(i) for b in batches for i in b["id"]]
+
+
+def test_shard_round_trip(tmp_path):
+    samples = [{"__key__": f"k{i}", "png": png_bytes(i), "txt": f"字 {i}", "json": json.dumps({"i": i})} for i in range(13)]
+    with ShardSetWriter(tmp_path / "rt", max_samples=5) as writer:
+        for sample in samples:
+            writer.write(sample)
+    urls = expand_shards(str(tmp_path / "rt-{000000..000002}.tar"))
+    assert len(urls) == 3 and count_samples(urls) == 13
+    assert json.loads((tmp_path / "sizes.json").read_text()) == {"rt-000000.tar": 5, "rt-000001.tar": 5, "rt-000002.tar": 3}
+    read = [s for url in urls for _, s in read_shard(url)]
+    assert [s["__key__"] for s in read] == [s["__key__"] for s in samples]
+    for original, back in zip(samples, read):
+        assert back["png"] == original["png"] and back["txt"].decode() == original["txt"] and back["json"].decode() == original["json"]
+
+
+def test_missing_shards_are_named(tmp_path):
+    with pytest.raises(DataError, match="no shard matches"):
+        expand_shards(str(tmp_path / "nothing-*.tar"))
+    with pytest.raises(DataError, match="does not exist"):
+        expand_shards(str(tmp_path / "x-{000000..000001}.tar"))
+
+
+def test_epoch_mode_ranks_and_workers_read_disjoint_samples_covering_the_dataset(tmp_path):
+    pattern = write_set(tmp_path, n=43, per_shard=5)  # 9 shards, uneven last shard
+    urls = expand_shards(pattern)
+    per_slot = []
+    for slot in range(4):  # 2 ranks x 2 workers
+        stream = ShardStream(urls, slot=slot, num_slots=4, seed=3, mode="epoch", shuffle_buffer=7, max_epochs=1)
+        per_slot.append([s["__key__"] for s in stream])
+    seen = [key for keys in per_slot for key in keys]
+    assert len(seen) == len(set(seen)) == 43
+
+    # The same through the rank-level loader with 2 workers per rank.
+    by_rank = []
+    for rank in range(2):
+        spec = StreamSpec([Source.from_pattern(pattern)], batch_size=4, seed=3, mode="epoch", shuffle_buffer=7,
+                          rank=rank, world_size=2, num_workers=2, max_epochs=1, drop_last=False)
+        by_rank.append(ids_of(StatefulLoader(BatchStream(spec, decode))))
+    assert not set(by_rank[0]) & set(by_rank[1])
+    assert sorted(by_rank[0] + by_rank[1]) == list(range(43))
+
+
+def test_epoch_mode_needs_enough_shards(tmp_path):
+    pattern = write_set(tmp_path, n=10, per_shard=5)  # 2 shards
+    spec = StreamSpec([Source.from_pattern(pattern, name="tiny")], batch_size=2, mode="epoch", world_size=2, num_workers=2)
+    with pytest.raises(DataError, match="2 shards cannot feed 4 readers"):
+        BatchStream(spec, decode)
+
+
+def test_next_epoch_reshuffles_and_resampled_is_deterministic(tmp_path):
+    urls = expand_shards(write_set(tmp_path, n=30, per_shard=5))
+    stream = ShardStream(urls, slot=0, num_slots=1, seed=0, mode="epoch", shuffle_buffer=10, max_epochs=2)
+    keys = [s["__key__"] for s in stream]
+    assert sorted(keys[:30]) == sorted(keys[30:]) and keys[:30] != keys[30:]
+
+    def resampled(seed):
+        stream = ShardStream(urls, slot=1, num_slots=2, seed=seed, shuffle_buffer=10)
+        return [s["__key__"] for s in islice(stream, 50)]
+
+    assert resampled(1) == resampled(1) != resampled(2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_resumes_sample_exact(tmp_path, num_workers):
+    en = write_set(tmp_path, n=60, per_shard=6, prefix="en")
+    zh = write_set(tmp_path, n=60, per_shard=6, prefix="zh")
+
+    def loader():
+        spec = StreamSpec([Source.from_pattern(en), Source.from_pattern(zh, weight=2.0)], batch_size=5, seed=7,
+                          shuffle_buffer=9, rank=1, world_size=2, num_workers=num_workers)
+        return StatefulLoader(BatchStream(spec, decode))
+
+    uninterrupted = loader()
+    reference = list(islice(uninterrupted, 23))
+
+    first = loader()
+    head = list(islice(first, 11))  # stop after an odd number of batches
+    state = json.loads(json.dumps(first.state_dict()))  # must survive serialisation
+    resumed = loader()
+    resumed.load_state_dict(state)
+    tail = list(islice(resumed, 12))
+    assert ids_of(head + tail) == ids_of(reference)
+    assert [int(p) for b in head + tail for p in b["pixel"]] == [int(p) for b in reference for p in b["pixel"]]
+
+
+def test_resume_rejects_a_different_layout(tmp_path):
+    pattern = write_set(tmp_path, n=20, per_shard=5)
+    spec = StreamSpec([Source.from_pattern(pattern)], batch_size=2, num_workers=1)
+    first = StatefulLoader(BatchStream(spec, decode))
+    next(iter(first))
+    other = StatefulLoader(BatchStream(StreamSpec([Source.from_pattern(pattern)], batch_size=2, num_workers=2), decode))
+    with pytest.raises(DataError, match="Resume with the same layout"):
+        other.load_state_dict(first.state_dict())
+
+
+def test_mixing_follows_weights(tmp_path):
+    en = write_set(tmp_path, n=50, per_shard=10, prefix="en")
+    zh = write_set(tmp_path / "zh", n=50, per_shard=10, prefix="zh")
+    streams = [Source.from_pattern(en, 1.0, "en"), Source.from_pattern(zh, 3.0, "zh")]
+    spec = StreamSpec(streams, batch_size=1, shuffle_buffer=0)
+    sources = Counter()
+
+    def tag_source(sample):
+        sources[sample["__source__"]] += 1
+        return {"x": torch.zeros(1)}
+
+    for _ in islice(StatefulLoader(BatchStream(spec, tag_source)), 2000):
+        pass
+    assert 0.70 < sources["zh"] / 2000 < 0.80
+
+
+def test_corrupt_sample_is_skipped_and_counted(tmp_path, caplog):
+    pattern = write_set(tmp_path, n=30, per_shard=10, corrupt={4, 17})
+    spec = StreamSpec([Source.from_pattern(pattern)], batch_size=4, mode="epoch", shuffle_buffer=0, max_epochs=1,
+                      drop_last=False)
+    loader = StatefulLoader(BatchStream(spec, decode), SkipPolicy(max_rate=0.5, min_samples=1))
+    ids = ids_of(loader)
+    assert sorted(ids) == sorted(set(range(30)) - {4, 17})
+    assert loader.counts() == {"seen": 30, "skipped": 2}
+    assert "'00004'" in caplog.text and "part-000000.tar" in caplog.text
+
+
+def test_skip_rate_limit_fails_with_the_last_error(tmp_path):
+    pattern = write_set(tmp_path, n=30, per_shard=10, corrupt=set(range(0, 30, 3)))
+    spec = StreamSpec([Source.from_pattern(pattern)], batch_size=4, mode="epoch", shuffle_buffer=0, max_epochs=1)
+    with pytest.raises(DataError, match=r"failed to decode, more than max_skip_rate=0.1; last failure: sample '000\d\d'"):
+        list(StatefulLoader(BatchStream(spec, decode), SkipPolicy(max_rate=0.1, min_samples=10)))
+
+
+def test_missing_field_is_a_clear_error(tmp_path, digits_root):
+    from mmpt.data.image_text import ImageTextDecoder
+
+    pattern = write_set(tmp_path, n=10, per_shard=5, drop_text={3})
+    decoder = ImageTextDecoder(lambda image: torch.zeros(1), lambda texts: {"input_ids": torch.zeros(1, 2), "attention_mask": torch.zeros(1, 2)})
+    spec = StreamSpec([Source.from_pattern(pattern)], batch_size=2, shuffle_buffer=0, mode="epoch", max_epochs=1)
+    with pytest.raises(MissingFieldError, match=r"sample '00003' of .*part-000000.tar has no text field \(looked for txt"):
+        list(StatefulLoader(BatchStream(spec, decoder)))

@@ -1,0 +1,86 @@
+"""The contrastive loss against open_clip's ClipLoss, on one process and on 2 gloo ranks."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from open_clip.loss import ClipLoss
+
+from conftest import free_port
+from mmpt.distributed import all_gather_with_grad
+from mmpt.losses import ContrastiveLoss
+
+
+def features(seed, rows=6, dim=8):
+    generator = torch.Generator().manual_seed(seed)
+    image = F.normalize(torch.randn(rows, dim, generator=generator), dim=-1)
+    text = F.normalize(torch.randn(rows, dim, generator=generator), dim=-1)
+    return image.requires_grad_(), text.requires_grad_()
+
+
+def test_single_process_matches_open_clip():
+    image, text = features(0)
+    scale = torch.tensor([12.5], requires_grad=True)
+    ours = ContrastiveLoss()(image, text, scale)
+    ours.backward()
+    grads = [t.grad.clone() for t in (image, text, scale)]
+    for t in (image, text, scale):
+        t.grad = None
+    reference = ClipLoss()(image, text, scale)
+    reference.backward()
+    torch.testing.assert_close(ours, reference, atol=1e-6, rtol=0)
+    for mine, theirs in zip(grads, (image.grad, text.grad, scale.grad)):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
+
+
+def _worker(rank, world, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        image, text = features(100 + rank)
+        scale = torch.tensor([10.0], requires_grad=True)
+        ours = ContrastiveLoss()(image, text, scale)
+        ours.backward()
+        mine = [ours.detach(), image.grad.clone(), text.grad.clone(), scale.grad.clone()]
+        for t in (image, text, scale):
+            t.grad = None
+        theirs = ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)(image, text, scale)
+        theirs.backward()
+        reference = [theirs.detach(), image.grad.clone(), text.grad.clone(), scale.grad.clone()]
+        # The gather itself: forward is rank-ordered concatenation, backward sums every rank's gradient.
+        x = torch.full((2, 3), float(rank), requires_grad=True)
+        gathered = all_gather_with_grad(x)
+        (gathered * torch.arange(1.0, 5.0)[:, None]).sum().backward()
+        queue.put((rank, mine, reference, gathered.detach(), x.grad.clone()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_match_open_clip_local_loss_with_gathered_gradients():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    processes = [ctx.Process(target=_worker, args=(rank, 2, port, queue)) for rank in range(2)]
+    for p in processes:
+        p.start()
+    results = dict((item[0], item[1:]) for item in (queue.get(timeout=120) for _ in processes))
+    for p in processes:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank, (mine, reference, gathered, x_grad) in results.items():
+        for a, b in zip(mine, reference):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        torch.testing.assert_close(gathered, torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))
+        # d/dx of sum_r sum_i w_i * gathered_i: each rank's rows get weights (1,2) or (3,4), times 2 ranks.
+        expected = torch.tensor([[2.0] * 3, [4.0] * 3]) if rank == 0 else torch.tensor([[6.0] * 3, [8.0] * 3])
+        torch.testing.assert_close(x_grad, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_loss_is_log_batch_when_features_are_uninformative(rows):
+    same = F.normalize(torch.ones(rows, 4), dim=-1)
+    loss = ContrastiveLoss()(same, same, torch.tensor([3.0]))
+    torch.testing.assert_close(loss, torch.tensor(float(rows)).log())
