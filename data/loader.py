@@ -193,7 +193,11 @@ class StatefulLoader:
             persistent_workers=False,
             prefetch_factor=4 if spec.num_workers else None,
         )
-        for item in loader:
+        # Started here, not lazily: starting draws from the global RNG, which a resumed run restores after this.
+        return self._consume(iter(loader))
+
+    def _consume(self, items: Iterator[dict]) -> Iterator[Any]:
+        for item in items:
             position = item["position"]
             self.positions[position["worker"]] = position
             self.batches += 1

@@ -112,19 +112,22 @@ class ShardStream:
         for shard_pos in sorted({pos for pos, _ in tags}):
             for index, sample in read_shard(order[shard_pos]):
                 if (shard_pos, index) in wanted:
-                    found[(shard_pos, index)] = sample
+                    found[(shard_pos, index)] = self._annotate(sample, order[shard_pos])
         missing = wanted - found.keys()
         if missing:
             raise DataError(f"source {self.name!r}: cannot resume, samples {sorted(missing)[:5]} are gone from their shards")
         return [(tag, found[tag]) for tag in tags]
+
+    def _annotate(self, sample: dict, url: str) -> dict:
+        sample["__shard__"], sample["__epoch__"] = url, self.epoch
+        return sample
 
     def _tagged_samples(self, order: list[str]) -> Iterator[tuple[Tag, dict]]:
         while self.shard_pos < len(order):
             url = order[self.shard_pos]
             for index, sample in read_shard(url, self.member):
                 self.member = index + 1
-                sample["__shard__"], sample["__epoch__"] = url, self.epoch
-                yield (self.shard_pos, index), sample
+                yield (self.shard_pos, index), self._annotate(sample, url)
             self.shard_pos, self.member = self.shard_pos + 1, 0
 
     def _take(self) -> dict:

@@ -114,9 +114,9 @@ def gathered_state_dict(model: nn.Module, zero_stage: int) -> dict[str, torch.Te
         return {k: v.detach().float().cpu().clone().contiguous() for k, v in model.state_dict().items()}
 
     if zero_stage == 3:
-        from deepspeed.zero import GatheredParameters
+        import deepspeed
 
-        with GatheredParameters(list(model.parameters()), modifier_rank=None):
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
             return copy() if mdist.get_rank() == 0 else None
     return copy() if mdist.get_rank() == 0 else None
 

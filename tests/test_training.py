@@ -1,0 +1,96 @@
+"""End-to-end training under the real launchers: deepspeed (2 CPU ranks), torchrun, plain python."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import (REPO, deepspeed_command, free_port, launcher_env, read_metrics, run_deepspeed, step_losses,
+                      tiny_config, write_config)
+
+pytestmark = pytest.mark.distributed
+
+
+def mean(values):
+    return sum(values) / len(values)
+
+
+def assert_loss_went_down(run_dir):
+    losses = [step_losses(run_dir)[s] for s in sorted(step_losses(run_dir))]
+    assert mean(losses[-4:]) < mean(losses[:4]) - 0.3, losses
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_two_ranks_lower_the_loss(tmp_path, digits_root, stage):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(digits_root, run_dir, train={"zero_stage": stage, "max_steps": 24, "save_every": 8, "keep_last": 2})
+    run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
+    assert_loss_went_down(run_dir)
+    records = read_metrics(run_dir)
+    assert all(len(r["step_time_per_rank"]) == 2 for r in records if "step" in r and "loss/total" in r)
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert checkpoints == ["step_000000016", "step_000000024"]  # keep_last=2
+    assert (run_dir / "checkpoints/latest").read_text() == "step_000000024"
+    assert {f"rank_{r}.pt" for r in (0, 1)} <= {p.name for p in (run_dir / "checkpoints/step_000000024").iterdir()}
+    assert (run_dir / "model.safetensors").is_file() and (run_dir / "config.yaml").is_file()
+
+
+def test_torchrun_two_ranks_zero0_lowers_the_loss(tmp_path, digits_root):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(digits_root, run_dir, train={"zero_stage": 0, "max_steps": 24, "save_every": 0})
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               str(REPO / "launch/train.py"), "--config", str(config)]
+    result = subprocess.run(command, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_loss_went_down(run_dir)
+
+
+def test_plain_python_trains_evaluates_and_zeroshot_cli_reproduces(tmp_path, digits_root):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(digits_root, run_dir, train={"zero_stage": 0, "max_steps": 6, "save_every": 0},
+                      method={"zeroshot": {"dataset": str(digits_root / "zeroshot"), "languages": ["en", "zh"]}})
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+    result = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config)], cwd=REPO,
+                            env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    final = read_metrics(run_dir)[-1]
+    out = tmp_path / "zh.json"
+    subprocess.run([sys.executable, str(REPO / "launch/zeroshot.py"), "--model", str(run_dir), "--dataset",
+                    str(digits_root / "zeroshot"), "--language", "zh", "--output", str(out)],
+                   cwd=REPO, env=launcher_env(), check=True, capture_output=True, timeout=300)
+    record = json.loads(out.read_text())
+    assert record["task"] == "zeroshot_classification" and record["language"] == "zh"
+    assert set(record["metrics"]) == {"acc1", "acc5", "mean_per_class_recall"}
+    for key, value in record["metrics"].items():
+        assert value == pytest.approx(final[f"zeroshot/zh/{key}"], abs=1e-6)
+
+
+def test_killed_run_resumes_with_identical_losses(tmp_path, digits_root):
+    steps = 40
+    sections = dict(train={"zero_stage": 2, "max_steps": steps, "save_every": 10, "keep_last": 5})
+    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    run_deepspeed(write_config(tmp_path / "reference.yaml", tiny_config(digits_root, reference_dir, **sections)))
+    reference = step_losses(reference_dir)
+
+    config = write_config(tmp_path / "killed.yaml", tiny_config(digits_root, killed_dir, **sections))
+    process = subprocess.Popen(deepspeed_command(config), cwd=REPO, env=launcher_env(), start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed_dir / "checkpoints/latest"
+    deadline = time.monotonic() + 300
+    while not latest.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks, mid-training
+    process.wait()
+    killed_at = int(latest.read_text().split("_")[1])
+    assert killed_at < steps, "the run finished before it could be killed"
+
+    run_deepspeed(config)  # resume: auto
+    resumed = step_losses(killed_dir)  # later lines (the resumed run) win for repeated steps
+    assert sorted(resumed) == sorted(reference) == list(range(1, steps + 1))
+    after = [s for s in reference if s > killed_at]
+    assert [resumed[s] for s in after] == [reference[s] for s in after]
