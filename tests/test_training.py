@@ -24,10 +24,12 @@ def assert_loss_went_down(run_dir):
     assert mean(losses[-4:]) < mean(losses[:4]) - 0.3, losses
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_two_ranks_lower_the_loss(tmp_path, digits_root, stage):
+@pytest.mark.parametrize("stage, precision, accum, offload", [(2, "fp32", 1, False), (3, "bf16", 2, True)])
+def test_deepspeed_two_ranks_lower_the_loss(tmp_path, digits_root, stage, precision, accum, offload):
     run_dir = tmp_path / "run"
-    cfg = tiny_config(digits_root, run_dir, train={"zero_stage": stage, "max_steps": 24, "save_every": 8, "keep_last": 2})
+    train = {"zero_stage": stage, "precision": precision, "grad_accum": accum, "offload_optimizer": offload,
+             "max_steps": 24, "save_every": 8, "keep_last": 2}
+    cfg = tiny_config(digits_root, run_dir, train=train)
     run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
     assert_loss_went_down(run_dir)
     records = read_metrics(run_dir)

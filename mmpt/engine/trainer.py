@@ -52,6 +52,13 @@ def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype) -> Any
     return batch
 
 
+def match_buffer_precision(module: nn.Module, dtype: torch.dtype) -> None:
+    """ZeRO-3 casts parameters but not buffers (e.g. BatchNorm statistics); stages 0-2 cast both."""
+    for buffer in module.buffers():
+        if buffer.is_floating_point() and buffer.dtype != dtype:
+            buffer.data = buffer.data.to(dtype)
+
+
 def prepare_demo_data(cfg: Config) -> None:
     if cfg.data.prepare == "digits":
         from mmpt.data.demo_digits import build_digits
@@ -91,6 +98,7 @@ def train(cfg: Config) -> dict[str, Any]:
         model=module, optimizer=optimizer, lr_scheduler=schedule, config=deepspeed_config(cfg, world_size)
     )
     float_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+    match_buffer_precision(engine.module, float_dtype)
     seed_everything(cfg.train.seed + rank)
 
     train_cfg = cfg.data.train
