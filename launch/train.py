@@ -10,6 +10,7 @@ The config is validated before any process group starts; an error is one line na
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {exc}", file=sys.stderr, flush=True)
         return 2
 
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     from mmpt.engine import train
 
     train(cfg)

@@ -122,8 +122,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _merge(base: dict, top: dict, origins: dict[str, str], source: str, prefix: str = "") -> dict:
-    """Deep-merge `top` into `base`, recording for each key path the file that set it last."""
+def _merge(base: dict, top: dict, origins: dict[str, str], source: str | None, prefix: str = "") -> dict:
+    """Deep-merge `top` into `base`, recording for each key path the file that set it last.
+
+    `source=None` merges a base file's result, whose origins were recorded when it was read.
+    """
     out = dict(base)
     for key, value in top.items():
         path = f"{prefix}{key}"
@@ -131,7 +134,8 @@ def _merge(base: dict, top: dict, origins: dict[str, str], source: str, prefix: 
             out[key] = _merge(out[key], value, origins, source, path + ".")
         else:
             out[key] = value
-            _record_origins(value, path, origins, source)
+            if source is not None:
+                _record_origins(value, path, origins, source)
     return out
 
 
@@ -159,7 +163,7 @@ def _load_with_bases(path: Path, origins: dict[str, str], seen: tuple[Path, ...]
         raise ConfigError(f"{path}: 'extends' must be a file path or a list of paths")
     merged: dict = {}
     for base in bases:
-        merged = _merge(merged, _load_with_bases(path.parent / base, origins, (*seen, path)), origins, "", "")
+        merged = _merge(merged, _load_with_bases(path.parent / base, origins, (*seen, path)), origins, None)
     return _merge(merged, raw, origins, str(path))
 
 

@@ -96,12 +96,16 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     if not is_initialized() or dist.get_world_size() == 1:
         return values
     reduced = values.detach().to(_comm_device(), copy=True)
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
-    return (reduced / dist.get_world_size()).to(values.device)
+    return reduced.to(values.device)
+
+
+def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    return all_reduce_sum(values) / get_world_size()
 
 
 def all_gather_floats(values: list[float]) -> list[list[float]]:

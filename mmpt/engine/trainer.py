@@ -140,7 +140,9 @@ def train(cfg: Config) -> dict[str, Any]:
             sums["total"] = sum(sums.values())
             metrics.update(sums, time.perf_counter() - started, data_time)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
-                metrics.log(step, engine.get_lr()[0], {f"data/{k}": v for k, v in loader.counts().items()})
+                counts = loader.counts()
+                totals = mdist.all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist()
+                metrics.log(step, engine.get_lr()[0], {f"data/{k}": int(v) for k, v in zip(counts, totals)})
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
                 state = {"data": loader.state_dict(), "rng": checkpoint.rng_state()}
                 checkpoint.save(engine, run_dir, step, state, cfg.train.keep_last)
