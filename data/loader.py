@@ -56,9 +56,10 @@ class StreamSpec:
     drop_last: bool = True
 
 
-def sample_seed(seed: int, sample: dict) -> int:
-    """A per-sample seed for random augmentation: the same sample gets the same draw on resume."""
-    text = f"{seed}/{sample.get('__shard__')}/{sample.get('__key__')}/{sample.get('__epoch__', 0)}"
+def sample_seed(seed: int, slot: int, sample: dict) -> int:
+    """A per-sample seed for random augmentation: the same read of a sample gets the same draw on resume."""
+    where = (sample.get("__shard__"), sample.get("__shard_pos__"), sample.get("__key__"), sample.get("__epoch__"))
+    text = f"{seed}/{slot}/{where}"
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
@@ -113,7 +114,7 @@ class BatchStream(IterableDataset):
             try:
                 # Random transforms draw from a per-sample seed; the caller's RNG is left as it was.
                 with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(sample_seed(spec.seed, raw))
+                    torch.random.default_generator.manual_seed(sample_seed(spec.seed, slot, raw))  # CPU only
                     batch.append(self.decode(raw))
             except MissingFieldError:
                 raise

@@ -112,14 +112,15 @@ class ShardStream:
         for shard_pos in sorted({pos for pos, _ in tags}):
             for index, sample in read_shard(order[shard_pos]):
                 if (shard_pos, index) in wanted:
-                    found[(shard_pos, index)] = self._annotate(sample, order[shard_pos])
+                    found[(shard_pos, index)] = self._annotate(sample, order[shard_pos], shard_pos)
         missing = wanted - found.keys()
         if missing:
             raise DataError(f"source {self.name!r}: cannot resume, samples {sorted(missing)[:5]} are gone from their shards")
         return [(tag, found[tag]) for tag in tags]
 
-    def _annotate(self, sample: dict, url: str) -> dict:
-        sample["__shard__"], sample["__epoch__"] = url, self.epoch
+    def _annotate(self, sample: dict, url: str, shard_pos: int) -> dict:
+        """Where the sample was read: a resampled shard can be read twice in one epoch."""
+        sample["__shard__"], sample["__shard_pos__"], sample["__epoch__"] = url, shard_pos, self.epoch
         return sample
 
     def _tagged_samples(self, order: list[str]) -> Iterator[tuple[Tag, dict]]:
@@ -127,7 +128,7 @@ class ShardStream:
             url = order[self.shard_pos]
             for index, sample in read_shard(url, self.member):
                 self.member = index + 1
-                yield (self.shard_pos, index), self._annotate(sample, url)
+                yield (self.shard_pos, index), self._annotate(sample, url, self.shard_pos)
             self.shard_pos, self.member = self.shard_pos + 1, 0
 
     def _take(self) -> dict:

@@ -151,7 +151,8 @@ def _record_origins(value: Any, path: str, origins: dict[str, str], source: str)
             _record_origins(sub, f"{path}.{index}", origins, source)
 
 
-def _load_with_bases(path: Path, origins: dict[str, str], seen: tuple[Path, ...] = ()) -> dict:
+def _load_with_bases(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict, dict[str, str]]:
+    """(merged data, key path -> file that set it) of one file and the bases it extends."""
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: 'extends' forms a cycle: {' -> '.join(str(p) for p in (*seen, path))}")
@@ -162,9 +163,12 @@ def _load_with_bases(path: Path, origins: dict[str, str], seen: tuple[Path, ...]
     if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
         raise ConfigError(f"{path}: 'extends' must be a file path or a list of paths")
     merged: dict = {}
+    origins: dict[str, str] = {}
     for base in bases:
-        merged = _merge(merged, _load_with_bases(path.parent / base, origins, (*seen, path)), origins, None)
-    return _merge(merged, raw, origins, str(path))
+        data, base_origins = _load_with_bases(path.parent / base, (*seen, path))
+        merged = _merge(merged, data, origins, None)
+        origins.update(base_origins)  # a later base wins for the keys it sets
+    return _merge(merged, raw, origins, str(path)), origins
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
@@ -275,7 +279,7 @@ def _explain(exc: ValidationError, data: dict, origins: dict[str, str], top_file
                 hint = f" (valid keys{' under ' + repr(parent) if parent else ''}: {', '.join(owner.model_fields)})"
         return f"{where}: unknown config key '{dotted}'{hint}"
     if err["type"] == "missing":
-        return f"{where}: required config key '{dotted}' is missing"
+        return f"{top_file}: required config key '{dotted}' is missing (set it there or in a file it extends)"
     value = err.get("input")
     shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
     return f"{where}: config key '{dotted}' = {shown}: {err['msg']}"
@@ -283,9 +287,8 @@ def _explain(exc: ValidationError, data: dict, origins: dict[str, str], top_file
 
 def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load, merge bases, apply `key.path=value` overrides and validate; raises ConfigError."""
-    origins: dict[str, str] = {}
     top_file = str(Path(path).resolve())
-    data = _load_with_bases(Path(path), origins)
+    data, origins = _load_with_bases(Path(path))
     for text in overrides:
         parts, value = _parse_override(text)
         _apply_override(data, parts, value)

@@ -96,3 +96,15 @@ def test_plain_python_rejects_typo(tmp_path, config_file):
     result = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config_file), "run.resum=auto"],
                             cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "did you mean 'run.resume'" in result.stderr
+
+
+def test_error_names_the_sibling_base_that_set_the_key(tmp_path, config_file):
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("train:\n  grad_clip: abc\n")
+    second.write_text("train:\n  seed: 3\n")
+    data = yaml.safe_load(config_file.read_text())
+    data["extends"] = [*data["extends"], str(first), str(second)]
+    data["train"].pop("grad_clip", None)
+    write_config(config_file, data)
+    message = error_of(config_file)
+    assert message.startswith(f"{first}: config key 'train.grad_clip' = 'abc'")

@@ -49,3 +49,16 @@ def test_batches_move_with_training_precision():
     batch = {"image": torch.zeros(2, 3), "ids": torch.ones(2, dtype=torch.long), "meta": ["a", "b"]}
     moved = to_device(batch, torch.device("cpu"), torch.bfloat16)
     assert moved["image"].dtype == torch.bfloat16 and moved["ids"].dtype == torch.long and moved["meta"] == ["a", "b"]
+
+
+def test_pruning_keeps_the_newest_and_never_later_checkpoints(tmp_path):
+    from mmpt.engine.checkpoint import _prune, find_resume
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4, 9):
+        (root / f"step_{step:09d}").mkdir(parents=True)
+    (root / "latest").write_text("step_000000004")
+    _prune(root, step=4, keep_last=2)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step_000000003", "step_000000004", "step_000000009"]
+    assert find_resume(tmp_path, "auto") == root / "step_000000004"
+    assert find_resume(tmp_path, "none") is None

@@ -78,10 +78,26 @@ def save(engine, run_dir: Path, step: int, rank_state: dict[str, Any], keep_last
         pointer = root / f".{LATEST}.tmp"
         pointer.write_text(tag)
         pointer.replace(root / LATEST)
-        for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(root, step, keep_last)
     mdist.barrier()
     return root / tag
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints up to `step`; never touch later ones (another run's)."""
+    earlier = sorted(p for p in root.glob("step_*") if p.is_dir() and _step_of(p) < step)
+    for old in earlier[: max(0, len(earlier) - (keep_last - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+    later = [p.name for p in root.glob("step_*") if _step_of(p) > step]
+    if later:
+        log.warning("checkpoints later than step %d from an earlier run are left in %s: %s", step, root, sorted(later))
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return -1
 
 
 def find_resume(run_dir: Path, resume: str) -> Path | None:
@@ -99,6 +115,8 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
 
 def load(engine, checkpoint: Path) -> tuple[int, dict[str, Any]]:
     """Restore engine state; returns (step, this rank's saved state)."""
+    if not checkpoint.is_dir():
+        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
     rank_file = checkpoint / f"rank_{mdist.get_rank()}.pt"
     if not rank_file.exists():
         raise FileNotFoundError(f"{rank_file} missing: the checkpoint was written by a different number of ranks")
@@ -108,17 +126,23 @@ def load(engine, checkpoint: Path) -> tuple[int, dict[str, Any]]:
     return int(client["step"]), torch.load(rank_file, weights_only=True)
 
 
-def gathered_state_dict(model: nn.Module, zero_stage: int) -> dict[str, torch.Tensor] | None:
-    """Full fp32 weights on rank 0 (None elsewhere); all ranks must call it under ZeRO-3."""
-    def copy() -> dict[str, torch.Tensor]:
-        return {k: v.detach().float().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Full fp32 weights on rank 0 (None elsewhere); every rank calls it.
 
-    if zero_stage == 3:
-        import deepspeed
+    Parameters come from the optimizer's fp32 master copy where one exists (bf16/fp16, any ZeRO
+    stage), gathered one at a time so no rank ever holds two full copies of the model.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
 
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            return copy() if mdist.get_rank() == 0 else None
-    return copy() if mdist.get_rank() == 0 else None
+    params = dict(model.named_parameters())
+    full: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        tensor = safe_get_full_fp32_param(params[name]) if name in params else None
+        if tensor is None:
+            tensor = value  # a buffer, or a parameter without a master copy (fp32 at ZeRO 0)
+        if mdist.get_rank() == 0:
+            full[name] = tensor.detach().float().cpu().clone().contiguous()
+    return full if mdist.get_rank() == 0 else None
 
 
 def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:

@@ -149,7 +149,7 @@ def train(cfg: Config) -> dict[str, Any]:
     finally:
         metrics.close()
 
-    weights = checkpoint.gathered_state_dict(engine.module.model, cfg.train.zero_stage)
+    weights = checkpoint.gathered_state_dict(engine.module.model)
     if rank == 0:
         checkpoint.save_weights(weights, run_dir / checkpoint.WEIGHTS)
     mdist.barrier()

@@ -115,6 +115,8 @@ def zeroshot_classification(
             images.append(transform(decode_image(data)))
         except Exception as exc:
             raise DataError(f"zero-shot image {sample_id} cannot be decoded: {exc}") from None
+        if not 0 <= label < len(dataset.classnames):
+            raise DataError(f"zero-shot image {sample_id} has label {label}, but there are {len(dataset.classnames)} class names")
         labels.append(label)
         if len(images) == batch_size:
             flush(images)
