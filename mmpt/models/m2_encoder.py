@@ -1,0 +1,262 @@
+"""The M²-Encoder multiway transformer (arXiv 2401.15896), compatible with the official checkpoints.
+
+Follows the official inference code as described in `m2_encoder_architecture.md`: a lower stack of
+pre-LN Sub-LN (Magneto) layers in which every module has a vision copy `A` and a text copy `B`,
+then a shared top stack in which both modalities use the `A` copies. Image and text features are
+the CLS token of the top stack through the `itc_vl_*` projections, L2-normalised.
+Parameter names equal the official state-dict keys, so official weights load strictly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mmpt.config import Section
+
+VISION, TEXT = "A", "B"
+FIRST_POSITION = 2  # fairseq convention: position rows 0 and 1 are never used
+
+
+class M2EncoderConfig(Section):
+    """Every size knob; the official 0.4B/1B/10B are presets of this (see `PRESETS`)."""
+
+    width: int = Field(768, gt=0)
+    heads: int = Field(12, gt=0)
+    lower_layers: int = Field(9, gt=0, description="modality-specific (A/B) layers: official `encoder_layers`")
+    shared_layers: int = Field(3, gt=0, description="shared top layers: official `beit3_vl_layers`")
+    ffn_width: int | None = Field(None, gt=0, description="default 4 x width")
+    vocab_size: int = Field(115244, gt=0)
+    image_size: int = Field(224, gt=0)
+    patch_size: int = Field(16, gt=0)
+    output_dim: int = Field(768, gt=0)
+    text_positions: int = Field(1024, gt=0, description="rows of the text position table")
+    context_length: int = Field(52, gt=2)
+    layernorm_eps: float = Field(1e-5, gt=0)
+    grad_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> M2EncoderConfig:
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}")
+        if self.context_length + FIRST_POSITION > self.text_positions:
+            raise ValueError(f"context_length {self.context_length} needs more than {self.text_positions} text positions")
+        return self
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+PRESETS: dict[str, dict] = {
+    "m2-encoder-demo": dict(width=64, heads=4, lower_layers=2, shared_layers=1, output_dim=64, image_size=32,
+                            patch_size=4, text_positions=64, context_length=24),
+    "m2-encoder-0.4b": dict(width=768, heads=12, lower_layers=9, shared_layers=3, output_dim=768),
+    "m2-encoder-1b": dict(width=1024, heads=16, lower_layers=21, shared_layers=3, output_dim=1024),
+    "m2-encoder-10b": dict(width=4096, heads=32, lower_layers=21, shared_layers=3, output_dim=1024),
+}
+
+
+class Multiway(nn.Module):
+    """Two independent copies of a module: `A` (vision / shared) and `B` (text)."""
+
+    def __init__(self, make: Callable[[], nn.Module], make_b: Callable[[], nn.Module] | None = None):
+        super().__init__()
+        self.A, self.B = make(), (make_b or make)()
+
+    def forward(self, x: torch.Tensor, expert: str) -> torch.Tensor:
+        return getattr(self, expert)(x)
+
+
+class FeedForward(nn.Module):
+    """fc1 -> exact GELU -> Sub-LN over the hidden width -> fc2."""
+
+    def __init__(self, width: int, hidden: int, eps: float):
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+        self.ffn_layernorm = nn.LayerNorm(hidden, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.ffn_layernorm(F.gelu(self.fc1(x))))
+
+
+class MultiwayAttention(nn.Module):
+    """Bidirectional attention with per-modality projections and Sub-LN before the output projection."""
+
+    def __init__(self, width: int, heads: int, eps: float):
+        super().__init__()
+        self.heads = heads
+        # Registration order gives the official state-dict order: k, v, q, out, inner_attn_ln.
+        self.k_proj = Multiway(lambda: nn.Linear(width, width))
+        self.v_proj = Multiway(lambda: nn.Linear(width, width))
+        self.q_proj = Multiway(lambda: nn.Linear(width, width))
+        self.out_proj = Multiway(lambda: nn.Linear(width, width))
+        self.inner_attn_ln = Multiway(lambda: nn.LayerNorm(width, eps=eps))
+
+    def forward(self, x: torch.Tensor, expert: str, attend: torch.Tensor | None) -> torch.Tensor:
+        batch, length, width = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, length, self.heads, width // self.heads).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(x, expert)), heads(self.k_proj(x, expert)), heads(self.v_proj(x, expert))
+        mask = None if attend is None else attend[:, None, None, :]  # True = key may be attended
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(batch, length, width)
+        return self.out_proj(self.inner_attn_ln(out, expert), expert)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: M2EncoderConfig):
+        super().__init__()
+        eps = cfg.layernorm_eps
+        self.self_attn = MultiwayAttention(cfg.width, cfg.heads, eps)
+        self.self_attn_layer_norm = Multiway(lambda: nn.LayerNorm(cfg.width, eps=eps))
+        self.ffn = Multiway(lambda: FeedForward(cfg.width, cfg.ffn_width or 4 * cfg.width, eps))
+        self.final_layer_norm = Multiway(lambda: nn.LayerNorm(cfg.width, eps=eps))
+
+    def forward(self, x: torch.Tensor, expert: str, attend: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x, expert), expert, attend)
+        return x + self.ffn(self.final_layer_norm(x, expert), expert)
+
+
+class Encoder(nn.Module):
+    """A stack of layers and its final LayerNorm; zeroes padded positions at its input."""
+
+    def __init__(self, cfg: M2EncoderConfig, num_layers: int, positions: tuple[int, int] | None = None):
+        super().__init__()
+        if positions is not None:
+            vision_rows, text_rows = positions
+            self.embed_positions = Multiway(lambda: nn.Embedding(vision_rows, cfg.width),
+                                            lambda: nn.Embedding(text_rows, cfg.width))
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(num_layers))
+        self.layer_norm = Multiway(lambda: nn.LayerNorm(cfg.width, eps=cfg.layernorm_eps))
+        self.grad_checkpointing = cfg.grad_checkpointing
+        _magneto_scale(self, num_layers)
+
+    def forward(self, x: torch.Tensor, expert: str, attend: torch.Tensor | None,
+                position_expert: str | None = None) -> torch.Tensor:
+        if position_expert is not None:
+            table = getattr(self.embed_positions, position_expert).weight
+            x = x + table[FIRST_POSITION : FIRST_POSITION + x.shape[1]]
+        if attend is not None:
+            x = x * attend.unsqueeze(-1).to(x.dtype)
+        for layer in self.layers:
+            if self.grad_checkpointing and self.training:
+                x = checkpoint(layer, x, expert, attend, use_reentrant=False)
+            else:
+                x = layer(x, expert, attend)
+        return self.layer_norm(x, expert)
+
+
+def _magneto_scale(encoder: nn.Module, num_layers: int) -> None:
+    """Sub-LN init: scale fc1, fc2, out_proj and v_proj (weights and biases) by sqrt(ln(2N))."""
+    factor = math.sqrt(math.log(2 * num_layers))
+    with torch.no_grad():
+        for name, param in encoder.named_parameters():
+            if any(part in name for part in ("fc1", "fc2", "out_proj", "v_proj")):
+                param.mul_(factor)
+
+
+class VisionEmbedding(nn.Module):
+    def __init__(self, cfg: M2EncoderConfig):
+        super().__init__()
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, cfg.width))  # masked-image training only
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.width))
+        self.proj = nn.Conv2d(3, cfg.width, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        patches = self.proj(images).flatten(2).transpose(1, 2)  # row-major patch order
+        return torch.cat([self.cls_token.expand(len(images), -1, -1), patches], dim=1)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: M2EncoderConfig):
+        super().__init__()
+        self.text_embed = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.vision_embed = VisionEmbedding(cfg)
+        self.encoder = Encoder(cfg, cfg.lower_layers, positions=(cfg.num_patches + 1 + FIRST_POSITION, cfg.text_positions))
+
+
+class Projection(nn.Module):
+    def __init__(self, width: int, out: int):
+        super().__init__()
+        self.fc = nn.Linear(width, out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class Pooler(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.dense = nn.Linear(width, width)
+
+
+class M2Encoder(nn.Module):
+    """`encode_image(images)` / `encode_text(input_ids, attention_mask)` -> L2-normalised features.
+
+    Images are expected normalised with mean = std = 0.5 (the official `inception_normalize`).
+    `logit_scale` has shape [1] (the official checkpoints store it 0-D; `m2_checkpoint` maps it).
+    """
+
+    def __init__(self, cfg: M2EncoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        init_scale = math.log(1 / 0.07)
+        self.logit_scale = nn.Parameter(torch.full([1], init_scale))
+        self.logit_vl_scale = nn.Parameter(torch.full([1], init_scale))  # kept for checkpoint compatibility
+        self.backbone = Backbone(cfg)
+        self.backbone_vl = Encoder(cfg, cfg.shared_layers)
+        self.norm = nn.LayerNorm(cfg.width, eps=1e-6)  # unused in the forward, kept for compatibility
+        self.pooler = Pooler(cfg.width)  # unused in the forward, kept for compatibility
+        for name in ("itc_text_proj", "itc_image_proj", "itc_vl_text_proj", "itc_vl_image_proj"):
+            setattr(self, name, Projection(cfg.width, cfg.output_dim))
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        width = self.cfg.width
+        nn.init.normal_(self.backbone.text_embed.weight, std=width**-0.5)
+        for table in (self.backbone.encoder.embed_positions.A, self.backbone.encoder.embed_positions.B):
+            nn.init.normal_(table.weight, std=1.0)
+        for head in (self.itc_text_proj, self.itc_image_proj, self.itc_vl_text_proj, self.itc_vl_image_proj):
+            nn.init.normal_(head.fc.weight, std=0.02)
+        nn.init.normal_(self.pooler.dense.weight, std=0.02)
+        nn.init.zeros_(self.pooler.dense.bias)
+
+    def set_grad_checkpointing(self, enabled: bool = True) -> None:
+        self.backbone.encoder.grad_checkpointing = self.backbone_vl.grad_checkpointing = enabled
+
+    def image_tower(self, images: torch.Tensor) -> torch.Tensor:
+        """Top-stack hidden states of an image batch, [B, 1 + patches, width]."""
+        x = self.backbone.vision_embed(images)
+        x = self.backbone.encoder(x, VISION, None, position_expert=VISION)
+        return self.backbone_vl(x, VISION, None)
+
+    def text_tower(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        attend = attention_mask.bool()
+        x = self.backbone.text_embed(input_ids)
+        x = self.backbone.encoder(x, TEXT, attend, position_expert=TEXT)
+        return self.backbone_vl(x, VISION, attend)  # the shared top uses the A copies for text too
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        features = self.itc_vl_image_proj(self.image_tower(images)[:, 0])
+        return features / features.norm(dim=-1, keepdim=True) if normalize else features
+
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        features = self.itc_vl_text_proj(self.text_tower(input_ids, attention_mask)[:, 0])
+        return features / features.norm(dim=-1, keepdim=True) if normalize else features
+
+    def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """(image features, text features, exp(logit_scale) clamped at 100)."""
+        return (self.encode_image(images), self.encode_text(input_ids, attention_mask),
+                self.logit_scale.exp().clamp(max=100.0))
