@@ -72,10 +72,41 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            mine = torch.empty((ctx.rows, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+            dist.reduce_scatter_tensor(mine, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+            return mine, None
+        grad = grad.clone()  # gloo has no reduce-scatter: all-reduce, keep our rows
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         start = ctx.rank * ctx.rows
         return grad[start : start + ctx.rows], None
+
+
+def contiguous_group(group_size: int | None) -> dist.ProcessGroup | None:
+    """This rank's group when ranks are split into contiguous groups of `group_size` (None: all ranks).
+
+    Every rank must call it (group creation is collective), in the same order.
+    """
+    world = get_world_size()
+    if group_size is None or group_size == world or not is_initialized():
+        return None
+    if group_size < 1 or world % group_size:
+        raise ValueError(f"group size {group_size} does not divide the {world} ranks")
+    mine = None
+    for start in range(0, world, group_size):
+        group = dist.new_group(list(range(start, start + group_size)))
+        if start <= get_rank() < start + group_size:
+            mine = group
+    return mine
+
+
+def local_world_size() -> int:
+    """Ranks on this node, from the launcher's environment (torchrun, deepspeed) or all ranks."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return get_world_size()
 
 
 def all_gather_with_grad(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -1,0 +1,127 @@
+"""GBA-ITC: grouped image-text contrastive loss with batch accumulation and tiled logits.
+
+Our definition of M²-Encoder's "Grouped-ITC with Batch Accumulation" (the official code releases no
+training code; see `shared/specs/gba_itc_spec.md`):
+
+- **Grouping.** Ranks form contiguous groups of `group_size`; features are gathered (with gradient)
+  inside the group only. With one group of all ranks this is open_clip's
+  `ClipLoss(local_loss=True, gather_with_grad=True)`.
+- **Batch accumulation.** For K micro-batches per optimizer step, `pool()` embeds all of them
+  without gradient and gathers them in the group; micro-batch k then re-embeds with gradient,
+  takes its slot in the pool (its fresh features gathered in the group) and the loss is computed
+  over the whole pool. Summed over k (no 1/K), the encoder gradient equals that of one K-times
+  larger batch. `logit_scale` enters every one of the K losses with its full gradient, so each
+  pass lets 1/K of it through (`s.detach() + (s - s.detach()) / K`): the sum is exact.
+- **Tiling.** Each cross-entropy is computed over column tiles with an online log-sum-exp and a
+  backward that recomputes the tiles, so the b x columns logits matrix never exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mmpt.distributed import all_gather_with_grad, get_rank, get_world_size
+
+
+class _TiledCrossEntropy(torch.autograd.Function):
+    """mean_i [ logsumexp_j(s q_i.k_j) - s q_i.k_{t_i} ], never holding more than rows x tile logits."""
+
+    @staticmethod
+    def forward(ctx, queries, keys, targets, scale, tile: int):
+        lse = torch.full((queries.shape[0],), float("-inf"), dtype=torch.float32, device=queries.device)
+        for start in range(0, keys.shape[0], tile):
+            logits = (scale * queries @ keys[start : start + tile].T).float()
+            lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
+        positive = (scale * (queries * keys[targets]).sum(-1)).float()
+        ctx.save_for_backward(queries, keys, targets, scale, lse)
+        ctx.tile = tile
+        return (lse - positive).mean()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        queries, keys, targets, scale, lse = ctx.saved_tensors
+        coef = grad_out / queries.shape[0]
+        grad_q = torch.zeros_like(queries, dtype=torch.float32)
+        grad_k = torch.zeros_like(keys, dtype=torch.float32)
+        grad_s = torch.zeros((), dtype=torch.float32, device=queries.device)
+        for start in range(0, keys.shape[0], ctx.tile):
+            block = keys[start : start + ctx.tile]
+            dots = (queries @ block.T).float()
+            probs = torch.exp(scale.float() * dots - lse[:, None])  # softmax of this tile's columns
+            grad_q += probs @ block.float()
+            grad_k[start : start + ctx.tile] += probs.T @ queries.float()
+            grad_s += (probs * dots).sum()
+        positives = keys[targets].float()
+        grad_q -= positives
+        grad_k.index_add_(0, targets, -queries.float())
+        grad_s -= (queries.float() * positives).sum()
+        s = scale.float()
+        return ((coef * s * grad_q).to(queries.dtype), (coef * s * grad_k).to(keys.dtype), None,
+                (coef * grad_s).reshape(scale.shape).to(scale.dtype), None)
+
+
+def contrastive_cross_entropy(queries: torch.Tensor, keys: torch.Tensor, targets: torch.Tensor,
+                              scale: torch.Tensor, tile_size: int = 0) -> torch.Tensor:
+    """Mean CE of `scale * queries @ keys.T` against `targets`; tiled when 0 < tile_size < len(keys)."""
+    if 0 < tile_size < keys.shape[0]:
+        return _TiledCrossEntropy.apply(queries, keys, targets, scale, tile_size)
+    return F.cross_entropy(scale * queries @ keys.T, targets)
+
+
+@dataclass
+class FeaturePool:
+    """One optimizer step's features, without gradient: local rows and the group's columns."""
+
+    images: torch.Tensor  # [K*b, D], this rank's micro-batches in order
+    texts: torch.Tensor
+    group_images: torch.Tensor  # [G*K*b, D], ordered (group rank, micro-batch, row)
+    group_texts: torch.Tensor
+    micro_batches: int
+
+
+class GroupedContrastiveLoss(nn.Module):
+    """Called like open_clip's ClipLoss: `loss(image_features, text_features, logit_scale)`.
+
+    `group`: the process group to gather in (None = all ranks). Build it with
+    `mmpt.distributed.contiguous_group(group_size)`.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, tile_size: int = 0):
+        super().__init__()
+        self.group, self.tile_size = group, tile_size
+
+    @torch.no_grad()
+    def pool(self, image_features: list[torch.Tensor], text_features: list[torch.Tensor]) -> FeaturePool:
+        """The negative pool of a step from its K micro-batches' features (computed without gradient)."""
+        images, texts = torch.cat(image_features), torch.cat(text_features)
+        return FeaturePool(images, texts, all_gather_with_grad(images, self.group),
+                           all_gather_with_grad(texts, self.group), len(image_features))
+
+    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+                pool: FeaturePool | None = None, slot: int = 0) -> torch.Tensor:
+        group_images = all_gather_with_grad(image_features, self.group)
+        group_texts = all_gather_with_grad(text_features, self.group)
+        rows_i, rows_t, scale = image_features, text_features, logit_scale
+        if pool is not None:
+            rows_i = _with_slot(pool.images, image_features, slot, pool.micro_batches, 1)
+            rows_t = _with_slot(pool.texts, text_features, slot, pool.micro_batches, 1)
+            groups = get_world_size(self.group)
+            group_images = _with_slot(pool.group_images, group_images, slot, pool.micro_batches, groups)
+            group_texts = _with_slot(pool.group_texts, group_texts, slot, pool.micro_batches, groups)
+            scale = logit_scale.detach() + (logit_scale - logit_scale.detach()) / pool.micro_batches
+        targets = torch.arange(len(rows_i), device=rows_i.device) + get_rank(self.group) * len(rows_i)
+        return 0.5 * (contrastive_cross_entropy(rows_i, group_texts, targets, scale, self.tile_size)
+                      + contrastive_cross_entropy(rows_t, group_images, targets, scale, self.tile_size))
+
+
+def _with_slot(pool: torch.Tensor, fresh: torch.Tensor, slot: int, micro_batches: int, ranks: int) -> torch.Tensor:
+    """`pool` laid out (rank, micro-batch, row) with every rank's micro-batch `slot` replaced by `fresh`."""
+    rows = fresh.shape[0] // ranks
+    blocks = list(pool.view(ranks, micro_batches, rows, -1).unbind(1))
+    blocks[slot] = fresh.view(ranks, rows, -1)
+    return torch.stack(blocks, dim=1).reshape(-1, fresh.shape[-1])
