@@ -3,7 +3,8 @@
     python launch/zeroshot.py --model runs/clip-demo --dataset digits \
         --task zeroshot_classification --language zh --output out.json
 
---dataset is a CLIP_benchmark webdataset folder, an ImageFolder, or a demo corpus name (digits).
+--dataset is, for classification, a CLIP_benchmark webdataset folder, an ImageFolder or a demo corpus
+name (digits); for retrieval, a jsonl of {"image": path, "caption": [...]} lines.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="run directory (config.yaml + model.safetensors)")
     parser.add_argument("--dataset", required=True)
-    parser.add_argument("--task", default="zeroshot_classification", choices=["zeroshot_classification"])
+    parser.add_argument("--task", default="zeroshot_classification", choices=["zeroshot_classification", "zeroshot_retrieval"])
     parser.add_argument("--language", default="en")
     parser.add_argument("--output", default=None, help="JSON file to write (default: print only)")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, method, model = load_run(args.model, device=args.device)
     if not hasattr(method, "zeroshot"):
         parser.error(f"method '{cfg.method_name}' has no zero-shot classification")
-    result = method.zeroshot(model, cfg, Path(args.model), args.dataset, args.language)
+    result = method.zeroshot(model, cfg, Path(args.model), args.dataset, args.language, task=args.task)
     text = json.dumps(result, indent=2, ensure_ascii=False)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:

@@ -297,7 +297,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
 
 
 def validate_config(data: dict, origins: dict[str, str] | None = None, top_file: str = "<config>") -> Config:
-    from mmpt.methods import method_config_class
+    from mmpt.methods import get_method, method_config_class
 
     origins = origins or {}
     section = data.get("method")
@@ -313,9 +313,14 @@ def validate_config(data: dict, origins: dict[str, str] | None = None, top_file:
     except ValidationError as exc:
         raise ConfigError(_explain(exc, data, origins, top_file, ("method",))) from None
     try:
-        return Config.model_validate({**data, "method": method})
+        cfg = Config.model_validate({**data, "method": method})
     except ValidationError as exc:
         raise ConfigError(_explain(exc, data, origins, top_file)) from None
+    try:
+        get_method(cfg.method_name).check_config(cfg)
+    except ValueError as exc:
+        raise ConfigError(f"{top_file}: {exc}") from None
+    return cfg
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:

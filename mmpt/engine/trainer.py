@@ -31,8 +31,8 @@ class TrainingModule(nn.Module):
         super().__init__()
         self.method, self.model, self.loss = method, model, loss
 
-    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return self.method.training_step(self.model, self.loss, batch)
+    def forward(self, batch: dict[str, Any], pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
+        return self.method.training_step(self.model, self.loss, batch, pool, index)
 
 
 def seed_everything(seed: int) -> None:
@@ -125,14 +125,15 @@ def train(cfg: Config) -> dict[str, Any]:
     try:
         while step < cfg.train.max_steps:
             started = time.perf_counter()
-            data_time = 0.0
+            micro_batches = [to_device(next(batches), device, float_dtype) for _ in range(cfg.train.grad_accum)]
+            data_time = time.perf_counter() - started
+            with torch.no_grad():
+                pool = method.step_pool(engine.module.model, engine.module.loss, micro_batches)
             sums: dict[str, float] = {}
-            for _ in range(cfg.train.grad_accum):
-                fetched = time.perf_counter()
-                batch = to_device(next(batches), device, float_dtype)
-                data_time += time.perf_counter() - fetched
-                losses = engine(batch)
-                engine.backward(sum(losses.values()))
+            for index, batch in enumerate(micro_batches):
+                losses = engine(batch, pool, index)
+                # With a pool every micro-batch loss is the step's loss: sum gradients, don't average.
+                engine.backward(sum(losses.values()), scale_wrt_gas=pool is None)
                 engine.step()
                 for name, value in losses.items():
                     sums[name] = sums.get(name, 0.0) + value.item() / cfg.train.grad_accum

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from mmpt.data.image_text import IMAGE_FIELDS, decode_image, decode_text, pick_field
 from mmpt.data.shards import DataError
 from mmpt.data.stream import read_shard
+from mmpt.eval.templates import DEFAULT_TEMPLATES
 
-DEFAULT_TEMPLATES = {"en": ["a photo of a {c}."], "zh": ["一张{c}的照片。"]}
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 
 

@@ -13,6 +13,7 @@ from mmpt.methods.base import Method, MethodConfig
 
 _MODULES = {
     "clip": "mmpt.methods.clip",
+    "m2_encoder": "mmpt.methods.m2_encoder",
 }
 
 

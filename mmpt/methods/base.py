@@ -41,8 +41,21 @@ class Method:
         """The training batch stream of this rank (a `mmpt.data.loader.BatchStream`)."""
         raise NotImplementedError
 
-    def training_step(self, model: nn.Module, loss: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """One micro-batch: returns named loss terms; the engine optimises their sum."""
+    def check_config(self, cfg: Config) -> None:
+        """Cross-section checks the schema cannot express; raise ValueError naming the keys."""
+
+    def step_pool(self, model: nn.Module, loss: nn.Module, batches: list[dict[str, Any]]) -> Any:
+        """Optional pass over all micro-batches of an optimizer step, run without gradient.
+
+        A method that returns a pool (e.g. GBA-ITC's negative pool) declares that each micro-batch
+        loss is the whole step's loss with gradient through that micro-batch only: the engine then
+        sums micro-batch gradients instead of averaging them. None: ordinary accumulation.
+        """
+        return None
+
+    def training_step(self, model: nn.Module, loss: nn.Module, batch: dict[str, Any],
+                      pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
+        """One micro-batch (`index` of the step, `pool` from `step_pool`): named loss terms to sum."""
         raise NotImplementedError
 
     def evaluate(self, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:

@@ -7,34 +7,20 @@ the end of training.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import torch
 from open_clip import image_transform
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from pydantic import Field
 from torch import nn
 
-from mmpt.config import Config, Section
-from mmpt.data.image_text import ImageTextDecoder
-from mmpt.data.loader import BatchStream
+from mmpt.config import Config
 from mmpt.data.tokenizer import TextTokenizer
-from mmpt.eval import resolve_dataset
-from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
 from mmpt.losses import ContrastiveLoss
-from mmpt.methods.base import Method, MethodConfig, stream_spec
+from mmpt.methods.base import MethodConfig
+from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
-
-TOKENIZER_FILE = "tokenizer.json"
-
-
-class ZeroShotConfig(Section):
-    dataset: str | None = Field(None, description="CLIP_benchmark/ImageFolder path, or a demo corpus name ('digits')")
-    languages: list[str] = Field(default_factory=lambda: ["en"])
-    batch_size: int = Field(256, gt=0)
 
 
 class ClipConfig(MethodConfig):
@@ -48,19 +34,15 @@ class ClipConfig(MethodConfig):
     zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
 
 
-class ClipMethod(Method):
+class ClipMethod(ImageTextMethod):
     name = "clip"
     config_class = ClipConfig
 
-    def prepare(self, cfg: Config, run_dir: Path) -> None:
-        source = Path(cfg.method.tokenizer)
-        if not source.is_file():
-            raise FileNotFoundError(f"config key 'method.tokenizer': {source} does not exist")
-        if source.resolve() != (run_dir / TOKENIZER_FILE).resolve():
-            shutil.copyfile(source, run_dir / TOKENIZER_FILE)
+    def tokenizer_file_name(self, cfg: Config) -> str:
+        return "tokenizer.json"
 
-    def tokenizer(self, cfg: Config, run_dir: Path) -> TextTokenizer:
-        return TextTokenizer(run_dir / TOKENIZER_FILE, cfg.method.text.context_length)
+    def load_tokenizer(self, path: Path, cfg: Config) -> TextTokenizer:
+        return TextTokenizer(path, cfg.method.text.context_length)
 
     def image_transform(self, cfg: Config, train: bool):
         m = cfg.method
@@ -75,38 +57,6 @@ class ClipMethod(Method):
 
     def build_loss(self, cfg: Config) -> nn.Module:
         return ContrastiveLoss()
-
-    def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
-        decoder = ImageTextDecoder(self.image_transform(cfg, train=True), self.tokenizer(cfg, run_dir))
-        return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size), decoder)
-
-    def training_step(self, model: ClipModel, loss: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        image_features, text_features, scale = model(batch["image"], batch["input_ids"], batch["attention_mask"])
-        return {"contrastive": loss(image_features, text_features, scale)}
-
-    def evaluate(self, model: ClipModel, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        zs = cfg.method.zeroshot
-        if zs.dataset is None:
-            return {}
-        return {
-            f"zeroshot/{language}/{key}": value
-            for language in zs.languages
-            for key, value in self.zeroshot(model, cfg, run_dir, zs.dataset, language)["metrics"].items()
-        }
-
-    def zeroshot(self, model: ClipModel, cfg: Config, run_dir: Path, dataset: str, language: str) -> dict[str, Any]:
-        """One zero-shot classification run as a CLIP_benchmark-style result record."""
-        data = load_classification_set(resolve_dataset(dataset, cfg.data.root), language)
-        device = next(model.parameters()).device
-        metrics = zeroshot_classification(
-            model, self.tokenizer(cfg, run_dir), self.image_transform(cfg, train=False), data,
-            batch_size=cfg.method.zeroshot.batch_size, device=device,
-        )
-        result = {"dataset": dataset, "model": str(run_dir), "task": "zeroshot_classification",
-                  "language": language, "metrics": metrics}
-        (run_dir / "eval").mkdir(exist_ok=True)
-        (run_dir / "eval" / f"zeroshot_{Path(dataset).name}_{language}.json").write_text(json.dumps(result, indent=2))
-        return result
 
 
 METHOD = ClipMethod()

@@ -32,13 +32,15 @@ class M2EncoderConfig(Section):
     lower_layers: int = Field(9, gt=0, description="modality-specific (A/B) layers: official `encoder_layers`")
     shared_layers: int = Field(3, gt=0, description="shared top layers: official `beit3_vl_layers`")
     ffn_width: int | None = Field(None, gt=0, description="default 4 x width")
-    vocab_size: int = Field(115244, gt=0)
+    vocab_size: int | None = Field(115244, gt=0, description="null: the tokenizer's size")
     image_size: int = Field(224, gt=0)
     patch_size: int = Field(16, gt=0)
     output_dim: int = Field(768, gt=0)
     text_positions: int = Field(1024, gt=0, description="rows of the text position table")
     context_length: int = Field(52, gt=2)
     layernorm_eps: float = Field(1e-5, gt=0)
+    position_init_std: float = Field(
+        1.0, gt=0, description="std of the position tables at init (official: 1.0; small models train better with ~0.02)")
     grad_checkpointing: bool = False
 
     @model_validator(mode="after")
@@ -227,7 +229,7 @@ class M2Encoder(nn.Module):
         width = self.cfg.width
         nn.init.normal_(self.backbone.text_embed.weight, std=width**-0.5)
         for table in (self.backbone.encoder.embed_positions.A, self.backbone.encoder.embed_positions.B):
-            nn.init.normal_(table.weight, std=1.0)
+            nn.init.normal_(table.weight, std=self.cfg.position_init_std)
         for head in (self.itc_text_proj, self.itc_image_proj, self.itc_vl_text_proj, self.itc_vl_image_proj):
             nn.init.normal_(head.fc.weight, std=0.02)
         nn.init.normal_(self.pooler.dense.weight, std=0.02)

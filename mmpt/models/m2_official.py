@@ -45,7 +45,7 @@ def read_official(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def convert_official(state: dict[str, torch.Tensor], model: M2Encoder) -> dict[str, torch.Tensor]:
     """Official keys -> this model's: drop training-only visual-tokenizer weights, 0-D scales -> [1],
-    and fit the vision position table to the configured patch grid (as the official loader does)."""
+    and fit the vision position table to the configured patch grid."""
     state = {k: v for k, v in state.items() if "visual_tokenizer" not in k}
     for key in SCALARS:
         if key in state and state[key].dim() == 0:
@@ -56,12 +56,14 @@ def convert_official(state: dict[str, torch.Tensor], model: M2Encoder) -> dict[s
 
 
 def fit_positions(table: torch.Tensor, num_patches: int) -> torch.Tensor:
-    """Rows 0..2 (two unused + CLS) kept; the square grid of patch rows area-resized to `num_patches`."""
+    """Rows 0..2 (two unused + CLS) kept; the square grid of patch rows area-resized to `num_patches`.
+
+    The official loader resizes a smaller grid and truncates a larger one; we resize both ways,
+    which agrees with it on every official checkpoint (all have the 224-pixel grid).
+    """
     rows = FIRST_POSITION + 1 + num_patches
     if table.shape[0] == rows:
         return table
-    if table.shape[0] > rows:
-        return table[:rows]
     head, grid = table[: FIRST_POSITION + 1], table[FIRST_POSITION + 1 :]
     side, target = math.isqrt(grid.shape[0]), math.isqrt(num_patches)
     grid = grid.reshape(1, side, side, -1).permute(0, 3, 1, 2)

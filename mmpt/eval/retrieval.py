@@ -1,0 +1,86 @@
+"""Zero-shot image-text retrieval over the official M²-Encoder jsonl layout.
+
+Each line: `{"image": path, "caption": [text, ...]}` (image paths relative to the jsonl's folder
+unless absolute). Reports recall@1/5/10 in both directions and their mean, CLIP_benchmark style:
+`text_retrieval_recall@k` (image -> text), `image_retrieval_recall@k` (text -> image), `mean_recall`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mmpt.data.image_text import decode_image
+from mmpt.data.shards import DataError
+
+
+def load_retrieval_set(path: str | os.PathLike) -> tuple[list[Path], list[list[str]]]:
+    path = Path(path)
+    images, captions = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            image, texts = record["image"], record["caption"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise DataError(f"{path}:{number}: expected {{\"image\": path, \"caption\": [...]}} ({exc})") from None
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        if not texts:
+            raise DataError(f"{path}:{number}: no captions")
+        images.append(Path(image) if os.path.isabs(image) else path.parent / image)
+        captions.append(texts)
+    if not images:
+        raise DataError(f"{path}: no records")
+    return images, captions
+
+
+def official_caption_normalization(text: str) -> str:
+    """What the official retrieval evaluation does to captions: lower-case, straighten double quotes."""
+    return text.lower().replace("“", '"').replace("”", '"')
+
+
+def recall_metrics(image_features: torch.Tensor, text_features: torch.Tensor, text_to_image: torch.Tensor) -> dict:
+    """Recall@1/5/10 both ways from L2-normalised features; an image is matched by any of its captions."""
+    scores = image_features.float() @ text_features.float().T  # [images, texts]
+    metrics: dict[str, float] = {}
+    # text -> image: the rank of each caption's own image.
+    own = scores[text_to_image, torch.arange(len(text_to_image))]
+    image_rank = (scores.T > own[:, None]).sum(1)
+    # image -> text: the best rank among the image's captions.
+    is_own = text_to_image[None, :] == torch.arange(len(scores))[:, None]
+    best_own = scores.masked_fill(~is_own, float("-inf")).max(1).values
+    text_rank = (scores > best_own[:, None]).sum(1)
+    for k in (1, 5, 10):
+        metrics[f"image_retrieval_recall@{k}"] = (image_rank < k).float().mean().item()
+        metrics[f"text_retrieval_recall@{k}"] = (text_rank < k).float().mean().item()
+    metrics["mean_recall"] = sum(metrics.values()) / len(metrics)
+    return metrics
+
+
+@torch.no_grad()
+def zeroshot_retrieval(model, tokenize, transform, path: str | os.PathLike, batch_size: int = 256,
+                       device: str | torch.device = "cpu", normalize_text=None) -> dict:
+    model.eval()
+    images, captions = load_retrieval_set(path)
+    texts = [normalize_text(t) if normalize_text else t for group in captions for t in group]
+    text_to_image = torch.tensor([i for i, group in enumerate(captions) for _ in group])
+    dtype = next(model.parameters()).dtype
+    image_features, text_features = [], []
+    for start in range(0, len(images), batch_size):
+        batch = []
+        for file in images[start : start + batch_size]:
+            try:
+                batch.append(transform(decode_image(file.read_bytes())))
+            except Exception as exc:
+                raise DataError(f"retrieval image {file} cannot be read: {exc}") from None
+        image_features.append(model.encode_image(torch.stack(batch).to(device=device, dtype=dtype)).cpu())
+    for start in range(0, len(texts), batch_size):
+        tokens = tokenize(texts[start : start + batch_size])
+        text_features.append(model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device)).cpu())
+    return recall_metrics(F.normalize(torch.cat(image_features).float(), dim=-1),
+                          F.normalize(torch.cat(text_features).float(), dim=-1), text_to_image)

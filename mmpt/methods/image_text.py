@@ -1,0 +1,98 @@
+"""What every image-text contrastive method shares: tokenizer files, image-text batches, the
+features-and-scale training step, and bilingual zero-shot classification."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from mmpt.config import Config, Section
+from mmpt.data.image_text import ImageTextDecoder
+from mmpt.data.loader import BatchStream
+from mmpt.eval import resolve_dataset
+from mmpt.eval.retrieval import zeroshot_retrieval
+from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
+from mmpt.methods.base import Method, stream_spec
+
+
+class ZeroShotConfig(Section):
+    dataset: str | None = Field(None, description="CLIP_benchmark/ImageFolder path, or a demo corpus name ('digits')")
+    languages: list[str] = Field(default_factory=lambda: ["en"])
+    batch_size: int = Field(256, gt=0)
+
+
+class ImageTextMethod(Method):
+    """Subclasses supply `tokenizer_file_name`, `load_tokenizer`, `image_transform`, `build_model`, `build_loss`.
+
+    The model must have `encode_image`, `encode_text` and return (image features, text features,
+    logit scale multiplier) from `forward(images, input_ids, attention_mask)`.
+    """
+
+    def tokenizer_file_name(self, cfg: Config) -> str:
+        raise NotImplementedError
+
+    def load_tokenizer(self, path: Path, cfg: Config):
+        raise NotImplementedError
+
+    def image_transform(self, cfg: Config, train: bool):
+        raise NotImplementedError
+
+    def prepare(self, cfg: Config, run_dir: Path) -> None:
+        source = Path(cfg.method.tokenizer)
+        if not source.is_file():
+            raise FileNotFoundError(f"config key 'method.tokenizer': {source} does not exist")
+        target = run_dir / self.tokenizer_file_name(cfg)
+        if source.resolve() != target.resolve():
+            shutil.copyfile(source, target)
+
+    def tokenizer(self, cfg: Config, run_dir: Path):
+        """The run's own copy of the tokenizer, so a run directory is self-contained."""
+        return self.load_tokenizer(run_dir / self.tokenizer_file_name(cfg), cfg)
+
+    def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
+        decoder = ImageTextDecoder(self.image_transform(cfg, train=True), self.tokenizer(cfg, run_dir))
+        return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size), decoder)
+
+    def training_step(self, model: nn.Module, loss: nn.Module, batch: dict[str, Any],
+                      pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
+        image_features, text_features, scale = model(batch["image"], batch["input_ids"], batch["attention_mask"])
+        if pool is None:
+            return {"contrastive": loss(image_features, text_features, scale)}
+        return {"contrastive": loss(image_features, text_features, scale, pool=pool, slot=index)}
+
+    def evaluate(self, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:
+        zs = cfg.method.zeroshot
+        if zs.dataset is None:
+            return {}
+        return {
+            f"zeroshot/{language}/{key}": value
+            for language in zs.languages
+            for key, value in self.zeroshot(model, cfg, run_dir, zs.dataset, language)["metrics"].items()
+        }
+
+    caption_normalization = None  # applied to retrieval captions, as the method's official evaluation does
+
+    def zeroshot(self, model: nn.Module, cfg: Config, run_dir: Path, dataset: str, language: str,
+                 task: str = "zeroshot_classification") -> dict[str, Any]:
+        """One zero-shot run (classification, or retrieval over a jsonl) as a CLIP_benchmark-style record."""
+        device = next(model.parameters()).device
+        common = dict(batch_size=cfg.method.zeroshot.batch_size, device=device)
+        tokenizer, transform = self.tokenizer(cfg, run_dir), self.image_transform(cfg, train=False)
+        if task == "zeroshot_retrieval":
+            metrics = zeroshot_retrieval(model, tokenizer, transform, dataset,
+                                         normalize_text=self.caption_normalization, **common)
+        elif task == "zeroshot_classification":
+            data = load_classification_set(resolve_dataset(dataset, cfg.data.root), language)
+            metrics = zeroshot_classification(model, tokenizer, transform, data, **common)
+        else:
+            raise ValueError(f"unknown zero-shot task {task!r}")
+        result = {"dataset": dataset, "model": str(run_dir), "task": task, "language": language, "metrics": metrics}
+        (run_dir / "eval").mkdir(exist_ok=True)
+        (run_dir / "eval" / f"{task}_{Path(dataset).stem}_{language}.json").write_text(json.dumps(result, indent=2))
+        return result

@@ -1,0 +1,147 @@
+"""M²-Encoder: official state-dict layout, checkpoint formats, tokenizer and preprocessing facts."""
+
+import pickle
+
+import pytest
+import torch
+
+from conftest import REPO
+from mmpt.data.glm_tokenizer import CLS_ID, EOS_ID, GLMTokenizer
+from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
+from mmpt.models.m2_official import CheckpointMismatch, fit_positions, load_official
+
+SHARED = REPO.parent / "shared"
+SP_MODEL = SHARED / "assets/glm_chinese_sp.model"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared (specs and assets) is not beside the repo")
+
+
+def official_layout(size: str) -> dict[str, list[int]]:
+    rows = (SHARED / f"specs/m2_encoder_{size}_state_dict.tsv").read_text().splitlines()
+    return {key: eval(shape) for key, shape, _ in (row.split("\t") for row in rows)}  # shapes like [768, 3, 16, 16]
+
+
+def tiny(**overrides) -> M2Encoder:
+    torch.manual_seed(0)
+    return M2Encoder(M2EncoderConfig(**{**PRESETS["m2-encoder-demo"], "vocab_size": 300, **overrides}))
+
+
+@needs_shared
+@pytest.mark.parametrize("preset, size", [("m2-encoder-0.4b", "0.4b"), ("m2-encoder-1b", "1b")])
+def test_state_dict_has_the_official_keys_and_shapes(preset, size):
+    with torch.device("meta"):
+        model = M2Encoder(M2EncoderConfig(**PRESETS[preset]))
+    ours = {k: list(v.shape) for k, v in model.state_dict().items()}
+    official = official_layout(size)
+    assert list(ours) == list(official)  # same keys, same order
+    assert {k: v for k, v in official.items() if v} == {k: v for k, v in ours.items() if k not in ("logit_scale", "logit_vl_scale")}
+    assert ours["logit_scale"] == [1] and official["logit_scale"] == []
+
+
+@needs_shared
+def test_official_0_4b_weights_load_strictly_and_embed(tmp_path):
+    official = {k: torch.randn(shape) * 0.02 for k, shape in official_layout("0.4b").items()}
+    official["logit_scale"] = torch.tensor(4.6)  # 0-D, as released
+    path = tmp_path / "m2_0.4b.ckpt"
+    torch.save({"state_dict": official, "epoch": 3}, path)  # Lightning layout
+    del official
+    model = load_official(M2Encoder(M2EncoderConfig(**PRESETS["m2-encoder-0.4b"])), path).eval()
+    assert model.logit_scale.shape == (1,) and model.logit_scale.item() == pytest.approx(4.6)
+    tokens = GLMTokenizer(SP_MODEL)(["a photo of a cat", "一只猫的照片"])
+    with torch.no_grad():
+        images = model.encode_image(torch.rand(2, 3, 224, 224) * 2 - 1)
+        texts = model.encode_text(tokens["input_ids"], tokens["attention_mask"])
+    for features in (images, texts):
+        assert features.shape == (2, 768)
+        torch.testing.assert_close(features.norm(dim=-1), torch.ones(2))
+
+
+def test_checkpoint_formats_and_prefixes(tmp_path):
+    model = tiny()
+    state = model.state_dict()
+    official = {**{k: v.clone() for k, v in state.items()}, "logit_scale": torch.tensor(3.0),
+                "visual_tokenizer.encoder.weight": torch.zeros(2)}  # training-only key, dropped
+    layouts = {
+        "lightning": {"state_dict": official},
+        "deepspeed": {"module": {f"_forward_module.{k}": v for k, v in official.items()}},
+        "model": {"model": official},
+        "raw": {f"_forward_module.{k}": v for k, v in official.items()},
+    }
+    for name, layout in layouts.items():
+        torch.save(layout, tmp_path / f"{name}.ckpt")
+        loaded = load_official(tiny(), tmp_path / f"{name}.ckpt")
+        torch.testing.assert_close(loaded.backbone.text_embed.weight, state["backbone.text_embed.weight"])
+        assert loaded.logit_scale.item() == 3.0
+
+
+def test_mismatch_lists_missing_unexpected_and_shapes(tmp_path):
+    state = tiny().state_dict()
+    del state["pooler.dense.bias"]
+    state["extra.weight"] = torch.zeros(1)
+    state["itc_vl_text_proj.fc.weight"] = torch.zeros(3, 3)
+    torch.save(state, tmp_path / "bad.ckpt")
+    with pytest.raises(CheckpointMismatch) as info:
+        load_official(tiny(), tmp_path / "bad.ckpt")
+    message = str(info.value)
+    assert "missing (1): pooler.dense.bias" in message and "unexpected (1): extra.weight" in message
+    assert "itc_vl_text_proj.fc.weight: checkpoint [3, 3] vs model [64, 64]" in message
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("code ran",))
+
+
+def test_pickled_code_is_refused(tmp_path):
+    path = tmp_path / "evil.ckpt"
+    with open(path, "wb") as handle:
+        pickle.dump({"state_dict": {"x": Payload()}}, handle)
+    with pytest.raises(CheckpointMismatch, match="refusing to load"):
+        load_official(tiny(), path)
+
+
+def test_vision_positions_fit_the_patch_grid():
+    table = torch.arange(3 + 16, dtype=torch.float32)[:, None].repeat(1, 2)  # 4x4 grid
+    fitted = fit_positions(table, num_patches=4)  # -> 2x2, area-averaged
+    torch.testing.assert_close(fitted[:3], table[:3])
+    assert fitted[3:, 0].tolist() == [(3 + 4 + 7 + 8) / 4, (5 + 6 + 9 + 10) / 4, (11 + 12 + 15 + 16) / 4, (13 + 14 + 17 + 18) / 4]
+    assert fit_positions(table, 16) is table and fit_positions(table, 36).shape == (3 + 36, 2)
+
+
+@needs_shared
+def test_glm_tokenizer_matches_the_official_ids():
+    tokenizer = GLMTokenizer(SP_MODEL)
+    out = tokenizer(["a photo of a cat", "一只猫的照片", "a" + " " * 13 + "b"])
+    assert out["input_ids"][0, :8].tolist() == [50002, 778, 51021, 885, 778, 52984, 50000, 50000]
+    assert out["input_ids"][1, :5].tolist() == [50002, 15955, 44506, 6929, 50000]
+    assert out["attention_mask"].sum(1).tolist()[:2] == [7, 5] and out["input_ids"].shape == (3, 52)
+    pieces = [tokenizer._sp.id_to_piece(i) for i in out["input_ids"][2, 1:5].tolist()]
+    assert pieces == ["▁a", "<|blank_10|>", "<|blank_3|>", "b"]
+    long = " ".join(str(i) for i in range(200))
+    ids = tokenizer([long])["input_ids"][0].tolist()
+    assert ids[0] == CLS_ID and ids[-1] == EOS_ID and ids[1:-1] == tokenizer.encode(long)[-50:]  # left truncation
+
+
+def test_text_features_ignore_padding_and_batch_composition():
+    model = tiny().eval()
+    ids = torch.randint(5, 300, (3, 24))
+    mask = torch.zeros(3, 24, dtype=torch.long)
+    for row, length in enumerate((6, 24, 11)):
+        mask[row, :length] = 1
+    other = ids.clone()
+    other[mask == 0] = 7  # different pad ids
+    with torch.no_grad():
+        a, b = model.encode_text(ids, mask), model.encode_text(other, mask)
+        single = model.encode_text(ids[:1], mask[:1])
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a[:1], single, atol=1e-6, rtol=0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    images, ids, mask = torch.randn(2, 3, 32, 32), torch.randint(5, 300, (2, 24)), torch.ones(2, 24, dtype=torch.long)
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny(grad_checkpointing=checkpointing).train()
+        image, text, scale = model(images, ids, mask)
+        (scale * image @ text.T).sum().backward()
+        grads.append(model.backbone.vision_embed.proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
