@@ -3,13 +3,15 @@
 Training shards hold one caption per sample, English (`train/en-*.tar`) and Chinese (`train/zh-*.tar`)
 as two sources to mix. A stratified held-out split is written in the CLIP_benchmark webdataset layout
 (`zeroshot/test/*.tar` with `png` + `cls`, `classnames.txt`, `zeroshot_classification_templates.txt`,
-and `_zh` variants of both) for zero-shot classification. A WordPiece tokenizer trained on the text
+and `_zh` variants of both) for zero-shot classification, and as image files with
+`zeroshot/retrieval_{en,zh}.jsonl` (`{"image", "caption": [...]}` lines) for retrieval. A WordPiece tokenizer trained on the text
 is saved as `tokenizer.json`. Nothing is downloaded: the scans ship inside scikit-learn.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import shutil
@@ -108,9 +110,19 @@ def build_digits(
                     writer.write({"__key__": f"{index:04d}_{copy}", "png": png, "txt": text, "cls": str(label)})
 
     zeroshot = staging / "zeroshot"
+    (zeroshot / "images").mkdir(parents=True)
+    retrieval = {language: [] for language in LANGUAGES}
     with ShardSetWriter(zeroshot / "test" / "test", max_samples=shard_size) as writer:
         for index in test_ids:
-            writer.write({"__key__": f"{index:04d}", "png": _png(images[index], image_size), "cls": str(int(labels[index]))})
+            label, png = int(labels[index]), _png(images[index], image_size)
+            writer.write({"__key__": f"{index:04d}", "png": png, "cls": str(label)})
+            (zeroshot / "images" / f"{index:04d}.png").write_bytes(png)
+            for language in LANGUAGES:
+                captions = [t.format(c=NAMES[language][label]) for t in EVAL_TEMPLATES[language][:2]]
+                retrieval[language].append(json.dumps({"image": f"images/{index:04d}.png", "caption": captions},
+                                                      ensure_ascii=False))
+    for language, lines in retrieval.items():  # the official M2-Encoder retrieval layout
+        (zeroshot / f"retrieval_{language}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (zeroshot / "test" / "nshards.txt").write_text(str(len(writer.sizes)))
     for language in LANGUAGES:
         suffix = "" if language == "en" else f"_{language}"

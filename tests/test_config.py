@@ -108,3 +108,14 @@ def test_error_names_the_sibling_base_that_set_the_key(tmp_path, config_file):
     write_config(config_file, data)
     message = error_of(config_file)
     assert message.startswith(f"{first}: config key 'train.grad_clip' = 'abc'")
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(REPO) for p in REPO.glob("configs/*/*.yaml") if p.parent.name != "base"))
+def test_every_shipped_config_is_valid(path):
+    cfg = load_config(REPO / path)
+    assert cfg.train.max_steps > 0
+
+
+def test_m2_accumulation_must_match_grad_accum():
+    message = error_of(REPO / "configs/m2_encoder/demo.yaml", ["train.grad_accum=3"])
+    assert "method.loss.accumulation_steps=2" in message and "train.grad_accum=3" in message
