@@ -2,8 +2,8 @@
 
 Losses gather features across ranks with gradient. `torch.distributed.nn.all_gather` scatters its
 gradient with group-local ranks used as global ranks, which breaks on sub-groups, so the gather
-here is an autograd Function of its own: all_gather forward, all-reduce then slice backward
-(all-reduce works on gloo and NCCL alike; reduce-scatter is not on gloo).
+here is an autograd Function of its own: all_gather forward, reduce-scatter backward (emulated
+with scatters on gloo, which has no reduce-scatter).
 """
 
 from __future__ import annotations
@@ -72,15 +72,34 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        if dist.get_backend(ctx.group) == "nccl":
-            mine = torch.empty((ctx.rows, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-            dist.reduce_scatter_tensor(mine, grad, op=dist.ReduceOp.SUM, group=ctx.group)
-            return mine, None
-        grad = grad.clone()  # gloo has no reduce-scatter: all-reduce, keep our rows
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        start = ctx.rank * ctx.rows
-        return grad[start : start + ctx.rows], None
+        return reduce_scatter_rows(grad.contiguous(), ctx.group), None
+
+
+def reduce_scatter_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum `tensor` over the group and keep this rank's block of rows.
+
+    NCCL has reduce-scatter; gloo does not, so each rank in turn scatters its blocks and every
+    rank sums what it received: the same bytes on the wire, (G-1)/G of the tensor per rank.
+    """
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = tensor.shape[0] // size
+    mine = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    if dist.get_backend(group) == "nccl":
+        dist.reduce_scatter_tensor(mine, tensor, op=dist.ReduceOp.SUM, group=group)
+        return mine
+    blocks = list(tensor.split(rows))
+    total = blocks[rank].clone()
+    for source in range(size):
+        if source == rank:
+            dist.scatter(mine, blocks, src=_global_rank(group, source), group=group)
+        else:
+            dist.scatter(mine, None, src=_global_rank(group, source), group=group)
+            total += mine
+    return total
+
+
+def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 def contiguous_group(group_size: int | None) -> dist.ProcessGroup | None:

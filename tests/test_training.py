@@ -71,6 +71,19 @@ def test_plain_python_trains_evaluates_and_zeroshot_cli_reproduces(tmp_path, dig
     for key, value in record["metrics"].items():
         assert value == pytest.approx(final[f"zeroshot/zh/{key}"], abs=1e-6)
 
+    # The CLIP_benchmark loader gives the same embeddings as the run's own model.
+    import torch
+
+    from mmpt.eval.clip_benchmark import load_mmpt
+    from mmpt.hub import load_run
+
+    model, transform, tokenizer = load_mmpt("mmpt", str(run_dir))
+    cfg, method, own = load_run(run_dir)
+    texts = ["a handwritten seven", "手写的数字七"]
+    tokens = method.tokenizer(cfg, run_dir)(texts)
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_text(tokenizer(texts)), own.encode_text(tokens["input_ids"], tokens["attention_mask"]))
+
 
 def test_killed_run_resumes_with_identical_losses(tmp_path, digits_root):
     steps = 40
@@ -96,3 +109,32 @@ def test_killed_run_resumes_with_identical_losses(tmp_path, digits_root):
     assert sorted(resumed) == sorted(reference) == list(range(1, steps + 1))
     after = [s for s in reference if s > killed_at]
     assert [resumed[s] for s in after] == [reference[s] for s in after]
+
+
+def test_m2_encoder_trains_from_an_official_checkpoint_with_pooled_accumulation(tmp_path, digits_root):
+    import torch
+    from safetensors.torch import load_file
+
+    from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
+
+    arch = {"vocab_size": 1000, "width": 32, "heads": 2, "lower_layers": 1, "shared_layers": 1, "output_dim": 16,
+            "position_init_std": 0.02}
+    official = M2Encoder(M2EncoderConfig(**{**PRESETS["m2-encoder-demo"], **arch})).state_dict()
+    official["logit_scale"] = official["logit_scale"].reshape(())  # released files store it 0-D
+    torch.save({"state_dict": official}, tmp_path / "official.ckpt")
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(digits_root, run_dir, train={"zero_stage": 0, "max_steps": 2, "grad_accum": 2, "save_every": 0},
+                      optim={"lr": 1e-12, "warmup_steps": 0, "weight_decay": 0.0})
+    cfg["method"] = {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": arch,
+                     "tokenizer": str(digits_root / "tokenizer.json"), "init_from": str(tmp_path / "official.ckpt"),
+                     "loss": {"group_size": "world", "accumulation_steps": 2, "tile_size": 8},
+                     "augment": {"hflip": False, "randaugment": False}}
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+    result = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config)], cwd=REPO,
+                            env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    trained = load_file(str(run_dir / "model.safetensors"))
+    for key in ("backbone.text_embed.weight", "itc_vl_image_proj.fc.weight", "backbone_vl.layers.0.ffn.A.fc1.weight"):
+        torch.testing.assert_close(trained[key], official[key], atol=1e-6, rtol=0)
+    assert all(r["loss/total"] > 0 for r in read_metrics(run_dir) if "loss/total" in r)

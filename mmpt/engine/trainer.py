@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,78 +69,35 @@ def prepare_demo_data(cfg: Config) -> None:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run `cfg` to `train.max_steps` (resuming if asked); returns the final evaluation metrics."""
-    import deepspeed
-
     check_precision(cfg)
-    mdist.ensure_rendezvous_env()
-    use_cuda = torch.cuda.is_available()
-    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
-    rank, world_size = mdist.get_rank(), mdist.get_world_size()
-    if use_cuda:
-        torch.cuda.set_device(mdist.process_info().local_rank)
+    rank, world_size = start_process_group()
     method = get_method(cfg.method_name)
     run_dir = Path(cfg.run.output_dir)
-
     if rank == 0:
-        prepare_demo_data(cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-        method.prepare(cfg, run_dir)
+        prepare_run_dir(cfg, method, run_dir)
     mdist.barrier()
 
-    # Same initial weights on every rank; per-rank randomness (dropout) diverges after.
-    seed_everything(cfg.train.seed)
-    module = TrainingModule(method, method.build_model(cfg, run_dir), method.build_loss(cfg))
-    optimizer = build_optimizer(module.model, cfg.optim)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio)
-    )
-    engine, _, _, _ = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=schedule, config=deepspeed_config(cfg, world_size)
-    )
+    engine = build_engine(cfg, method, run_dir, world_size)
     float_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     match_buffer_precision(engine.module, float_dtype)
     seed_everything(cfg.train.seed + rank)
-
-    train_cfg = cfg.data.train
     loader = StatefulLoader(
         method.train_data(cfg, run_dir, rank=rank, world_size=world_size),
-        SkipPolicy(train_cfg.max_skip_rate, train_cfg.min_samples_for_skip_rate),
+        SkipPolicy(cfg.data.train.max_skip_rate, cfg.data.train.min_samples_for_skip_rate),
     )
-    step, restored_rng = 0, None
-    resume_from = checkpoint.find_resume(run_dir, cfg.run.resume)
-    if resume_from is not None:
-        step, rank_state = checkpoint.load(engine, resume_from)
-        loader.load_state_dict(rank_state["data"])
-        restored_rng = rank_state["rng"]
-        if rank == 0:
-            log.warning("resumed from %s at step %d", resume_from, step)
-    batches = iter(loader)
-    if restored_rng is not None:
-        checkpoint.set_rng_state(restored_rng)  # after iter(): creating the loader iterator draws from the RNG
+    step, batches = resume(cfg, engine, loader, run_dir)
 
-    global_batch = train_cfg.batch_size * cfg.train.grad_accum * world_size
+    global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * world_size
     metrics = MetricLogger(run_dir, max_steps=cfg.train.max_steps, start_step=step, global_batch=global_batch,
                            tensorboard=cfg.run.tensorboard, progress_bar=cfg.run.progress_bar)
-    device = engine.device
     try:
         while step < cfg.train.max_steps:
             started = time.perf_counter()
-            micro_batches = [to_device(next(batches), device, float_dtype) for _ in range(cfg.train.grad_accum)]
+            micro_batches = [to_device(next(batches), engine.device, float_dtype) for _ in range(cfg.train.grad_accum)]
             data_time = time.perf_counter() - started
-            with torch.no_grad():
-                pool = method.step_pool(engine.module.model, engine.module.loss, micro_batches)
-            sums: dict[str, float] = {}
-            for index, batch in enumerate(micro_batches):
-                losses = engine(batch, pool, index)
-                # With a pool every micro-batch loss is the step's loss: sum gradients, don't average.
-                engine.backward(sum(losses.values()), scale_wrt_gas=pool is None)
-                engine.step()
-                for name, value in losses.items():
-                    sums[name] = sums.get(name, 0.0) + value.item() / cfg.train.grad_accum
+            losses = optimizer_step(engine, method, micro_batches)
             step += 1
-            sums["total"] = sum(sums.values())
-            metrics.update(sums, time.perf_counter() - started, data_time)
+            metrics.update(losses, time.perf_counter() - started, data_time)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
                 counts = loader.counts()
                 totals = mdist.all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist()
@@ -149,19 +107,89 @@ def train(cfg: Config) -> dict[str, Any]:
                 checkpoint.save(engine, run_dir, step, state, cfg.train.keep_last)
     finally:
         metrics.close()
+    return finish(cfg, method, engine, run_dir, step)
 
+
+def start_process_group() -> tuple[int, int]:
+    """NCCL on GPUs, gloo on CPU; a plain `python` start becomes a world of one."""
+    import deepspeed
+
+    mdist.ensure_rendezvous_env()
+    use_cuda = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(mdist.process_info().local_rank)
+    return mdist.get_rank(), mdist.get_world_size()
+
+
+def prepare_run_dir(cfg: Config, method: Method, run_dir: Path) -> None:
+    """Rank 0: demo data if asked, the resolved config, and the method's files (tokenizer)."""
+    prepare_demo_data(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    method.prepare(cfg, run_dir)
+
+
+def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int):
+    import deepspeed
+
+    seed_everything(cfg.train.seed)  # the same initial weights on every rank
+    model = method.build_model(cfg, run_dir)
+    method.load_initial_weights(model, cfg)
+    module = TrainingModule(method, model, method.build_loss(cfg))
+    optimizer = build_optimizer(module.model, cfg.optim)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio)
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=schedule, config=deepspeed_config(cfg, world_size)
+    )
+    return engine
+
+
+def resume(cfg: Config, engine, loader: StatefulLoader, run_dir: Path) -> tuple[int, Iterator]:
+    """(step, batch iterator), continuing exactly where the checkpoint left off if there is one."""
+    checkpoint_dir = checkpoint.find_resume(run_dir, cfg.run.resume)
+    if checkpoint_dir is None:
+        return 0, iter(loader)
+    step, rank_state = checkpoint.load(engine, checkpoint_dir)
+    loader.load_state_dict(rank_state["data"])
+    batches = iter(loader)
+    checkpoint.set_rng_state(rank_state["rng"])  # after iter(): starting the loader draws from the RNG
+    if mdist.get_rank() == 0:
+        log.warning("resumed from %s at step %d", checkpoint_dir, step)
+    return step, batches
+
+
+def optimizer_step(engine, method: Method, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
+    """Forward/backward every micro-batch and step; returns each loss term averaged over them."""
+    with torch.no_grad():
+        pool = method.step_pool(engine.module.model, engine.module.loss, micro_batches)
+    sums: dict[str, float] = {}
+    for index, batch in enumerate(micro_batches):
+        losses = engine(batch, pool, index)
+        # With a pool every micro-batch loss is the step's loss: sum gradients, don't average.
+        engine.backward(sum(losses.values()), scale_wrt_gas=pool is None)
+        engine.step()
+        for name, value in losses.items():
+            sums[name] = sums.get(name, 0.0) + value.item() / len(micro_batches)
+    sums["total"] = sum(sums.values())
+    return sums
+
+
+def finish(cfg: Config, method: Method, engine, run_dir: Path, step: int) -> dict[str, Any]:
+    """Consolidated fp32 weights, then the method's evaluation on a model loaded back from them."""
     weights = checkpoint.gathered_state_dict(engine.module.model)
-    if rank == 0:
+    if mdist.get_rank() == 0:
         checkpoint.save_weights(weights, run_dir / checkpoint.WEIGHTS)
     mdist.barrier()
-    results: dict[str, Any] = {}
-    if rank == 0:
-        from mmpt.hub import load_run
+    if mdist.get_rank() != 0:
+        return {}
+    from mmpt.hub import load_run
 
-        model = load_run(run_dir, device=device)[2]
-        results = method.evaluate(model, cfg, run_dir)
-        if results:
-            MetricLogger.append_summary(run_dir, {"step": step, **results})
-            print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items()), flush=True)
+    model = load_run(run_dir, device=engine.device)[2]
+    results = method.evaluate(model, cfg, run_dir)
+    if results:
+        MetricLogger.append_summary(run_dir, {"step": step, **results})
+        print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items()), flush=True)
     return results
-

@@ -34,6 +34,9 @@ class Method:
         """The model that is trained and saved; parameters only, no loss state."""
         raise NotImplementedError
 
+    def load_initial_weights(self, model: nn.Module, cfg: Config) -> None:
+        """Start training from existing weights (e.g. an official checkpoint); not used when loading a run."""
+
     def build_loss(self, cfg: Config) -> nn.Module:
         raise NotImplementedError
 

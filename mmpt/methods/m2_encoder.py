@@ -99,10 +99,11 @@ class M2EncoderMethod(ImageTextMethod):
         arch = cfg.method.arch
         if arch.vocab_size is None:
             arch = arch.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
-        model = M2Encoder(arch)
+        return M2Encoder(arch)
+
+    def load_initial_weights(self, model: M2Encoder, cfg: Config) -> None:
         if cfg.method.init_from:
             load_official(model, cfg.method.init_from)
-        return model
 
     def build_loss(self, cfg: Config) -> nn.Module:
         spec = cfg.method.loss
