@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,13 @@ def barrier() -> None:
         dist.barrier()
 
 
+class GatherClock:
+    """Seconds this process spent inside forward gathers: time spent waiting for other ranks,
+    which the engine subtracts to see how long a rank itself takes (straggler detection)."""
+
+    seconds = 0.0
+
+
 class _GatherWithGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -67,7 +75,9 @@ class _GatherWithGrad(torch.autograd.Function):
         ctx.rank = dist.get_rank(group)
         ctx.rows = tensor.shape[0]
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        started = time.perf_counter()
         dist.all_gather(parts, tensor.contiguous(), group=group)
+        GatherClock.seconds += time.perf_counter() - started
         return torch.cat(parts, dim=0)
 
     @staticmethod

@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -51,14 +52,40 @@ def test_batches_move_with_training_precision():
     assert moved["image"].dtype == torch.bfloat16 and moved["ids"].dtype == torch.long and moved["meta"] == ["a", "b"]
 
 
+def make_checkpoint(root, step, complete=True, world_size=2):
+    folder = root / f"step_{step:09d}"
+    folder.mkdir(parents=True)
+    for rank in range(world_size if complete else 1):
+        (folder / f"rank_{rank}.pt").write_bytes(b"")
+    if complete:
+        (folder / "complete.json").write_text(json.dumps({"step": step, "world_size": world_size}))
+    return folder
+
+
 def test_pruning_keeps_the_newest_and_never_later_checkpoints(tmp_path):
-    from mmpt.engine.checkpoint import _prune, find_resume
+    from mmpt.engine.checkpoint import _prune
 
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4, 9):
-        (root / f"step_{step:09d}").mkdir(parents=True)
-    (root / "latest").write_text("step_000000004")
+        make_checkpoint(root, step)
     _prune(root, step=4, keep_last=2)
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step_000000003", "step_000000004", "step_000000009"]
+
+
+def test_resume_picks_the_newest_complete_checkpoint(tmp_path, caplog):
+    from mmpt.engine.checkpoint import find_resume
+
+    root = tmp_path / "checkpoints"
+    make_checkpoint(root, 4)
+    make_checkpoint(root, 8)
+    make_checkpoint(root, 12, complete=False)  # killed while saving
+    (root / "latest").write_text("step_000000008")
+    assert find_resume(tmp_path, "auto") == root / "step_000000008"
+    assert "step_000000012" in caplog.text
+    (root / "latest").write_text("step_000000012")  # a pointer to an incomplete one is not trusted
+    assert find_resume(tmp_path, "auto") == root / "step_000000008"
+    (root / "step_000000008" / "rank_1.pt").unlink()  # a rank's part missing: incomplete too
     assert find_resume(tmp_path, "auto") == root / "step_000000004"
     assert find_resume(tmp_path, "none") is None
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        find_resume(tmp_path, str(root / "step_000000012"))

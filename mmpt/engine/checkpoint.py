@@ -10,6 +10,7 @@ Layout of a run directory::
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import shutil
@@ -22,12 +23,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mmpt import distributed as mdist
+from mmpt.engine import faults
 from mmpt.hub import WEIGHTS
 
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+COMPLETE = "complete.json"
 
 
 def tag_for(step: int) -> str:
@@ -68,19 +71,51 @@ def _numpy_state_from_plain(state: list) -> tuple:
 
 
 def save(engine, run_dir: Path, step: int, rank_state: dict[str, Any], keep_last: int) -> Path:
-    """Every rank calls this. `latest` moves only after all ranks have written their part."""
+    """Every rank calls this. A checkpoint counts only once `complete.json` is in it, which rank 0
+    writes after every rank has finished; `latest` moves after that. A kill at any moment leaves the
+    previous complete checkpoint as the one to resume from."""
     root = run_dir / CHECKPOINTS
     tag = tag_for(step)
-    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
-    torch.save(rank_state, root / tag / f"rank_{mdist.get_rank()}.pt")
+    rank = mdist.get_rank()
+    if rank == 0:
+        (root / tag / COMPLETE).unlink(missing_ok=True)  # re-saving a step: it is incomplete until done
     mdist.barrier()
-    if mdist.get_rank() == 0:
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(tag)
-        pointer.replace(root / LATEST)
+    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
+    faults.inject("save:after_engine", step, rank)
+    _atomic_torch_save(rank_state, root / tag / f"rank_{rank}.pt")
+    faults.inject("save:after_rank_state", step, rank)
+    mdist.barrier()
+    if rank == 0:
+        _atomic_write(root / tag / COMPLETE, json.dumps({"step": step, "world_size": mdist.get_world_size()}))
+        faults.inject("save:before_latest", step, rank)
+        _atomic_write(root / LATEST, tag)
+        faults.inject("save:before_prune", step, rank)
         _prune(root, step, keep_last)
     mdist.barrier()
     return root / tag
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, temporary)
+    temporary.replace(path)
+
+
+def is_complete(checkpoint: Path) -> bool:
+    marker = checkpoint / COMPLETE
+    if not marker.is_file():
+        return False
+    try:
+        world_size = json.loads(marker.read_text())["world_size"]
+    except (ValueError, KeyError):
+        return False
+    return all((checkpoint / f"rank_{r}.pt").is_file() for r in range(world_size))
 
 
 def _prune(root: Path, step: int, keep_last: int) -> None:
@@ -101,16 +136,30 @@ def _step_of(path: Path) -> int:
 
 
 def find_resume(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint directory to resume from, or None for a fresh start."""
+    """The checkpoint directory to resume from, or None for a fresh start.
+
+    `auto`: the newest complete checkpoint (normally the one `latest` names); incomplete ones, left
+    by a run killed while saving, are skipped with a warning.
+    """
     if resume == "none":
         return None
-    if resume == "auto":
-        pointer = run_dir / CHECKPOINTS / LATEST
-        return run_dir / CHECKPOINTS / pointer.read_text().strip() if pointer.exists() else None
-    path = Path(resume)
-    if not path.is_dir():
-        raise FileNotFoundError(f"config key 'run.resume': checkpoint directory {path} does not exist")
-    return path
+    if resume != "auto":
+        path = Path(resume)
+        if not is_complete(path):
+            raise FileNotFoundError(f"config key 'run.resume': {path} is not a complete checkpoint")
+        return path
+    root = run_dir / CHECKPOINTS
+    pointer = root / LATEST
+    if pointer.is_file() and is_complete(root / pointer.read_text().strip()):
+        chosen = root / pointer.read_text().strip()
+    else:
+        complete = [p for p in root.glob("step_*") if p.is_dir() and is_complete(p)]
+        chosen = max(complete, key=_step_of) if complete else None
+    skipped = sorted(p.name for p in root.glob("step_*")
+                     if p.is_dir() and not is_complete(p) and (chosen is None or _step_of(p) > _step_of(chosen)))
+    if skipped:
+        log.warning("skipping incomplete checkpoint(s) %s in %s (a run was stopped while saving)", skipped, root)
+    return chosen
 
 
 def load(engine, checkpoint: Path) -> tuple[int, dict[str, Any]]:

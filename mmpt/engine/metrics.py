@@ -7,6 +7,7 @@ Rank 0 writes `metrics.jsonl` (one line per logged step), TensorBoard scalars an
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -16,15 +17,21 @@ from tqdm import tqdm
 
 from mmpt import distributed as mdist
 
+log = logging.getLogger(__name__)
+
 
 class MetricLogger:
     def __init__(self, run_dir: Path, *, max_steps: int, start_step: int, global_batch: int,
-                 tensorboard: bool, progress_bar: bool):
+                 tensorboard: bool, progress_bar: bool, straggler_factor: float = 1.5, straggler_windows: int = 3):
         self.rank = mdist.get_rank()
+        self.run_dir = run_dir
+        self.straggler_factor, self.straggler_windows = straggler_factor, straggler_windows
+        self._slow_windows: dict[int, int] = defaultdict(int)
+        self.stragglers: dict[int, float] = {}  # rank -> worst step time / median seen while named
         self.global_batch = global_batch
         self._sums: dict[str, float] = defaultdict(float)
         self._count = 0
-        self._step_time = self._data_time = 0.0
+        self._step_time = self._data_time = self._forward_time = 0.0
         self._window_start = time.perf_counter()
         self._jsonl = self._writer = self._bar = None
         if self.rank == 0:
@@ -36,12 +43,13 @@ class MetricLogger:
             if progress_bar:
                 self._bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True, mininterval=1.0)
 
-    def update(self, losses: dict[str, float], step_time: float, data_time: float) -> None:
+    def update(self, losses: dict[str, float], step_time: float, data_time: float, forward_time: float = 0.0) -> None:
         for name, value in losses.items():
             self._sums[name] += value
         self._count += 1
         self._step_time += step_time
         self._data_time += data_time
+        self._forward_time += forward_time
         if self._bar is not None:
             self._bar.update(1)
 
@@ -50,20 +58,37 @@ class MetricLogger:
         names = sorted(self._sums)
         count = max(1, self._count)
         means = mdist.all_reduce_mean(torch.tensor([self._sums[n] / count for n in names], dtype=torch.float64))
-        per_rank = mdist.all_gather_floats([self._step_time / count, self._data_time / count])
+        per_rank = mdist.all_gather_floats([self._step_time / count, self._data_time / count, self._forward_time / count])
         elapsed = time.perf_counter() - self._window_start
         record: dict = {"step": step, "lr": lr, **{f"loss/{n}": v for n, v in zip(names, means.tolist())}}
         record["samples_per_s"] = self._count * self.global_batch / max(elapsed, 1e-9)
-        record["step_time_per_rank"] = [round(t, 5) for t, _ in per_rank]
-        record["data_time_per_rank"] = [round(d, 5) for _, d in per_rank]
+        record["step_time_per_rank"] = [round(t, 5) for t, _, _ in per_rank]
+        record["data_time_per_rank"] = [round(d, 5) for _, d, _ in per_rank]
+        record["forward_time_per_rank"] = [round(f, 5) for _, _, f in per_rank]
         record.update(extra or {})
         if self.rank == 0:
+            # Waiting in a collective makes every rank's step as slow as the slowest, so a straggler
+            # shows in the time it works on its own: data + forward (less the loss's gather waits).
+            self._watch_stragglers(step, [d + f for _, d, f in per_rank])
             self._emit(step, record)
         self._sums.clear()
         self._count = 0
-        self._step_time = self._data_time = 0.0
+        self._step_time = self._data_time = self._forward_time = 0.0
         self._window_start = time.perf_counter()
         return record
+
+    def _watch_stragglers(self, step: int, busy_times: list[float]) -> None:
+        """Name a rank slower than the median by `straggler_factor` for `straggler_windows` windows in a row."""
+        median = sorted(busy_times)[(len(busy_times) - 1) // 2]  # the lower median: with 2 ranks, the faster
+        for rank, seconds in enumerate(busy_times):
+            ratio = seconds / median if median > 0 else 1.0
+            self._slow_windows[rank] = self._slow_windows[rank] + 1 if ratio > self.straggler_factor else 0
+            if self._slow_windows[rank] >= self.straggler_windows:
+                if rank not in self.stragglers:
+                    log.warning("straggler: rank %d takes %.1fx the median time to reach the step's collectives "
+                                "(%.3fs vs %.3fs) for %d logging windows up to step %d",
+                                rank, ratio, seconds, median, self._slow_windows[rank], step)
+                self.stragglers[rank] = max(ratio, self.stragglers.get(rank, 0.0))
 
     def _emit(self, step: int, record: dict) -> None:
         self._jsonl.write(json.dumps(record) + "\n")
@@ -91,6 +116,9 @@ class MetricLogger:
             handle.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
+        if self.rank == 0:
+            summary = {"stragglers": {str(rank): round(ratio, 2) for rank, ratio in sorted(self.stragglers.items())}}
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         for handle in (self._bar, self._writer, self._jsonl):
             if handle is not None:
                 handle.close()

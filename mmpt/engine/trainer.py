@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +16,11 @@ from torch import nn
 from mmpt import distributed as mdist
 from mmpt.config import Config, save_config
 from mmpt.data.loader import SkipPolicy, StatefulLoader
-from mmpt.engine import checkpoint
+from mmpt.engine import checkpoint, faults
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.optim import build_optimizer, warmup_cosine
+from mmpt.engine.watchdog import Watchdog
 from mmpt.methods import Method, get_method
 
 log = logging.getLogger(__name__)
@@ -89,23 +90,34 @@ def train(cfg: Config) -> dict[str, Any]:
 
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * world_size
     metrics = MetricLogger(run_dir, max_steps=cfg.train.max_steps, start_step=step, global_batch=global_batch,
-                           tensorboard=cfg.run.tensorboard, progress_bar=cfg.run.progress_bar)
+                           tensorboard=cfg.run.tensorboard, progress_bar=cfg.run.progress_bar,
+                           straggler_factor=cfg.train.straggler_factor, straggler_windows=cfg.train.straggler_windows)
+    watchdog = Watchdog(run_dir, rank, world_size, cfg.train.watchdog_timeout)
+
+    def reached(phase: str, at_step: int) -> None:
+        watchdog.beat(at_step, phase)
+        faults.inject(phase, at_step, rank)  # no-op unless a test injects a fault here
+
     try:
         while step < cfg.train.max_steps:
             started = time.perf_counter()
+            reached("data", step + 1)
             micro_batches = [to_device(next(batches), engine.device, float_dtype) for _ in range(cfg.train.grad_accum)]
             data_time = time.perf_counter() - started
-            losses = optimizer_step(engine, method, micro_batches)
+            losses, forward_time = optimizer_step(engine, method, micro_batches, lambda phase: reached(phase, step + 1))
             step += 1
-            metrics.update(losses, time.perf_counter() - started, data_time)
+            metrics.update(losses, time.perf_counter() - started, data_time, forward_time)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+                reached("log", step)
                 counts = loader.counts()
                 totals = mdist.all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist()
                 metrics.log(step, engine.get_lr()[0], {f"data/{k}": int(v) for k, v in zip(counts, totals)})
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
+                reached("checkpoint", step)
                 state = {"data": loader.state_dict(), "rng": checkpoint.rng_state()}
                 checkpoint.save(engine, run_dir, step, state, cfg.train.keep_last)
     finally:
+        watchdog.close()
         metrics.close()
     return finish(cfg, method, engine, run_dir, step)
 
@@ -161,20 +173,32 @@ def resume(cfg: Config, engine, loader: StatefulLoader, run_dir: Path) -> tuple[
     return step, batches
 
 
-def optimizer_step(engine, method: Method, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
-    """Forward/backward every micro-batch and step; returns each loss term averaged over them."""
+def optimizer_step(engine, method: Method, micro_batches: list[dict[str, Any]],
+                   phase: Callable[[str], None] = lambda name: None) -> tuple[dict[str, float], float]:
+    """Forward/backward every micro-batch and step: (each loss term averaged over them, forward seconds
+    not counting waits for other ranks in the loss's gathers).
+
+    `phase(name)` is told where the step is (forward, backward, step), for the watchdog.
+    """
+    phase("forward")
     with torch.no_grad():
         pool = method.step_pool(engine.module.model, engine.module.loss, micro_batches)
     sums: dict[str, float] = {}
+    forward_time = 0.0
     for index, batch in enumerate(micro_batches):
+        phase("forward")
+        started, waited = time.perf_counter(), mdist.GatherClock.seconds
         losses = engine(batch, pool, index)
+        forward_time += time.perf_counter() - started - (mdist.GatherClock.seconds - waited)
+        phase("backward")
         # With a pool every micro-batch loss is the step's loss: sum gradients, don't average.
         engine.backward(sum(losses.values()), scale_wrt_gas=pool is None)
+        phase("step")
         engine.step()
         for name, value in losses.items():
             sums[name] = sums.get(name, 0.0) + value.item() / len(micro_batches)
     sums["total"] = sum(sums.values())
-    return sums
+    return sums, forward_time
 
 
 def finish(cfg: Config, method: Method, engine, run_dir: Path, step: int) -> dict[str, Any]:

@@ -1,0 +1,59 @@
+"""Fault injection, for the tests that prove mmpt survives faults. Inert unless MMPT_INJECT_FAULT is set.
+
+    MMPT_INJECT_FAULT="kill@save:after_engine,step=4,rank=1"     SIGKILL this rank at that point
+    MMPT_INJECT_FAULT="sleep=30@forward,step=3,rank=1"           sleep there (a hung or slow rank)
+    MMPT_INJECT_FAULT="nan@loss,step=3,rank=0"                   make the loss NaN there
+
+Several faults are separated by `;`. A fault without `step`/`rank` fires at every step / on every rank;
+`once=PATH` makes it fire only while PATH does not exist (it is created first), so a restarted run
+gets past it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+ENV = "MMPT_INJECT_FAULT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    point: str
+    step: int | None = None
+    rank: int | None = None
+    once: str | None = None
+
+
+def parse(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        head, *conditions = item.split(",")
+        action, _, point = head.partition("@")
+        where = dict(condition.split("=", 1) for condition in conditions)
+        faults.append(Fault(action, point, int(where["step"]) if "step" in where else None,
+                            int(where["rank"]) if "rank" in where else None, where.get("once")))
+    return faults
+
+
+_FAULTS = parse(os.environ.get(ENV, ""))
+
+
+def inject(point: str, step: int, rank: int) -> str | None:
+    """Carry out a fault configured for this point; returns the action ('nan') the caller must apply."""
+    for fault in _FAULTS:
+        if fault.point != point or fault.step not in (None, step) or fault.rank not in (None, rank):
+            continue
+        if fault.once is not None:
+            if os.path.exists(fault.once):
+                continue
+            open(fault.once, "w").close()
+        if fault.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.action.startswith("sleep="):
+            time.sleep(float(fault.action.split("=", 1)[1]))
+        return fault.action
+    return None

@@ -1,0 +1,90 @@
+"""Hang watchdog: every rank reports its progress; one that makes none for `timeout` seconds says
+where every rank is and ends the run with EXIT_HANG, so the launcher or scheduler can restart it.
+
+Progress is a (step, phase) pair written to `<run_dir>/heartbeats/rank_<r>.json` at every phase
+change (phases: data, forward, backward, step, log, checkpoint; the collectives of a step happen in
+backward and step). The lagging ranks are those furthest behind, or, when all are at the same point,
+those silent longest: a rank stuck in a collective waits for exactly those.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+EXIT_HANG = 75
+PHASES = ("data", "forward", "backward", "step", "log", "checkpoint")
+
+
+class Watchdog:
+    def __init__(self, run_dir: Path, rank: int, world_size: int, timeout: float):
+        self.folder = run_dir / "heartbeats"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.step, self.phase, self._last = 0, "start", time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="mmpt-watchdog", daemon=True)
+        if timeout > 0:
+            self.beat(0, "start")
+            self._thread.start()
+
+    def beat(self, step: int, phase: str) -> None:
+        self.step, self.phase, self._last = step, phase, time.monotonic()
+        if self.timeout <= 0:
+            return
+        path = self.folder / f"rank_{self.rank}.json"
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text(json.dumps({"rank": self.rank, "step": step, "phase": phase, "time": time.time()}))
+        temporary.replace(path)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 10)):
+            silent = time.monotonic() - self._last
+            if silent > self.timeout:
+                print(self.diagnosis(silent), file=sys.stderr, flush=True)
+                os._exit(EXIT_HANG)
+
+    def diagnosis(self, silent: float) -> str:
+        reports = self._read_all()
+        now = time.time()
+
+        def progress(report: dict) -> tuple[int, int]:
+            phase = report["phase"]
+            return report["step"], PHASES.index(phase) if phase in PHASES else -1
+
+        lagging: list[dict] = []
+        if reports:
+            least = min(progress(r) for r in reports)
+            lagging = [r for r in reports if progress(r) == least]
+            if len(lagging) == len(reports):  # all at the same point: the silent ones hold the rest up
+                oldest = min(r["time"] for r in reports)
+                lagging = [r for r in reports if r["time"] - oldest < 1.0]
+        missing = sorted(set(range(self.world_size)) - {r["rank"] for r in reports})
+        where = "; ".join(f"rank {r['rank']}: step {r['step']} {r['phase']}, silent {now - r['time']:.0f}s"
+                          for r in sorted(reports, key=lambda r: r["rank"]))
+        names = ", ".join(str(r["rank"]) for r in lagging) or "unknown"
+        return (f"watchdog: rank {self.rank} made no progress for {silent:.0f}s (> {self.timeout:.0f}s) in "
+                f"'{self.phase}' of step {self.step}; lagging rank(s): {names}"
+                f"{'; no heartbeat from rank(s) ' + str(missing) if missing else ''}. All ranks: {where}. "
+                f"Exiting with {EXIT_HANG}; restart to resume from the latest checkpoint.")
+
+    def _read_all(self) -> list[dict]:
+        reports = []
+        for rank in range(self.world_size):
+            try:
+                reports.append(json.loads((self.folder / f"rank_{rank}.json").read_text()))
+            except (OSError, ValueError):
+                continue
+        return reports

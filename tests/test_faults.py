@@ -1,0 +1,121 @@
+"""Faults injected into real 2-rank runs (deepspeed launcher, CPU): kills, hangs, stragglers, bad input."""
+
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, deepspeed_command, launcher_env, tiny_config, write_config
+
+pytestmark = pytest.mark.distributed
+STEPS = dict(zero_stage=2, max_steps=12, save_every=4, keep_last=5, log_every=1)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, digits_root):
+    """An uninterrupted run's final weights."""
+    folder = tmp_path_factory.mktemp("reference")
+    config = write_config(folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train=STEPS))
+    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return load_file(str(folder / "run/model.safetensors"))
+
+
+def supervised(config, fault: str, marker) -> subprocess.CompletedProcess:
+    env = dict(launcher_env(), MMPT_INJECT_FAULT=f"{fault},once={marker}")
+    command = [sys.executable, str(REPO / "launch/supervise.py"), "--max-restarts", "2", "--delay", "0", "--",
+               *deepspeed_command(config)]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("fault", [
+    "kill@forward,step=7,rank=1",              # a rank dies mid-training
+    "kill@save:after_engine,step=8,rank=1",    # ... while DeepSpeed writes the checkpoint
+    "kill@save:after_rank_state,step=8,rank=0",  # ... after its own part, before the others finished
+    "kill@save:before_latest,step=8,rank=0",   # ... after the checkpoint completed, before `latest` moved
+])
+def test_killed_run_restarts_and_ends_with_the_uninterrupted_weights(tmp_path, digits_root, reference, fault):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=STEPS))
+    result = supervised(config, fault, tmp_path / "fired")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "fired").exists() and "restart 1 of 2" in result.stderr
+    resumed_at = "step_000000008" if "before_latest" in fault else "step_000000004"
+    assert f"resumed from {run_dir / 'checkpoints' / resumed_at}" in result.stderr + result.stdout
+    final = load_file(str(run_dir / "model.safetensors"))
+    assert final.keys() == reference.keys()
+    for key, value in reference.items():
+        assert torch.equal(final[key], value), key
+
+
+def test_watchdog_names_the_sleeping_rank_and_exits(tmp_path, digits_root):
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(
+        digits_root, tmp_path / "run", train={**STEPS, "watchdog_timeout": 5, "save_every": 0}))
+    env = dict(launcher_env(), MMPT_INJECT_FAULT="sleep=600@data,step=3,rank=1")
+    process = subprocess.Popen(deepspeed_command(config), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    output = ""
+    started = None
+    for line in process.stdout:
+        output += line
+        if started is None and "step 2 " in line:  # logged just before rank 1 falls asleep
+            started = time.monotonic()
+    process.wait(timeout=300)
+    assert process.returncode != 0
+    assert started is not None and time.monotonic() - started < 5 + 25, "the watchdog took too long"
+    assert "watchdog: rank 0 made no progress" in output and "lagging rank(s): 1" in output
+    assert "rank 1: step 3 data" in output and "rank 0: step 3 forward" in output
+
+
+def test_straggler_is_named_in_log_and_summary(tmp_path, digits_root):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(
+        digits_root, run_dir, train={**STEPS, "max_steps": 8, "save_every": 0, "straggler_windows": 3}))
+    env = dict(launcher_env(), MMPT_INJECT_FAULT="sleep=0.5@data,rank=1")  # a slow input pipeline on rank 1
+    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "straggler: rank 1" in result.stderr + result.stdout
+    assert list(json.loads((run_dir / "summary.json").read_text())["stragglers"]) == ["1"]
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/mmpt-payload-ran",))
+
+
+def test_shard_with_a_pickle_payload_is_not_unpickled(tmp_path):
+    from mmpt.data import BatchStream, ShardSetWriter, Source, StatefulLoader, StreamSpec
+    from mmpt.data.image_text import decode_image
+
+    with ShardSetWriter(tmp_path / "evil", max_samples=10) as writer:
+        for i in range(4):
+            buffer = io.BytesIO()
+            from PIL import Image
+
+            Image.new("RGB", (4, 4)).save(buffer, format="PNG")
+            writer.write({"__key__": f"{i}", "png": buffer.getvalue(), "pyd": pickle.dumps(Payload()), "txt": "x"})
+    spec = StreamSpec([Source.from_pattern(str(tmp_path / "evil-*.tar"))], batch_size=2, mode="epoch",
+                      shuffle_buffer=0, max_epochs=1)
+    batches = list(StatefulLoader(BatchStream(spec, lambda s: {"n": torch.tensor(decode_image(s["png"]).size[0]),
+                                                               "payload_is_bytes": torch.tensor(isinstance(s["pyd"], bytes))})))
+    assert sum(len(b["n"]) for b in batches) == 4 and all(b["payload_is_bytes"].all() for b in batches)
+    assert not os.path.exists("/tmp/mmpt-payload-ran")
+
+
+def test_config_cannot_execute_code(tmp_path, digits_root):
+    from mmpt.config import ConfigError, load_config
+
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))
+    text = cfg.read_text() + "\nextra: !!python/object/apply:os.system ['touch /tmp/mmpt-yaml-ran']\n"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(cfg)
+    assert not os.path.exists("/tmp/mmpt-yaml-ran")
