@@ -81,6 +81,8 @@ class TrainConfig(Section):
     save_every: int = Field(0, ge=0, description="checkpoint every n steps (0: only at the end)")
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
     seed: int = 0
+    max_bad_steps: int = Field(
+        10, gt=0, description="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient")
     watchdog_timeout: float = Field(
         1800.0, ge=0, description="seconds without progress (a step, a checkpoint) before the run exits; 0 = off")
     straggler_factor: float = Field(1.5, gt=1, description="a rank this much slower than the median step is slow")

@@ -48,7 +48,7 @@ def test_killed_run_restarts_and_ends_with_the_uninterrupted_weights(tmp_path, d
     result = supervised(config, fault, tmp_path / "fired")
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "fired").exists() and "restart 1 of 2" in result.stderr
-    resumed_at = "step_000000008" if "before_latest" in fault else "step_000000004"
+    resumed_at = "step_000000008" if "before_latest" in fault else "step_000000004"  # the newest complete one
     assert f"resumed from {run_dir / 'checkpoints' / resumed_at}" in result.stderr + result.stdout
     final = load_file(str(run_dir / "model.safetensors"))
     assert final.keys() == reference.keys()
@@ -119,3 +119,28 @@ def test_config_cannot_execute_code(tmp_path, digits_root):
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(cfg)
     assert not os.path.exists("/tmp/mmpt-yaml-ran")
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(tmp_path, digits_root, stage):
+    from conftest import read_metrics
+
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(
+        digits_root, run_dir, train={**STEPS, "zero_stage": stage, "max_steps": 6, "save_every": 0}))
+    env = dict(launcher_env(), MMPT_INJECT_FAULT="nan@backward,step=3,rank=1")
+    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = {r["step"]: r for r in read_metrics(run_dir) if "loss/total" in r}
+    assert [records[s]["skipped_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]
+    assert "step 3 skipped: non-finite loss or gradients (1 in a row" in result.stderr + result.stdout
+    assert all(torch.isfinite(value).all() for value in load_file(str(run_dir / "model.safetensors")).values())
+
+
+def test_non_finite_steps_in_a_row_stop_the_run(tmp_path, digits_root):
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(
+        digits_root, tmp_path / "run", train={**STEPS, "max_steps": 10, "save_every": 0, "max_bad_steps": 3}))
+    env = dict(launcher_env(), MMPT_INJECT_FAULT="nan@backward,rank=0")
+    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "stopping at step 3: 3 optimizer steps in a row had a non-finite loss or gradient" in result.stderr + result.stdout

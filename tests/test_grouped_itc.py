@@ -114,9 +114,9 @@ def run_on_four_ranks(checks):
     processes = [ctx.Process(target=_worker, args=(rank, port, checks, queue)) for rank in range(WORLD)]
     for p in processes:
         p.start()
-    errors = [queue.get(timeout=300) for _ in processes]
+    errors = [queue.get(timeout=900) for _ in processes]
     for p in processes:
-        p.join(timeout=60)
+        p.join(timeout=300)
     failures = [f"rank {rank}: {error}" for rank, error in errors if error]
     assert not failures, "\n".join(failures)
 

@@ -54,7 +54,8 @@ def _worker(rank, world, port, queue):
         x = torch.full((2, 3), float(rank), requires_grad=True)
         gathered = all_gather_with_grad(x)
         (gathered * torch.arange(1.0, 5.0)[:, None]).sum().backward()
-        queue.put((rank, mine, reference, gathered.detach(), x.grad.clone()))
+        # Plain lists: tensors would travel as shared-memory handles that die with this process.
+        queue.put((rank, [t.tolist() for t in mine], [t.tolist() for t in reference], gathered.tolist(), x.grad.tolist()))
     finally:
         dist.destroy_process_group()
 
@@ -66,11 +67,13 @@ def test_two_ranks_match_open_clip_local_loss_with_gathered_gradients():
     processes = [ctx.Process(target=_worker, args=(rank, 2, port, queue)) for rank in range(2)]
     for p in processes:
         p.start()
-    results = dict((item[0], item[1:]) for item in (queue.get(timeout=120) for _ in processes))
+    results = dict((item[0], item[1:]) for item in (queue.get(timeout=900) for _ in processes))
     for p in processes:
-        p.join(timeout=60)
+        p.join(timeout=300)
         assert p.exitcode == 0
-    for rank, (mine, reference, gathered, x_grad) in results.items():
+    for rank, lists in results.items():
+        mine, reference = [torch.tensor(t) for t in lists[0]], [torch.tensor(t) for t in lists[1]]
+        gathered, x_grad = torch.tensor(lists[2]), torch.tensor(lists[3])
         for a, b in zip(mine, reference):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
         torch.testing.assert_close(gathered, torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))

@@ -138,8 +138,9 @@ def _step_of(path: Path) -> int:
 def find_resume(run_dir: Path, resume: str) -> Path | None:
     """The checkpoint directory to resume from, or None for a fresh start.
 
-    `auto`: the newest complete checkpoint (normally the one `latest` names); incomplete ones, left
-    by a run killed while saving, are skipped with a warning.
+    `auto`: the newest complete checkpoint (`latest` names it too, unless a run was killed between
+    completing a checkpoint and moving `latest`); incomplete ones, left by a run killed while
+    saving, are skipped with a warning.
     """
     if resume == "none":
         return None
@@ -149,12 +150,8 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
             raise FileNotFoundError(f"config key 'run.resume': {path} is not a complete checkpoint")
         return path
     root = run_dir / CHECKPOINTS
-    pointer = root / LATEST
-    if pointer.is_file() and is_complete(root / pointer.read_text().strip()):
-        chosen = root / pointer.read_text().strip()
-    else:
-        complete = [p for p in root.glob("step_*") if p.is_dir() and is_complete(p)]
-        chosen = max(complete, key=_step_of) if complete else None
+    complete = [p for p in root.glob("step_*") if p.is_dir() and is_complete(p)]
+    chosen = max(complete, key=_step_of) if complete else None
     skipped = sorted(p.name for p in root.glob("step_*")
                      if p.is_dir() and not is_complete(p) and (chosen is None or _step_of(p) > _step_of(chosen)))
     if skipped:

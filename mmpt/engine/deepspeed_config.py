@@ -29,7 +29,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         # DeepSpeed's own default is 1.0: always say what we mean (0 = no clipping).
         "gradient_clipping": train.grad_clip,
         "zero_optimization": zero,
-        "bf16": {"enabled": train.precision == "bf16"},
+        # Non-finite gradients skip the step (ZeRO 1-3 check the global norm; on by default for fp32 only).
+        "bf16": {"enabled": train.precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": train.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         # The engine passes a torch optimizer; with offload that is a deliberate choice.
         "zero_force_ds_cpu_optimizer": False,

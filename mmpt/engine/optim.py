@@ -24,9 +24,27 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> 
     return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+class SkippingAdamW(torch.optim.AdamW):
+    """AdamW that skips a step whose gradients are not all finite, and says so through `overflow`,
+    which DeepSpeed reads to count the step as skipped. For ZeRO stage 0, where DeepSpeed steps the
+    optimizer as given; stages 1-3 detect non-finite gradient norms themselves."""
+
+    overflow = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.overflow = bool(grads) and not torch.isfinite(torch.stack([g.float().norm() for g in grads])).all()
+        if self.overflow:
+            return None
+        return super().step(closure)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay, cfg.no_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    # ZeRO accepts only known optimizer classes (and has its own overflow check).
+    kind = SkippingAdamW if zero_stage == 0 else torch.optim.AdamW
+    return kind(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> Callable[[int], float]:

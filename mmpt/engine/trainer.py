@@ -94,9 +94,11 @@ def train(cfg: Config) -> dict[str, Any]:
                            straggler_factor=cfg.train.straggler_factor, straggler_windows=cfg.train.straggler_windows)
     watchdog = Watchdog(run_dir, rank, world_size, cfg.train.watchdog_timeout)
 
-    def reached(phase: str, at_step: int) -> None:
+    def reached(phase: str, at_step: int) -> str | None:
         watchdog.beat(at_step, phase)
-        faults.inject(phase, at_step, rank)  # no-op unless a test injects a fault here
+        return faults.inject(phase, at_step, rank)  # no-op unless a test injects a fault here
+
+    bad_in_a_row = 0
 
     try:
         while step < cfg.train.max_steps:
@@ -106,12 +108,24 @@ def train(cfg: Config) -> dict[str, Any]:
             data_time = time.perf_counter() - started
             losses, forward_time = optimizer_step(engine, method, micro_batches, lambda phase: reached(phase, step + 1))
             step += 1
+            # A non-finite loss or gradient on any rank reaches every rank's gradients through their
+            # reduction, so all ranks skip the same steps.
+            bad_in_a_row = 0 if engine.was_step_applied() else bad_in_a_row + 1
+            if bad_in_a_row:
+                log.warning("step %d skipped: non-finite loss or gradients (%d in a row; losses %s)", step, bad_in_a_row,
+                            {k: round(v, 4) for k, v in losses.items()})
+            if bad_in_a_row >= cfg.train.max_bad_steps:
+                raise RuntimeError(
+                    f"stopping at step {step}: {bad_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                    f"(train.max_bad_steps={cfg.train.max_bad_steps}); last losses {losses}. Lower optim.lr, check the "
+                    "data (data/skipped in metrics.jsonl) or use fp32, then resume from the last checkpoint.")
             metrics.update(losses, time.perf_counter() - started, data_time, forward_time)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
                 reached("log", step)
                 counts = loader.counts()
                 totals = mdist.all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist()
-                metrics.log(step, engine.get_lr()[0], {f"data/{k}": int(v) for k, v in zip(counts, totals)})
+                metrics.log(step, engine.get_lr()[0], {**{f"data/{k}": int(v) for k, v in zip(counts, totals)},
+                                                       "skipped_steps": engine.skipped_steps})
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
                 reached("checkpoint", step)
                 state = {"data": loader.state_dict(), "rng": checkpoint.rng_state()}
@@ -149,7 +163,7 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int):
     model = method.build_model(cfg, run_dir)
     method.load_initial_weights(model, cfg)
     module = TrainingModule(method, model, method.build_loss(cfg))
-    optimizer = build_optimizer(module.model, cfg.optim)
+    optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio)
     )
@@ -174,7 +188,7 @@ def resume(cfg: Config, engine, loader: StatefulLoader, run_dir: Path) -> tuple[
 
 
 def optimizer_step(engine, method: Method, micro_batches: list[dict[str, Any]],
-                   phase: Callable[[str], None] = lambda name: None) -> tuple[dict[str, float], float]:
+                   phase: Callable[[str], str | None] = lambda name: None) -> tuple[dict[str, float], float]:
     """Forward/backward every micro-batch and step: (each loss term averaged over them, forward seconds
     not counting waits for other ranks in the loss's gathers).
 
@@ -190,9 +204,11 @@ def optimizer_step(engine, method: Method, micro_batches: list[dict[str, Any]],
         started, waited = time.perf_counter(), mdist.GatherClock.seconds
         losses = engine(batch, pool, index)
         forward_time += time.perf_counter() - started - (mdist.GatherClock.seconds - waited)
-        phase("backward")
+        total = sum(losses.values())
+        if phase("backward") == "nan":  # an injected fault
+            total = total * float("nan")
         # With a pool every micro-batch loss is the step's loss: sum gradients, don't average.
-        engine.backward(sum(losses.values()), scale_wrt_gas=pool is None)
+        engine.backward(total, scale_wrt_gas=pool is None)
         phase("step")
         engine.step()
         for name, value in losses.items():
