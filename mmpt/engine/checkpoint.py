@@ -24,7 +24,6 @@ from torch import nn
 
 from mmpt import distributed as mdist
 from mmpt.engine import faults
-from mmpt.hub import WEIGHTS
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.optim import build_optimizer, warmup_cosine
 from mmpt.engine.watchdog import Watchdog
+from mmpt.hub import WEIGHTS, load_run
 from mmpt.methods import Method, get_method
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def train(cfg: Config) -> dict[str, Any]:
             reached("data", step + 1)
             micro_batches = [to_device(next(batches), engine.device, float_dtype) for _ in range(cfg.train.grad_accum)]
             data_time = time.perf_counter() - started
-            losses, forward_time = optimizer_step(engine, method, micro_batches, lambda phase: reached(phase, step + 1))
+            losses, forward_time = optimizer_step(engine, method, micro_batches, lambda phase, at=step + 1: reached(phase, at))
             step += 1
             # A non-finite loss or gradient on any rank reaches every rank's gradients through their
             # reduction, so all ranks skip the same steps.
@@ -221,12 +222,10 @@ def finish(cfg: Config, method: Method, engine, run_dir: Path, step: int) -> dic
     """Consolidated fp32 weights, then the method's evaluation on a model loaded back from them."""
     weights = checkpoint.gathered_state_dict(engine.module.model)
     if mdist.get_rank() == 0:
-        checkpoint.save_weights(weights, run_dir / checkpoint.WEIGHTS)
+        checkpoint.save_weights(weights, run_dir / WEIGHTS)
     mdist.barrier()
     if mdist.get_rank() != 0:
         return {}
-    from mmpt.hub import load_run
-
     model = load_run(run_dir, device=engine.device)[2]
     results = method.evaluate(model, cfg, run_dir)
     if results:
