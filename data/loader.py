@@ -54,6 +54,7 @@ class StreamSpec:
     num_workers: int = 0
     max_epochs: int | None = None
     drop_last: bool = True
+    start_epoch: int = 0  # where every reader starts when there is no saved position
 
 
 def sample_seed(seed: int, slot: int, sample: dict) -> int:
@@ -88,6 +89,7 @@ class BatchStream(IterableDataset):
         return ShardStream(
             source.urls, slot=slot, num_slots=self.num_slots, seed=spec.seed, mode=spec.mode,
             shuffle_buffer=spec.shuffle_buffer, max_epochs=spec.max_epochs, name=source.name,
+            start_epoch=spec.start_epoch,
         )
 
     def logical_worker(self) -> int:
@@ -150,6 +152,7 @@ class StatefulLoader:
     skip_policy: SkipPolicy = field(default_factory=SkipPolicy)
     batches: int = 0
     positions: dict[int, dict] = field(default_factory=dict)
+    carried: dict[str, int] = field(default_factory=lambda: {"seen": 0, "skipped": 0})  # from before a reshard
 
     def state_dict(self) -> dict[str, Any]:
         spec = self.dataset.spec
@@ -158,6 +161,7 @@ class StatefulLoader:
             "num_workers": spec.num_workers,
             "world_size": spec.world_size,
             "positions": {str(k): v for k, v in self.positions.items()},
+            "carried": dict(self.carried),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -169,10 +173,27 @@ class StatefulLoader:
             )
         self.batches = state["batches"]
         self.positions = {int(k): v for k, v in state["positions"].items()}
+        self.carried = dict(state.get("carried", {"seen": 0, "skipped": 0}))
+
+    def reshard(self, old_states: list[dict[str, Any]]) -> None:
+        """Continue after a change of ranks or workers, from every old rank's saved state.
+
+        Positions cannot be split differently, so every reader starts at the epoch after the furthest
+        one any old reader had reached: no sample is read twice; in epoch mode, what was left of the
+        epochs in progress is skipped. Skip counts carry over.
+        """
+        positions = [p for state in old_states for p in state["positions"].values()]
+        epochs = [source["epoch"] for p in positions for source in p["stream"]["sources"]]
+        self.dataset.spec.start_epoch = max(epochs, default=-1) + 1
+        self.batches, self.positions = 0, {}
+        if self.dataset.spec.rank == 0:  # counted once, not on every new rank
+            self.carried = {k: sum(p["counts"][k] for p in positions) + sum(s.get("carried", {}).get(k, 0)
+                                                                           for s in old_states) for k in ("seen", "skipped")}
 
     def counts(self) -> dict[str, int]:
-        seen = sum(p["counts"]["seen"] for p in self.positions.values())
-        skipped = sum(p["counts"]["skipped"] for p in self.positions.values())
+        carried = self.carried
+        seen = carried["seen"] + sum(p["counts"]["seen"] for p in self.positions.values())
+        skipped = carried["skipped"] + sum(p["counts"]["skipped"] for p in self.positions.values())
         return {"seen": seen, "skipped": skipped}
 
     def _check_skip_rate(self, last_error: str) -> None:

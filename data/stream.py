@@ -61,6 +61,7 @@ class ShardStream:
         shuffle_buffer: int = 1000,
         max_epochs: int | None = None,
         name: str = "data",
+        start_epoch: int = 0,
     ):
         if mode not in ("resampled", "epoch"):
             raise ValueError(f"unknown sampling mode {mode!r}")
@@ -71,9 +72,9 @@ class ShardStream:
             )
         self.urls, self.slot, self.num_slots, self.seed = urls, slot, num_slots, seed
         self.mode, self.buffer_size, self.max_epochs, self.name = mode, shuffle_buffer, max_epochs, name
-        self.epoch, self.shard_pos, self.member = 0, 0, 0
+        self.epoch, self.shard_pos, self.member = start_epoch, 0, 0
         self._buffer: list[tuple[Tag, dict]] = []
-        self._rng = self._buffer_rng(0)
+        self._rng = self._buffer_rng(start_epoch)
         self._resume_tags: list[Tag] | None = None
 
     # -- positions ---------------------------------------------------------------------------

@@ -144,3 +144,40 @@ def test_non_finite_steps_in_a_row_stop_the_run(tmp_path, digits_root):
     result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
     assert "stopping at step 3: 3 optimizer steps in a row had a non-finite loss or gradient" in result.stderr + result.stdout
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory, digits_root):
+    from conftest import step_losses
+
+    folder = tmp_path_factory.mktemp("elastic_reference")
+    config = write_config(folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train={**STEPS, "max_steps": 16}))
+    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return step_losses(folder / "run")
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_resume_on_another_number_of_ranks_joins_the_loss_curve(tmp_path, digits_root, reference_losses, before, after):
+    from conftest import step_losses
+
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train={**STEPS, "max_steps": 16}))
+
+    def batch_for(ranks):  # the same global batch (32) whatever the number of ranks
+        return f"data.train.batch_size={32 // ranks}"
+
+    env = dict(launcher_env(), MMPT_INJECT_FAULT="kill@data,step=9,rank=0")  # dies right after checkpoint 8
+    first = subprocess.run(deepspeed_command(config, batch_for(before), ranks=before), cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode != 0 and (run_dir / "checkpoints/step_000000008/complete.json").exists()
+    second = subprocess.run(deepspeed_command(config, batch_for(after), ranks=after), cwd=REPO, env=launcher_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"saved by {before} ranks x 1 workers, on {after} x 1" in second.stderr + second.stdout
+    losses = step_losses(run_dir)
+    after_resume = [losses[s] for s in range(9, 17)]
+    reference = [reference_losses[s] for s in range(9, 17)]
+    assert sum(abs(a - b) for a, b in zip(after_resume, reference)) / 8 < 0.35, (after_resume, reference)
+    assert losses[9] < reference_losses[1] - 0.5  # it continued, it did not start over

@@ -14,6 +14,8 @@ import json
 import logging
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +81,9 @@ def save(engine, run_dir: Path, step: int, rank_state: dict[str, Any], keep_last
     if rank == 0:
         (root / tag / COMPLETE).unlink(missing_ok=True)  # re-saving a step: it is incomplete until done
     mdist.barrier()
-    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
+    # `universal_checkpoint_info` lets DeepSpeed convert this checkpoint for another number of ranks.
+    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step, "universal_checkpoint_info": {}},
+                           save_latest=False)
     faults.inject("save:after_engine", step, rank)
     _atomic_torch_save(rank_state, root / tag / f"rank_{rank}.pt")
     faults.inject("save:after_rank_state", step, rank)
@@ -158,17 +162,41 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     return chosen
 
 
-def load(engine, checkpoint: Path) -> tuple[int, dict[str, Any]]:
-    """Restore engine state; returns (step, this rank's saved state)."""
+def saved_world_size(checkpoint: Path) -> int:
+    return int(json.loads((checkpoint / COMPLETE).read_text())["world_size"])
+
+
+def to_universal(checkpoint: Path, run_dir: Path) -> Path:
+    """A DeepSpeed universal copy of a ZeRO checkpoint, loadable by any number of ranks.
+
+    Rank 0 converts once (`deepspeed.checkpoint.ds_to_universal`); every rank calls this and waits.
+    """
+    target = run_dir / "checkpoints_universal" / checkpoint.name
+    if mdist.get_rank() == 0 and not (target / COMPLETE).exists():
+        shutil.rmtree(target, ignore_errors=True)
+        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                   "--input_folder", str(checkpoint), "--output_folder", str(target)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"converting {checkpoint} to a universal checkpoint failed:\n{result.stderr[-2000:]}")
+        shutil.copyfile(checkpoint / COMPLETE, target / COMPLETE)
+    mdist.barrier()
+    return target
+
+
+def load_engine(engine, checkpoint: Path) -> int:
+    """Restore model, optimizer and schedule; returns the step."""
     if not checkpoint.is_dir():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
-    rank_file = checkpoint / f"rank_{mdist.get_rank()}.pt"
-    if not rank_file.exists():
-        raise FileNotFoundError(f"{rank_file} missing: the checkpoint was written by a different number of ranks")
     _, client = engine.load_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
     if client is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {checkpoint}")
-    return int(client["step"]), torch.load(rank_file, weights_only=True)
+    return int(client["step"])
+
+
+def rank_states(checkpoint: Path) -> list[dict[str, Any]]:
+    """Every saved rank's own state (data position, RNG), in rank order."""
+    return [torch.load(checkpoint / f"rank_{r}.pt", weights_only=True) for r in range(saved_world_size(checkpoint))]
 
 
 def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:

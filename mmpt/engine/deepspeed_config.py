@@ -14,7 +14,7 @@ def check_precision(cfg: Config) -> None:
         raise ConfigError("config key 'train.precision' = 'fp16' needs a GPU; use bf16 or fp32 on CPU")
 
 
-def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
+def deepspeed_config(cfg: Config, world_size: int, load_universal: bool = False) -> dict[str, Any]:
     train = cfg.train
     micro = cfg.data.train.batch_size
     zero: dict[str, Any] = {"stage": train.zero_stage}
@@ -34,6 +34,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         "fp16": {"enabled": train.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         # The engine passes a torch optimizer; with offload that is a deliberate choice.
         "zero_force_ds_cpu_optimizer": False,
+        # Loading a checkpoint written by another number of ranks goes through its universal copy.
+        "checkpoint": {"load_universal": load_universal},
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
     }

@@ -79,7 +79,10 @@ def train(cfg: Config) -> dict[str, Any]:
         prepare_run_dir(cfg, method, run_dir)
     mdist.barrier()
 
-    engine = build_engine(cfg, method, run_dir, world_size)
+    checkpoint_dir = checkpoint.find_resume(run_dir, cfg.run.resume)
+    elastic = checkpoint_dir is not None and checkpoint.saved_world_size(checkpoint_dir) != world_size
+    universal = checkpoint.to_universal(checkpoint_dir, run_dir) if elastic and cfg.train.zero_stage > 0 else None
+    engine = build_engine(cfg, method, run_dir, world_size, load_universal=universal is not None)
     float_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     match_buffer_precision(engine.module, float_dtype)
     seed_everything(cfg.train.seed + rank)
@@ -87,7 +90,7 @@ def train(cfg: Config) -> dict[str, Any]:
         method.train_data(cfg, run_dir, rank=rank, world_size=world_size),
         SkipPolicy(cfg.data.train.max_skip_rate, cfg.data.train.min_samples_for_skip_rate),
     )
-    step, batches = resume(cfg, engine, loader, run_dir)
+    step, batches = resume(cfg, engine, loader, checkpoint_dir, universal or checkpoint_dir)
 
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * world_size
     metrics = MetricLogger(run_dir, max_steps=cfg.train.max_steps, start_step=step, global_batch=global_batch,
@@ -157,7 +160,7 @@ def prepare_run_dir(cfg: Config, method: Method, run_dir: Path) -> None:
     method.prepare(cfg, run_dir)
 
 
-def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int):
+def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, load_universal: bool = False):
     import deepspeed
 
     seed_everything(cfg.train.seed)  # the same initial weights on every rank
@@ -169,22 +172,40 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int):
         optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio)
     )
     engine, _, _, _ = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=schedule, config=deepspeed_config(cfg, world_size)
+        model=module, optimizer=optimizer, lr_scheduler=schedule,
+        config=deepspeed_config(cfg, world_size, load_universal=load_universal),
     )
     return engine
 
 
-def resume(cfg: Config, engine, loader: StatefulLoader, run_dir: Path) -> tuple[int, Iterator]:
-    """(step, batch iterator), continuing exactly where the checkpoint left off if there is one."""
-    checkpoint_dir = checkpoint.find_resume(run_dir, cfg.run.resume)
+def resume(cfg: Config, engine, loader: StatefulLoader, checkpoint_dir: Path | None,
+           engine_checkpoint: Path | None) -> tuple[int, Iterator]:
+    """(step, batch iterator), continuing where the checkpoint left off if there is one.
+
+    Same ranks and workers: exactly (data position and RNG restored). Another layout: model and
+    optimizer through DeepSpeed's universal checkpoint, data readers re-sharded (see
+    `StatefulLoader.reshard`), RNG reseeded from the step.
+    """
     if checkpoint_dir is None:
         return 0, iter(loader)
-    step, rank_state = checkpoint.load(engine, checkpoint_dir)
-    loader.load_state_dict(rank_state["data"])
+    step = checkpoint.load_engine(engine, engine_checkpoint)
+    states = checkpoint.rank_states(checkpoint_dir)
+    rank = mdist.get_rank()
+    layout = (states[0]["data"]["world_size"], states[0]["data"]["num_workers"])
+    spec = loader.dataset.spec
+    if layout == (spec.world_size, spec.num_workers):
+        loader.load_state_dict(states[rank]["data"])
+        batches = iter(loader)
+        checkpoint.set_rng_state(states[rank]["rng"])  # after iter(): starting the loader draws from the RNG
+        if rank == 0:
+            log.warning("resumed from %s at step %d", checkpoint_dir, step)
+        return step, batches
+    loader.reshard([s["data"] for s in states])
     batches = iter(loader)
-    checkpoint.set_rng_state(rank_state["rng"])  # after iter(): starting the loader draws from the RNG
-    if mdist.get_rank() == 0:
-        log.warning("resumed from %s at step %d", checkpoint_dir, step)
+    seed_everything(cfg.train.seed + rank + 7919 * step)
+    if rank == 0:
+        log.warning("resumed from %s at step %d, saved by %d ranks x %d workers, on %d x %d: data readers restart "
+                    "at epoch %d", checkpoint_dir, step, *layout, spec.world_size, spec.num_workers, spec.start_epoch)
     return step, batches
 
 
