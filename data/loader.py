@@ -162,6 +162,7 @@ class StatefulLoader:
             "world_size": spec.world_size,
             "positions": {str(k): v for k, v in self.positions.items()},
             "carried": dict(self.carried),
+            "start_epoch": spec.start_epoch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -174,6 +175,7 @@ class StatefulLoader:
         self.batches = state["batches"]
         self.positions = {int(k): v for k, v in state["positions"].items()}
         self.carried = dict(state.get("carried", {"seen": 0, "skipped": 0}))
+        spec.start_epoch = state.get("start_epoch", 0)  # for a worker that had not delivered a batch yet
 
     def reshard(self, old_states: list[dict[str, Any]]) -> None:
         """Continue after a change of ranks or workers, from every old rank's saved state.
@@ -187,8 +189,9 @@ class StatefulLoader:
         self.dataset.spec.start_epoch = max(epochs, default=-1) + 1
         self.batches, self.positions = 0, {}
         if self.dataset.spec.rank == 0:  # counted once, not on every new rank
-            self.carried = {k: sum(p["counts"][k] for p in positions) + sum(s.get("carried", {}).get(k, 0)
-                                                                           for s in old_states) for k in ("seen", "skipped")}
+            for key in ("seen", "skipped"):
+                before = sum(state.get("carried", {}).get(key, 0) for state in old_states)
+                self.carried[key] = before + sum(p["counts"][key] for p in positions)
 
     def counts(self) -> dict[str, int]:
         carried = self.carried
