@@ -184,3 +184,26 @@ def test_missing_field_is_a_clear_error(tmp_path, digits_root):
     spec = StreamSpec([Source.from_pattern(pattern)], batch_size=2, shuffle_buffer=0, mode="epoch", max_epochs=1)
     with pytest.raises(MissingFieldError, match=r"sample '00003' of .*part-000000.tar has no text field \(looked for txt"):
         list(StatefulLoader(BatchStream(spec, decoder)))
+
+
+def test_reshard_starts_every_reader_after_the_furthest_epoch(tmp_path):
+    pattern = write_set(tmp_path, n=40, per_shard=5)
+
+    def epoch_of(sample):
+        return {"epoch": torch.tensor(sample["__epoch__"]), "id": torch.tensor(int(decode_text(sample["cls"])))}
+
+    def loader(rank, world, workers):
+        spec = StreamSpec([Source.from_pattern(pattern)], batch_size=4, mode="epoch", shuffle_buffer=3, rank=rank,
+                          world_size=world, num_workers=workers)
+        return StatefulLoader(BatchStream(spec, epoch_of))
+
+    old = [loader(rank, 2, 1) for rank in range(2)]
+    for rank, reader in enumerate(old):
+        list(islice(reader, 7 if rank else 3))  # rank 1 is into its second epoch (5 batches per epoch)
+    states = [json.loads(json.dumps(reader.state_dict())) for reader in old]
+    new = loader(0, 1, 2)
+    new.reshard(states)
+    batches = list(islice(new, 10))
+    assert all(int(e) == 2 for b in batches for e in b["epoch"])  # after epoch 1, the furthest reached
+    assert sorted(int(i) for b in batches for i in b["id"]) == list(range(40))  # one whole epoch, once each
+    assert new.counts()["seen"] == 3 * 4 + 7 * 4 + 40 and new.state_dict()["start_epoch"] == 2
