@@ -101,6 +101,7 @@ def _worker(rank, port, checks, queue):
     try:
         for name, args in checks:
             globals()[name](rank, *args)
+        dist.barrier()  # nobody leaves (taking the rendezvous store with rank 0) while others still work
         queue.put((rank, None))
     except Exception as exc:  # reported to the test process
         queue.put((rank, f"{type(exc).__name__}: {exc}"))

@@ -54,6 +54,7 @@ def _worker(rank, world, port, queue):
         x = torch.full((2, 3), float(rank), requires_grad=True)
         gathered = all_gather_with_grad(x)
         (gathered * torch.arange(1.0, 5.0)[:, None]).sum().backward()
+        dist.barrier()
         # Plain lists: tensors would travel as shared-memory handles that die with this process.
         queue.put((rank, [t.tolist() for t in mine], [t.tolist() for t in reference], gathered.tolist(), x.grad.tolist()))
     finally:
