@@ -158,12 +158,14 @@ def reference_losses(tmp_path_factory, digits_root):
     return step_losses(folder / "run")
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_resume_on_another_number_of_ranks_joins_the_loss_curve(tmp_path, digits_root, reference_losses, before, after):
+@pytest.mark.parametrize("before, after, stage", [(2, 1, 2), (1, 2, 2), (2, 1, 3)])
+def test_resume_on_another_number_of_ranks_joins_the_loss_curve(tmp_path, digits_root, reference_losses,
+                                                                before, after, stage):
     from conftest import step_losses
 
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train={**STEPS, "max_steps": 16}))
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(
+        digits_root, run_dir, train={**STEPS, "max_steps": 16, "zero_stage": stage}))
 
     def batch_for(ranks):  # the same global batch (32) whatever the number of ranks
         return f"data.train.batch_size={32 // ranks}"
