@@ -18,6 +18,7 @@ from mmpt.config import Config, save_config
 from mmpt.data.loader import SkipPolicy, StatefulLoader
 from mmpt.engine import checkpoint, faults
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
+from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.optim import build_optimizer, warmup_cosine
 from mmpt.engine.watchdog import Watchdog
@@ -102,8 +103,7 @@ def train(cfg: Config) -> dict[str, Any]:
         watchdog.beat(at_step, phase)
         return faults.inject(phase, at_step, rank)  # no-op unless a test injects a fault here
 
-    bad_in_a_row = 0
-
+    guard = NonFiniteGuard(cfg.train.max_bad_steps)
     try:
         while step < cfg.train.max_steps:
             started = time.perf_counter()
@@ -112,17 +112,7 @@ def train(cfg: Config) -> dict[str, Any]:
             data_time = time.perf_counter() - started
             losses, forward_time = optimizer_step(engine, method, micro_batches, lambda phase, at=step + 1: reached(phase, at))
             step += 1
-            # A non-finite loss or gradient on any rank reaches every rank's gradients through their
-            # reduction, so all ranks skip the same steps.
-            bad_in_a_row = 0 if engine.was_step_applied() else bad_in_a_row + 1
-            if bad_in_a_row:
-                log.warning("step %d skipped: non-finite loss or gradients (%d in a row; losses %s)", step, bad_in_a_row,
-                            {k: round(v, 4) for k, v in losses.items()})
-            if bad_in_a_row >= cfg.train.max_bad_steps:
-                raise RuntimeError(
-                    f"stopping at step {step}: {bad_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
-                    f"(train.max_bad_steps={cfg.train.max_bad_steps}); last losses {losses}. Lower optim.lr, check the "
-                    "data (data/skipped in metrics.jsonl) or use fp32, then resume from the last checkpoint.")
+            guard.check(step, engine.was_step_applied(), losses)
             metrics.update(losses, time.perf_counter() - started, data_time, forward_time)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
                 reached("log", step)
