@@ -182,4 +182,7 @@ def test_resume_on_another_number_of_ranks_joins_the_loss_curve(tmp_path, digits
     after_resume = [losses[s] for s in range(9, 17)]
     reference = [reference_losses[s] for s in range(9, 17)]
     assert sum(abs(a - b) for a, b in zip(after_resume, reference)) / 8 < 0.35, (after_resume, reference)
-    assert losses[9] < reference_losses[1] - 0.5  # it continued, it did not start over
+    # It continued rather than started over: after resuming it is nearer the level it left than the start.
+    start = (reference_losses[1] + reference_losses[2]) / 2
+    left = (reference_losses[7] + reference_losses[8]) / 2
+    assert sum(after_resume[:4]) / 4 < (start + left) / 2, (after_resume, reference)
