@@ -1,4 +1,4 @@
-"""A bilingual (Chinese/English) WordPiece tokenizer trained on a corpus, and a padding wrapper.
+"""A bilingual (Chinese/English) WordPiece tokenizer built from a corpus, and a padding wrapper.
 
 BERT's normaliser splits every CJK character into its own word, so Chinese needs no segmenter;
 English words become WordPiece units. Trained in seconds on a demo corpus, fully offline.
@@ -7,25 +7,43 @@ English words become WordPiece units. Trained in seconds on a demo corpus, fully
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterable
 
 import torch
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def train_wordpiece(texts: Iterable[str], path: str | os.PathLike, vocab_size: int = 2000) -> Tokenizer:
-    """Train on `texts`, save as a `tokenizer.json` at `path` (loadable by transformers too)."""
-    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    """Build a WordPiece vocabulary from `texts` and save a `tokenizer.json` at `path` (transformers loads it too).
+
+    Deterministic (the same texts always give the same file, which `tokenizers`' own trainer does not
+    promise): every character seen, as a word start and as a `##` continuation, then whole words by
+    frequency, ties in alphabetical order, up to `vocab_size`.
+    """
+    normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    characters = sorted({char for word in counts for char in word})
+    vocab = [*SPECIAL_TOKENS, *characters, *(f"##{char}" for char in characters)]
+    known = set(vocab)
+    for word, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        if len(vocab) >= vocab_size:
+            break
+        if word not in known:
+            vocab.append(word)
+            known.add(word)
+    tokenizer = Tokenizer(models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=1)
-    tokenizer.train_from_iterator(list(texts), trainer=trainer)
-    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", vocab.index("[CLS]")), ("[SEP]", vocab.index("[SEP]"))],
     )
     tokenizer.save(str(path))
     return tokenizer

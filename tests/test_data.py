@@ -207,3 +207,20 @@ def test_reshard_starts_every_reader_after_the_furthest_epoch(tmp_path):
     assert all(int(e) == 2 for b in batches for e in b["epoch"])  # after epoch 1, the furthest reached
     assert sorted(int(i) for b in batches for i in b["id"]) == list(range(40))  # one whole epoch, once each
     assert new.counts()["seen"] == 3 * 4 + 7 * 4 + 40 and new.state_dict()["start_epoch"] == 2
+
+
+def test_tokenizer_build_is_deterministic_across_processes(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; from mmpt.data.tokenizer import train_wordpiece; "
+              "train_wordpiece(['a handwritten digit seven', '手写的数字七', 'the number 7'] * 3, sys.argv[1])")
+    for seed in ("1", "2"):
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / f"{seed}.json")], check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed})
+    assert (tmp_path / "1.json").read_bytes() == (tmp_path / "2.json").read_bytes()
+    from mmpt.data.tokenizer import TextTokenizer
+
+    ids = TextTokenizer(tmp_path / "1.json", 8)(["digit seven 七"])["input_ids"][0].tolist()
+    assert 1 not in ids[:5]  # no [UNK]: every word and character of the corpus is in the vocabulary
