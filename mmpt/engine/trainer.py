@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -139,7 +140,23 @@ def start_process_group() -> tuple[int, int]:
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
     if use_cuda:
         torch.cuda.set_device(mdist.process_info().local_rank)
+    mdist.barrier()
+    release_cpu_allreduce_buffer()
     return mdist.get_rank(), mdist.get_world_size()
+
+
+def release_cpu_allreduce_buffer() -> None:
+    """Unlink this rank's DeepSpeed CPU all-reduce buffer from /dev/shm once every rank has mapped it.
+
+    DeepSpeed's shared-memory all-reduce (CPU ranks) creates one ~70 MB file per rank and run,
+    named after the rendezvous port, and never removes it: every run, killed ones most of all,
+    would leave its buffers behind until /dev/shm fills memory. Every peer maps all buffers while
+    the process group starts (the barrier before this call), so the name is no longer needed;
+    the memory goes when the last rank exits.
+    """
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{mdist.get_rank()}")
+    Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def prepare_run_dir(cfg: Config, method: Method, run_dir: Path) -> None:
