@@ -55,6 +55,23 @@ class StreamSpec:
     max_epochs: int | None = None
     drop_last: bool = True
     start_epoch: int = 0  # where every reader starts when there is no saved position
+    per_source: bool = False  # one sub-batch per source, of a fixed share of batch_size (see `batch_shares`)
+
+    def shares(self) -> list[int]:
+        return batch_shares(self.batch_size, [s.weight for s in self.sources])
+
+
+def batch_shares(batch_size: int, weights: list[float]) -> list[int]:
+    """Split a batch over sources in proportion to their weights (largest remainders), at least 1 each."""
+    total = sum(weights)
+    exact = [batch_size * w / total for w in weights]
+    shares = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (shares[i] - exact[i], i))
+    for i in by_remainder[: batch_size - sum(shares)]:
+        shares[i] += 1
+    if min(shares) < 1:
+        raise ValueError(f"batch_size {batch_size} is too small to give every source (weights {weights}) a sample")
+    return shares
 
 
 def sample_seed(seed: int, slot: int, sample: dict) -> int:
@@ -104,37 +121,64 @@ class BatchStream(IterableDataset):
         stream = MixedStream(
             [self._make_stream(s, slot) for s in spec.sources], [s.weight for s in spec.sources], seed=spec.seed, slot=slot
         )
-        counts = {"seen": 0, "skipped": 0}
-        last_error = ""
+        status = {"counts": {"seen": 0, "skipped": 0}, "last_error": ""}
         if worker in self.start_states:
             start = self.start_states[worker]
             stream.load_state_dict(start["stream"])
-            counts = dict(start["counts"])
+            status["counts"] = dict(start["counts"])
+        if spec.per_source:
+            yield from self._per_source_batches(stream, worker, slot, status)
+            return
         batch: list[dict] = []
         for raw in stream:
-            counts["seen"] += 1
-            try:
-                # Random transforms draw from a per-sample seed; the caller's RNG is left as it was.
-                with torch.random.fork_rng(devices=[]):
-                    torch.random.default_generator.manual_seed(sample_seed(spec.seed, slot, raw))  # CPU only
-                    batch.append(self.decode(raw))
-            except MissingFieldError:
-                raise
-            except Exception as exc:  # a corrupt sample must not stop the run
-                counts["skipped"] += 1
-                last_error = f"sample {raw.get('__key__')!r} of {raw.get('__shard__')}: {type(exc).__name__}: {exc}"
-                log.warning("skipped %s", last_error)
+            sample = self._decode(raw, slot, status)
+            if sample is not None:
+                batch.append(sample)
             if len(batch) == spec.batch_size:
-                yield self._package(batch, worker, stream, counts, last_error)
+                yield self._package(self.collate(batch), worker, stream, status)
                 batch = []
         if batch and not spec.drop_last:
-            yield self._package(batch, worker, stream, counts, last_error)
+            yield self._package(self.collate(batch), worker, stream, status)
 
-    def _package(self, batch, worker, stream, counts, last_error) -> dict:
+    def _per_source_batches(self, stream: MixedStream, worker: int, slot: int, status: dict) -> Iterator[dict]:
+        """Each batch: {source name: collated share of that source}; ends when any source ends."""
+        readers = [iter(s) for s in stream.streams]
+        while True:
+            batch = {}
+            for source, reader, share in zip(self.spec.sources, readers, self.spec.shares()):
+                samples: list[dict] = []
+                while len(samples) < share:
+                    raw = next(reader, None)
+                    if raw is None:
+                        return
+                    raw["__source__"] = source.name
+                    sample = self._decode(raw, slot, status)
+                    if sample is not None:
+                        samples.append(sample)
+                batch[source.name] = self.collate(samples)
+            yield self._package(batch, worker, stream, status)
+
+    def _decode(self, raw: dict, slot: int, status: dict) -> dict | None:
+        """The decoded sample, or None (counted, with the reason kept) when it fails to decode."""
+        status["counts"]["seen"] += 1
+        try:
+            # Random transforms draw from a per-sample seed; the caller's RNG is left as it was.
+            with torch.random.fork_rng(devices=[]):
+                torch.random.default_generator.manual_seed(sample_seed(self.spec.seed, slot, raw))  # CPU only
+                return self.decode(raw)
+        except MissingFieldError:
+            raise
+        except Exception as exc:  # a corrupt sample must not stop the run
+            status["counts"]["skipped"] += 1
+            status["last_error"] = f"sample {raw.get('__key__')!r} of {raw.get('__shard__')}: {type(exc).__name__}: {exc}"
+            log.warning("skipped %s", status["last_error"])
+            return None
+
+    def _package(self, batch, worker, stream, status) -> dict:
         return {
-            "batch": self.collate(batch),
-            "position": {"worker": worker, "stream": stream.state_dict(), "counts": dict(counts)},
-            "last_error": last_error,
+            "batch": batch,
+            "position": {"worker": worker, "stream": stream.state_dict(), "counts": dict(status["counts"])},
+            "last_error": status["last_error"],
         }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
 COMMAND_LINE = "<command line>"
 
@@ -32,6 +32,7 @@ class SourceConfig(Section):
 
     shards: str = Field(description="brace pattern or comma list of tar shards, e.g. dir/train-{000000..000009}.tar")
     weight: float = Field(1.0, gt=0, description="relative sampling weight when several sources are mixed")
+    name: str | None = Field(None, description="how the source is called in per-source batches and logs (default: shards)")
 
 
 class LoaderConfig(Section):
@@ -40,6 +41,9 @@ class LoaderConfig(Section):
         "resampled", description="resampled: shards drawn with replacement forever; epoch: each sample once per epoch"
     )
     batch_size: int = Field(gt=0, description="micro-batch size per rank")
+    compose: Literal["mixed", "per_source"] = Field(
+        "mixed", description="mixed: sources interleaved at random by weight into one batch; per_source: every batch "
+        "takes a fixed share of batch_size from each source (by weight) and hands one sub-batch per source, by name")
     num_workers: int = Field(1, ge=0)
     shuffle_buffer: int = Field(1000, ge=0, description="sample shuffle buffer per worker (0 = no shuffle)")
     max_skip_rate: float = Field(0.01, ge=0, le=1, description="fail once more than this fraction of samples fail")
@@ -47,10 +51,21 @@ class LoaderConfig(Section):
         200, ge=1, description="samples read before the skip-rate limit applies (avoids failing on the first bad sample)"
     )
 
+    @model_validator(mode="after")
+    def _check_per_source(self) -> LoaderConfig:
+        if self.compose == "per_source":
+            from mmpt.data.loader import batch_shares
+
+            names = [s.name or s.shards for s in self.sources]
+            if len(set(names)) != len(names):
+                raise ValueError(f"per_source batches need distinct source names, got {names}")
+            batch_shares(self.batch_size, [s.weight for s in self.sources])
+        return self
+
 
 class DataConfig(Section):
     train: LoaderConfig
-    prepare: Literal["digits"] | None = Field(
+    prepare: Literal["digits", "dialogs"] | None = Field(
         None, description="name of a built-in demo corpus to build on first use when the shards are missing"
     )
     root: str = Field("demo_data", description="directory the demo corpus is built in")
@@ -63,7 +78,8 @@ class OptimConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the cosine schedule as a fraction of lr")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decay as a fraction of lr")
+    decay: Literal["cosine", "linear"] = Field("cosine", description="shape of the decay after warmup")
     no_decay: list[str] = Field(
         default_factory=lambda: ["bias", "norm", "logit_scale", "pos_embed", "position_embeddings", "cls_token"],
         description="parameters whose name contains one of these (or that are 1-D) get no weight decay",

@@ -176,3 +176,12 @@ def all_gather_floats(values: list[float]) -> list[list[float]]:
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local)
     return [p.cpu().tolist() for p in parts]
+
+
+def all_gather_objects(value: object) -> list[object]:
+    """Every rank's picklable `value`, in rank order (e.g. the labels of each rank's batch)."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    parts: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, value)
+    return parts

@@ -1,3 +1,4 @@
+import importlib
 import json
 import os
 import socket
@@ -95,3 +96,36 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def step_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss/total"] for r in read_metrics(run_dir) if "loss/total" in r}
+
+
+def _gloo_worker(rank, world, port, module, checks, queue):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        functions = importlib.import_module(module)
+        for name, args in checks:
+            getattr(functions, name)(rank, *args)
+        dist.barrier()  # nobody leaves (taking the rendezvous store with rank 0) while others still work
+        queue.put((rank, None))
+    except Exception as exc:  # reported to the test process
+        queue.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_gloo_ranks(module: str, checks: list[tuple[str, tuple]], world: int) -> None:
+    """Run `module.<name>(rank, *args)` for each check on `world` spawned gloo ranks; fail with every rank's error."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    processes = [ctx.Process(target=_gloo_worker, args=(rank, world, port, module, checks, queue)) for rank in range(world)]
+    for p in processes:
+        p.start()
+    errors = [queue.get(timeout=900) for _ in processes]
+    for p in processes:
+        p.join(timeout=300)
+    failures = [f"rank {rank}: {error}" for rank, error in errors if error]
+    assert not failures, "\n".join(failures)

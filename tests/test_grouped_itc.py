@@ -1,15 +1,12 @@
 """GBA-ITC against independent computations: open_clip's ClipLoss and a K-times-larger batch (4 gloo ranks)."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss
 
-from conftest import free_port
+from conftest import run_on_gloo_ranks
 from mmpt.distributed import contiguous_group
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss, contrastive_cross_entropy
 
@@ -95,31 +92,8 @@ def check_accumulation_equals_one_big_batch(rank, group_size, tile):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-def _worker(rank, port, checks, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        for name, args in checks:
-            globals()[name](rank, *args)
-        dist.barrier()  # nobody leaves (taking the rendezvous store with rank 0) while others still work
-        queue.put((rank, None))
-    except Exception as exc:  # reported to the test process
-        queue.put((rank, f"{type(exc).__name__}: {exc}"))
-    finally:
-        dist.destroy_process_group()
-
-
 def run_on_four_ranks(checks):
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    processes = [ctx.Process(target=_worker, args=(rank, port, checks, queue)) for rank in range(WORLD)]
-    for p in processes:
-        p.start()
-    errors = [queue.get(timeout=900) for _ in processes]
-    for p in processes:
-        p.join(timeout=300)
-    failures = [f"rank {rank}: {error}" for rank, error in errors if error]
-    assert not failures, "\n".join(failures)
+    run_on_gloo_ranks(__name__, checks, WORLD)
 
 
 def test_gba_itc_on_four_gloo_ranks():

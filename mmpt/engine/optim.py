@@ -47,13 +47,15 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0) -> 
     return kind(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
 
-def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> Callable[[int], float]:
-    """LR multiplier: linear from 1/warmup to 1 over `warmup_steps`, then cosine down to `min_ratio`."""
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.0,
+                  decay: str = "cosine") -> Callable[[int], float]:
+    """LR multiplier: linear from 1/warmup to 1 over `warmup_steps`, then `decay` (cosine or linear) to `min_ratio`."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        shape = 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return min_ratio + (1.0 - min_ratio) * shape
 
     return factor

@@ -69,6 +69,10 @@ def prepare_demo_data(cfg: Config) -> None:
         from mmpt.data.demo_digits import build_digits
 
         build_digits(Path(cfg.data.root) / "digits")
+    elif cfg.data.prepare == "dialogs":
+        from mmpt.data.demo_dialogs import build_dialog_shards
+
+        build_dialog_shards(Path(cfg.data.root) / "dialogs")
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -176,7 +180,7 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, lo
     module = TrainingModule(method, model, method.build_loss(cfg))
     optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio)
+        optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio, cfg.optim.decay)
     )
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=schedule,

@@ -72,8 +72,9 @@ def stream_spec(cfg: Config, *, rank: int, world_size: int) -> StreamSpec:
 
     train = cfg.data.train
     return StreamSpec(
-        sources=[Source.from_pattern(s.shards, s.weight, name=s.shards) for s in train.sources],
+        sources=[Source.from_pattern(s.shards, s.weight, name=s.name or s.shards) for s in train.sources],
         batch_size=train.batch_size,
+        per_source=train.compose == "per_source",
         seed=cfg.train.seed,
         mode=train.mode,
         shuffle_buffer=train.shuffle_buffer,

@@ -1,0 +1,163 @@
+"""`space2`: tree-structured semi-supervised contrastive dialog pretraining (SPACE-2, COLING 2022).
+
+A batch is one sub-batch per source (`data.train.compose: per_source`), e.g. a labelled and an
+unlabelled one. Every sub-batch is encoded twice with dropout; its contrastive loss weighs pairs by
+the semantic-tree score of their labels, per view, over all ranks' examples (so the unlabelled
+sub-batch, whose labels are empty, gets the self-supervised loss), and its MLM loss predicts value
+spans or 15% random tokens. The step loss is the sum over sub-batches of contrastive + mlm_weight x MLM,
+as in the released `semi` setting. Terms are logged per sub-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from mmpt.config import Config, Section
+from mmpt.data.dialog_encoding import DialogEncoder, DialogInputSpec, collate_dialogs
+from mmpt.data.loader import BatchStream
+from mmpt.losses.tree_contrastive import TreeContrastiveLoss, masked_lm_loss
+from mmpt.losses.tree_score import VIEWS
+from mmpt.methods.base import Method, MethodConfig, stream_spec
+from mmpt.models.space2 import Space2Encoder
+
+BACKBONE_DIR = "encoder"  # the backbone's config and tokenizer files inside a run directory
+BACKBONE_FILES = ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+View = Literal["D", "I", "S", "V", "DI", "IS", "SV", "DIS", "ISV", "DISV"]
+
+
+def resolve_encoder_path(spec: str) -> Path:
+    """A local HF checkpoint directory, or `pkg:<module>/<subdir>` for one shipped inside a Python package."""
+    if spec.startswith("pkg:"):
+        module, _, sub = spec[4:].partition("/")
+        try:
+            return Path(str(resources.files(module))) / sub
+        except ModuleNotFoundError:
+            raise FileNotFoundError(f"config key 'method.encoder': Python package {module!r} is not installed") from None
+    return Path(spec)
+
+
+class IntentEvalConfig(Section):
+    dataset: str | None = Field(None, description="directory with train.csv and test.csv (text,category), or 'dialogs'")
+    shots: list[int] = Field(default_factory=lambda: [10], description="k-shot settings (k examples per intent)")
+    full: bool = Field(True, description="also train the head on all training examples")
+    seeds: int = Field(3, gt=0, description="k-shot draws (and head seeds) averaged")
+    batch_size: int = Field(64, gt=0)
+
+
+class Space2Config(MethodConfig):
+    name: Literal["space2"] = "space2"
+    encoder: str = Field(description="local Hugging Face BERT-family checkpoint dir, or pkg:<module>/<subdir>")
+    dropout: float = Field(0.2, ge=0, lt=1, description="dropout everywhere in the encoder (makes the two views)")
+    views: list[View] = Field(default_factory=lambda: list(VIEWS), min_length=1, description="tree views trained")
+    project: bool = Field(True, description="per-view projection heads (with_project); false: CLS + combined score")
+    subspace_dim: int | None = Field(None, gt=0, description="width of each view's projection (default: hidden)")
+    temperature: float = Field(0.07, gt=0)
+    mlm_weight: float = Field(0.1, ge=0, description="mlm_ratio: weight of the MLM term")
+    supervised: bool = Field(True, description="false: labels ignored, every batch self-supervised (SimCSE-style)")
+    max_utt_len: int = Field(50, gt=0, description="word pieces kept per utterance (its last ones)")
+    max_turns: int = Field(16, gt=0, le=16, description="utterances kept per example (the last ones)")
+    max_len: int = Field(256, gt=0, description="tokens kept per example (the last ones)")
+    mlm_probability: float = Field(0.15, ge=0, le=1)
+    intent_eval: IntentEvalConfig = Field(default_factory=IntentEvalConfig)
+
+
+class Space2Loss(nn.Module):
+    """The loss settings a training step needs: the tree contrastive loss, the MLM weight, label use."""
+
+    def __init__(self, contrastive: TreeContrastiveLoss, mlm_weight: float, supervised: bool):
+        super().__init__()
+        self.contrastive, self.mlm_weight, self.supervised = contrastive, mlm_weight, supervised
+
+
+class Space2Method(Method):
+    name = "space2"
+    config_class = Space2Config
+
+    def check_config(self, cfg: Config) -> None:
+        if not cfg.method.project and len(cfg.method.views) != 1:
+            raise ValueError("method.project = false uses the combined tree score: set method.views to one entry")
+
+    def prepare(self, cfg: Config, run_dir: Path) -> None:
+        source = resolve_encoder_path(cfg.method.encoder)
+        if not (source / "config.json").is_file():
+            raise FileNotFoundError(f"config key 'method.encoder': {source} is not a Hugging Face checkpoint directory")
+        target = run_dir / BACKBONE_DIR
+        target.mkdir(parents=True, exist_ok=True)
+        for name in BACKBONE_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, target / name)
+
+    def tokenizer(self, run_dir: Path):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(run_dir / BACKBONE_DIR)
+
+    def input_spec(self, cfg: Config) -> DialogInputSpec:
+        m = cfg.method
+        return DialogInputSpec(m.max_utt_len, m.max_turns, m.max_len, m.mlm_probability)
+
+    def build_model(self, cfg: Config, run_dir: Path) -> Space2Encoder:
+        m = cfg.method
+        return Space2Encoder.from_backbone_dir(str(run_dir / BACKBONE_DIR), subspace_dim=m.subspace_dim,
+                                               dropout=m.dropout)
+
+    def load_initial_weights(self, model: Space2Encoder, cfg: Config) -> None:
+        model.load_backbone(str(resolve_encoder_path(cfg.method.encoder)))
+
+    def build_loss(self, cfg: Config) -> Space2Loss:
+        m = cfg.method
+        contrastive = TreeContrastiveLoss([VIEWS.index(v) for v in m.views], combined=not m.project,
+                                          temperature=m.temperature)
+        return Space2Loss(contrastive, m.mlm_weight, m.supervised)
+
+    def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
+        encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg))
+        return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size), encoder, collate_dialogs)
+
+    def training_step(self, model: Space2Encoder, loss: Space2Loss, batch: dict[str, Any],
+                      pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
+        groups = {"batch": batch} if "input_ids" in batch else batch
+        terms = {}
+        for name, group in groups.items():
+            labels = group["label"] if loss.supervised else [{}] * len(group["label"])
+            terms[f"{name}/contrastive"] = self.contrastive(model, loss.contrastive, group, labels)
+            logits, targets = model.mlm_logits(group)
+            terms[f"{name}/mlm"] = loss.mlm_weight * masked_lm_loss(logits, targets)
+        return terms
+
+    @staticmethod
+    def contrastive(model: Space2Encoder, loss: TreeContrastiveLoss, group: dict[str, Any],
+                    labels: list[dict]) -> torch.Tensor:
+        """Both dropout copies in one pass (the batch concatenated with itself), then the tree-scored loss."""
+        n = group["input_ids"].shape[0]
+        doubled = {k: torch.cat([v, v]) for k, v in group.items() if isinstance(v, torch.Tensor)}
+        if loss.combined:
+            features = model.dialog_vector(doubled)[:, None]
+        else:
+            features = model.view_features(doubled)[:, loss.views]
+        features = torch.stack([features[:n], features[n:]], dim=1)  # [n, 2, K, d]
+        return loss(features, labels)
+
+    def evaluate(self, model: Space2Encoder, cfg: Config, run_dir: Path) -> dict[str, Any]:
+        ev = cfg.method.intent_eval
+        if ev.dataset is None:
+            return {}
+        from mmpt.eval.intent import intent_classification, resolve_intent_dataset
+
+        encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg), with_mlm=False)
+        result = intent_classification(model, encoder, resolve_intent_dataset(ev.dataset, cfg.data.root),
+                                       shots=ev.shots, full=ev.full, seeds=ev.seeds, batch_size=ev.batch_size)
+        (run_dir / "eval").mkdir(exist_ok=True)
+        (run_dir / "eval" / "intent_classification.json").write_text(json.dumps(result, indent=2))
+        return {f"intent/{k}": v for k, v in result["metrics"].items()}
+
+
+METHOD = Space2Method()
