@@ -1,8 +1,10 @@
-"""Build the bilingual digits demo corpus (image-text shards, held-out zero-shot set, tokenizer).
+"""Build a demo corpus ahead of training.
 
-    python launch/make_demo_data.py [--root demo_data]
+    python launch/make_demo_data.py [--corpus digits|dialogs] [--root demo_data]
 
-Training configs with `data.prepare: digits` build it on first use; this is for doing it ahead.
+digits: the bilingual image-text corpus (shards, held-out zero-shot set, tokenizer) in ROOT/digits.
+dialogs: the SPACE-2 dialog corpus (SPACE-2 json, unlabelled jsonl, intent CSVs, training shards) in
+ROOT/dialogs. Configs with `data.prepare: digits` or `dialogs` build them on first use.
 """
 
 from __future__ import annotations
@@ -10,18 +12,25 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mmpt.data.demo_digits import build_digits
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", default="demo_data", help="parent directory; the corpus goes to ROOT/digits")
-    parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--test-fraction", type=float, default=0.2)
+    parser.add_argument("--corpus", choices=["digits", "dialogs"], default="digits")
+    parser.add_argument("--root", default="demo_data", help="parent directory; the corpus goes to ROOT/<corpus>")
+    parser.add_argument("--image-size", type=int, default=32, help="digits only")
+    parser.add_argument("--test-fraction", type=float, default=0.2, help="digits only")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    root = build_digits(Path(args.root) / "digits", image_size=args.image_size, test_fraction=args.test_fraction, seed=args.seed)
-    print((root / "COMPLETE").read_text().strip(), "->", root)
+    if args.corpus == "dialogs":
+        from mmpt.data.demo_dialogs import build_dialog_shards
+
+        root = build_dialog_shards(Path(args.root) / "dialogs", seed=args.seed)
+    else:
+        from mmpt.data.demo_digits import build_digits
+
+        root = build_digits(Path(args.root) / "digits", image_size=args.image_size,
+                            test_fraction=args.test_fraction, seed=args.seed)
+    print("built", root)
 
 
 if __name__ == "__main__":

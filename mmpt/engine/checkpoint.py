@@ -207,7 +207,7 @@ def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """
     from deepspeed.utils import safe_get_full_fp32_param
 
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
     full: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict(keep_vars=True).items():
         tensor = safe_get_full_fp32_param(params[name]) if name in params else None

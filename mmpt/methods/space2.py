@@ -98,7 +98,7 @@ class Space2Method(Method):
     def tokenizer(self, run_dir: Path):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(run_dir / BACKBONE_DIR)
+        return AutoTokenizer.from_pretrained(Path(run_dir) / BACKBONE_DIR)
 
     def input_spec(self, cfg: Config) -> DialogInputSpec:
         m = cfg.method

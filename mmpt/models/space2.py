@@ -13,13 +13,28 @@ the start (SPACE-2 initialises from a ConvBERT checkpoint that already has one).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 from transformers.masking_utils import create_bidirectional_mask
+from transformers.utils import logging as hf_logging
 
 TURN_ROWS = 17  # turn ids 1..16, 0 for padding
+
+
+@contextmanager
+def quiet_transformers():
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
 
 
 class Subspace(nn.Module):
@@ -35,16 +50,22 @@ class Subspace(nn.Module):
 
 
 class MaskedLMHead(nn.Module):
-    """Linear + GELU + LayerNorm, then logits against the (tied) word embeddings plus a bias."""
+    """Linear + GELU + LayerNorm, then a decoder whose weight is the word embedding matrix (tied).
 
-    def __init__(self, hidden: int, vocab: int, eps: float):
+    The tie shares the Parameter (as HF ties embeddings), so the decoder is a module of its own:
+    ZeRO-3 gathers a parameter for the module that uses it.
+    """
+
+    def __init__(self, hidden: int, word_embeddings: nn.Embedding, eps: float):
         super().__init__()
         self.transform = nn.Linear(hidden, hidden)
         self.norm = nn.LayerNorm(hidden, eps=eps)
-        self.bias = nn.Parameter(torch.zeros(vocab))
+        self.decoder = nn.Linear(hidden, word_embeddings.num_embeddings)
+        self.decoder.weight = word_embeddings.weight
+        nn.init.zeros_(self.decoder.bias)
 
-    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        return self.norm(F.gelu(self.transform(hidden))) @ word_embeddings.T + self.bias
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.norm(F.gelu(self.transform(hidden))))
 
 
 class Space2Encoder(nn.Module):
@@ -63,7 +84,7 @@ class Space2Encoder(nn.Module):
         nn.init.zeros_(self.turn_embeddings.weight)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout_prob)
         self.subspace = Subspace(hidden, views, subspace_dim or hidden)
-        self.mlm_head = MaskedLMHead(hidden, config.vocab_size, config.layer_norm_eps)
+        self.mlm_head = MaskedLMHead(hidden, self.backbone.embeddings.word_embeddings, config.layer_norm_eps)
         self.cls_token_id = config.cls_token_id if getattr(config, "cls_token_id", None) is not None else 101
 
     @classmethod
@@ -72,7 +93,8 @@ class Space2Encoder(nn.Module):
 
     def load_backbone(self, path: str) -> None:
         """Weights of a local HF checkpoint into the backbone; the SPACE-2 heads keep their initialisation."""
-        pretrained = AutoModel.from_pretrained(path, add_pooling_layer=False)
+        with quiet_transformers():  # its load report lists the pooler we drop on purpose
+            pretrained = AutoModel.from_pretrained(path, add_pooling_layer=False)
         missing, unexpected = self.backbone.load_state_dict(pretrained.state_dict(), strict=False)
         relevant = [k for k in missing if not k.endswith("position_ids")]
         if relevant or unexpected:
@@ -116,7 +138,7 @@ class Space2Encoder(nn.Module):
         embedded = self._embed(batch["mlm_input_ids"], batch["positions"], batch["roles"], batch["turns"])
         states = self._encode(embedded, batch["attention_mask"].bool())
         predicted = batch["mlm_labels"] != 0
-        return self.mlm_head(states[predicted], self.word_embeddings.weight), batch["mlm_labels"][predicted]
+        return self.mlm_head(states[predicted]), batch["mlm_labels"][predicted]
 
     def encode_dialog(self, batch: dict[str, torch.Tensor], view: str | None = None) -> torch.Tensor:
         """L2-normalised dialog features: the CLS state, or one view's projection (e.g. view index of "I")."""
