@@ -139,8 +139,11 @@ class DialogEncoder:
                 masked.append(token)
         return masked, labels
 
-    def __call__(self, sample: dict) -> dict[str, Any]:
-        """A shard sample (`json` field: {"id", "turns", "label"}) to one example's tensors."""
+    def __call__(self, sample: dict | list) -> dict[str, Any]:
+        """A shard sample (`json` field: {"id", "turns", "label"}) to one example's tensors; a list of dialogs
+        (each a list of {"role", "text"} turns) to a padded batch."""
+        if isinstance(sample, list):
+            return collate_dialogs([self.encode([{"label": {}, **t} for t in dialog]) for dialog in sample])
         raw = sample["json"]
         example = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
         return {**self.encode(example["turns"]), "label": example["label"], "id": example["id"]}

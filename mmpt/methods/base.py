@@ -30,6 +30,15 @@ class Method:
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         """Put what the model needs besides weights (e.g. tokenizer files) into `run_dir`. Rank 0 only."""
 
+    def release_files(self, cfg: Config) -> list[str]:
+        """Names in the run directory (files or folders) that `build_model` reads; a release carries them."""
+        return []
+
+    def preprocessors(self, cfg: Config, run_dir: Path) -> dict[str, Any]:
+        """What turns raw inputs into model inputs for a released model: "tokenizer", "preprocess"
+        (evaluation transform) and "preprocess_train", where they apply."""
+        return {}
+
     def build_model(self, cfg: Config, run_dir: Path) -> nn.Module:
         """The model that is trained and saved; parameters only, no loss state."""
         raise NotImplementedError

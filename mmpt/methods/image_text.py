@@ -51,6 +51,13 @@ class ImageTextMethod(Method):
         if source.resolve() != target.resolve():
             shutil.copyfile(source, target)
 
+    def release_files(self, cfg: Config) -> list[str]:
+        return [self.tokenizer_file_name(cfg)]
+
+    def preprocessors(self, cfg: Config, run_dir: Path) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer(cfg, run_dir), "preprocess": self.image_transform(cfg, train=False),
+                "preprocess_train": self.image_transform(cfg, train=True)}
+
     def tokenizer(self, cfg: Config, run_dir: Path):
         """The run's own copy of the tokenizer, so a run directory is self-contained."""
         return self.load_tokenizer(run_dir / self.tokenizer_file_name(cfg), cfg)

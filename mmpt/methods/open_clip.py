@@ -35,6 +35,9 @@ class OpenClipMethod(ImageTextMethod):
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         """Nothing to copy: open_clip ships its tokenizer; a JSON model config is read from its path."""
 
+    def release_files(self, cfg: Config) -> list[str]:
+        return []
+
     def tokenizer(self, cfg: Config, run_dir: Path) -> OpenClipTokenizer:
         return OpenClipTokenizer(cfg.method.model)
 

@@ -96,6 +96,13 @@ class Space2Method(Method):
             if (source / name).is_file():
                 shutil.copyfile(source / name, target / name)
 
+    def release_files(self, cfg: Config) -> list[str]:
+        return [BACKBONE_DIR]
+
+    def preprocessors(self, cfg: Config, run_dir: Path) -> dict[str, Any]:
+        """The tokenizer turns dialogs (lists of {"role", "text"} turns, the last one current) into a batch."""
+        return {"tokenizer": DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg), with_mlm=False)}
+
     def tokenizer(self, run_dir: Path):
         from transformers import AutoTokenizer
 

@@ -1,0 +1,153 @@
+"""Released checkpoints: a directory with `config.json`, safetensors weights (sharded when large) and
+the files the model needs besides weights (tokenizer, backbone config), loadable from a local path
+or a Hugging Face hub id.
+
+A finished training run (`config.yaml` + `model.safetensors`) loads the same way, so a run is
+usable before it is exported. Nothing is unpickled: weights are safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmpt.config import Config, load_config, validate_config
+from mmpt.methods import Method, get_method
+
+RELEASE_CONFIG = "config.json"
+RUN_CONFIG = "config.yaml"
+FORMAT = "mmpt-release"
+HUB_PREFIX = "hf-hub:"
+
+
+class ReleaseError(RuntimeError):
+    """A release that cannot be found or loaded; the message is one line meant for the user."""
+
+
+class PretrainedModel(nn.Module):
+    """A loaded model with the config it was built from; `save_pretrained(dir)` writes a release.
+
+    Attribute access falls through to the wrapped model, so `encode_image`, `encode_text`,
+    `encode_dialog` and the rest are the model's own.
+    """
+
+    def __init__(self, model: nn.Module, config: Config, files_from: Path):
+        super().__init__()
+        self.model = model
+        self.config = config
+        self.files_from = Path(files_from)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("model"), name)
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    @property
+    def method(self) -> Method:
+        return get_method(self.config.method_name)
+
+    def preprocessors(self) -> dict[str, Any]:
+        return self.method.preprocessors(self.config, self.files_from)
+
+    def save_pretrained(self, directory: str | os.PathLike, max_shard_size: int | str = "2GB") -> Path:
+        state = {k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()}
+        return save_release(directory, self.config, state, self.files_from, max_shard_size=max_shard_size)
+
+
+def model_config(method: dict[str, Any]) -> Config:
+    """A config for a model built outside training: the method section, placeholder training sections."""
+    return validate_config({
+        "method": method, "run": {"output_dir": "."}, "optim": {"lr": 1e-4},
+        "data": {"train": {"sources": [{"shards": "none"}], "batch_size": 1}},
+        "train": {"max_steps": 1, "grad_clip": 0.0},
+    }, top_file="<model config>")
+
+
+def save_release(directory: str | os.PathLike, cfg: Config, state_dict: dict[str, torch.Tensor],
+                 files_from: str | os.PathLike, max_shard_size: int | str = "2GB") -> Path:
+    """Write a release: config.json, weights (model.safetensors, or shards + index), the method's files."""
+    from huggingface_hub import save_torch_state_dict
+
+    directory, files_from = Path(directory), Path(files_from)
+    directory.mkdir(parents=True, exist_ok=True)
+    method = get_method(cfg.method_name)
+    for name in method.release_files(cfg):
+        source, target = files_from / name, directory / name
+        if source.resolve() == target.resolve():
+            continue
+        if source.is_dir():
+            shutil.copytree(source, target, dirs_exist_ok=True)
+        elif source.is_file():
+            shutil.copyfile(source, target)
+        else:
+            raise ReleaseError(f"{source} is missing: the '{cfg.method_name}' model needs it besides its weights")
+    save_torch_state_dict(state_dict, directory, max_shard_size=max_shard_size)
+    record = {"format": FORMAT, "version": 1, "method": cfg.method_name, "config": cfg.to_dict()}
+    (directory / RELEASE_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
+    return directory
+
+
+def read_config(directory: Path) -> Config:
+    """The config of a release (config.json) or of a training run (config.yaml)."""
+    if (directory / RELEASE_CONFIG).is_file():
+        record = json.loads((directory / RELEASE_CONFIG).read_text())
+        if record.get("format") != FORMAT:
+            raise ReleaseError(f"{directory / RELEASE_CONFIG} is not an mmpt release (no \"format\": \"{FORMAT}\")")
+        return validate_config(record["config"], top_file=str(directory / RELEASE_CONFIG))
+    if (directory / RUN_CONFIG).is_file():
+        return load_config(directory / RUN_CONFIG)
+    raise ReleaseError(f"{directory} has neither {RELEASE_CONFIG} (a release) nor {RUN_CONFIG} (a training run)")
+
+
+def has_weights(directory: Path) -> bool:
+    return (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file()
+
+
+def load_directory(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PretrainedModel:
+    """The model of a release or finished run directory, weights loaded strictly, in eval mode."""
+    from huggingface_hub import load_torch_model
+
+    directory = Path(directory)
+    cfg = read_config(directory)
+    if not has_weights(directory):
+        raise ReleaseError(f"{directory} has no model.safetensors (or model.safetensors.index.json): not a finished "
+                           "run or release; launch/export.py makes one from a run's checkpoints")
+    model = get_method(cfg.method_name).build_model(cfg, directory)
+    result = load_torch_model(model, directory, strict=False, safe=True, weights_only=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise ReleaseError(f"{directory}: weights do not match the '{cfg.method_name}' model: missing "
+                           f"{sorted(result.missing_keys)[:10]}, unexpected {sorted(result.unexpected_keys)[:10]}")
+    return PretrainedModel(model, cfg, directory).to(device).eval()
+
+
+def resolve(name_or_path: str | os.PathLike) -> Path:
+    """A local directory, or `hf-hub:<org>/<name>[@revision]` fetched through the hub cache.
+
+    HF_HUB_OFFLINE=1 is honoured (the cache only); an id that cannot be reached is a one-line ReleaseError.
+    """
+    text = str(name_or_path)
+    if not text.startswith(HUB_PREFIX):
+        path = Path(text)
+        if not path.is_dir():
+            raise ReleaseError(f"{path} is not a directory (use {HUB_PREFIX}<org>/<name> for a hub id)")
+        return path
+    repo, _, revision = text[len(HUB_PREFIX):].partition("@")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo, revision=revision or None))
+    except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        why = "not in the local hub cache and HF_HUB_OFFLINE is set" if offline else f"{type(exc).__name__}"
+        raise ReleaseError(f"cannot load {text}: {why} ({' '.join(str(exc).split())[:200]})") from None

