@@ -141,3 +141,62 @@ def test_a_pickled_checkpoint_with_code_is_refused(tmp_path, digits_root, monkey
     with pytest.raises(ReleaseError, match="no model.safetensors"):
         load_directory(release)
     assert not marker.exists()
+
+
+def embed_command(release, shards, out, processes=1):
+    return [sys.executable, str(REPO / "launch/embed.py"), "--model", str(release), "--shards", shards,
+            "--modality", "image", "--out", str(out), "--batch-size", "16", "--processes", str(processes)]
+
+
+def test_embed_killed_and_restarted_embeds_every_sample_once(tmp_path, digits_root):
+    import signal
+    import time
+
+    import numpy as np
+
+    from mmpt.data import ShardSetWriter
+    from mmpt.data.stream import read_shard
+
+    files = tmp_path / "files"
+    files.mkdir()
+    model = build({"name": "clip", "embed_dim": 16, "tokenizer": str(digits_root / "tokenizer.json"),
+                   "image": {"timm_name": "resnet10t", "image_size": 32},
+                   "text": {"width": 16, "layers": 1, "heads": 2, "context_length": 8}}, files)
+    release = model.save_pretrained(tmp_path / "release")
+    source = sorted((digits_root / "train").glob("en-*.tar"))[0]
+    samples = [s for _, s in read_shard(str(source))][:240]
+    with ShardSetWriter(tmp_path / "in" / "part", max_samples=30) as writer:  # 8 shards
+        for index, sample in enumerate(samples):
+            png = b"not a png" if index == 37 else sample["png"]
+            writer.write({"__key__": sample["__key__"], "png": png, "txt": sample["txt"]})
+    shards = str(tmp_path / "in" / "part-{000000..000007}.tar")
+
+    out = tmp_path / "out"
+    job = subprocess.Popen(embed_command(release, shards, out, processes=2), env=launcher_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 240
+    while len(list(out.glob("*.npz"))) < 2 and time.time() < deadline and job.poll() is None:
+        time.sleep(0.1)
+    os.killpg(job.pid, signal.SIGKILL)  # mid-way: some shards done, others partly written
+    job.wait()
+    done_before = {p.name for p in out.glob("*.npz")}
+    assert 2 <= len(done_before) < 8 and not (out / "manifest.json").exists()
+
+    subprocess.run(embed_command(release, shards, out), env=launcher_env(), check=True, capture_output=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["samples"], manifest["embedded"], manifest["failed"]) == (240, 239, 1)
+    keys = [k for p in sorted(out.glob("*.npz")) for k in np.load(p)["keys"].tolist()]
+    expected = [s["__key__"] for i, s in enumerate(samples) if i != 37]
+    assert sorted(keys) == sorted(expected) and len(set(keys)) == len(keys)
+    failures = [e for p in out.glob("*.json") if p.name != "manifest.json" for e in json.loads(p.read_text())["errors"]]
+    assert [f["key"] for f in failures] == [samples[37]["__key__"]]
+
+    # the same embeddings as the model itself gives
+    first = np.load(out / "part-000000.npz")
+    pre = model.preprocessors()["preprocess"]
+    from mmpt.data.image_text import decode_image
+
+    with torch.no_grad():
+        direct = model.encode_image(torch.stack([pre(decode_image(s["png"])) for s in samples[:30]]))
+    np.testing.assert_allclose(first["embeddings"], direct.numpy(), atol=1e-5)
+    assert first["keys"].tolist() == [s["__key__"] for s in samples[:30]]
