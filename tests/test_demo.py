@@ -1,6 +1,7 @@
 """The README's demos, as a new user runs them: 2 CPU ranks, zero-shot in English and Chinese."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,20 @@ def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshol
         # 36 held-out scans per digit share the same captions: an image finds a caption of its digit
         # first, a caption finds one of its 36 images within 10 far above chance (10/359).
         assert metrics["text_retrieval_recall@1"] >= 0.85 and metrics["image_retrieval_recall@10"] > 0.15
+    if "clip/" in config:
+        readme_release_example(tmp_path)
+
+
+def readme_release_example(cwd):
+    """The README's "Use a released checkpoint" commands, as written, on the demo run."""
+    section = (REPO / "README.md").read_text().split("## Use a released checkpoint", 1)[1].split("\n## ", 1)[0]
+    bash = section.split("```bash\n", 1)[1].split("```", 1)[0].strip()
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) == 5
+    subprocess.run(bash.replace("python ", f"{sys.executable} {REPO}/", 1).split(), cwd=cwd, env=launcher_env(),
+                   check=True, capture_output=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=launcher_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    five_en, five_zh, two = (float(x) for x in re.findall(r"-?\d+\.\d+", result.stdout.split("grad_fn")[0]))
+    assert min(five_en, five_zh) > two, result.stdout
