@@ -36,8 +36,8 @@ ABLATIONS = {"space2_no_mlm": ("SPACE-2 without MLM", ["method.mlm_weight=0"])}
 
 def train(name: str, overrides: list[str], runs: Path) -> tuple[Path, float]:
     run = runs / name
-    if (run / "model.safetensors").is_file():
-        return run, float("nan")
+    if (run / "model.safetensors").is_file():  # reused: its config is written at the start, the weights at the end
+        return run, (run / "model.safetensors").stat().st_mtime - (run / "config.yaml").stat().st_mtime
     launcher = str(Path(sys.executable).with_name("deepspeed"))
     command = [launcher, "--num_gpus", "2", str(REPO / "launch/train.py"), "--config",
                str(REPO / "configs/space2/demo.yaml"), f"run.output_dir={run}", "run.progress_bar=false",
@@ -78,7 +78,7 @@ def main() -> int:
         m = row["metrics"]
         draws = ", ".join(f"{100 * a:.1f}" for a in row["runs"]["10shot"])
         seconds = row["train_seconds"]
-        trained = "-" if seconds == 0 else ("reused run" if seconds != seconds else f"{seconds / 60:.1f} min")
+        trained = "-" if seconds == 0 else f"{seconds / 60:.1f} min"
         lines.append(f"| {row['label']} | {100 * m['10shot/accuracy_mean']:.1f} ± {100 * m['10shot/accuracy_std']:.1f} "
                      f"| {draws} | {100 * m['full/accuracy']:.1f} | {trained} |")
     header = (f"# SPACE-2 demo: few-shot intent classification\n\n{record['machine']}, Python {record['python']}; "
