@@ -12,10 +12,12 @@ global InfoNCE in its local-loss form. Runs:
 Each configuration runs `--repeats` times, alternating; the first `--warmup` steps of a run are
 dropped and a run's throughput is global batch / median step time (data wait included, as both
 trainers time a step). OMP_NUM_THREADS = cores / ranks for both. Peak memory per rank is the
-largest resident set of any rank process (loader workers excluded), polled every 0.2 s.
+largest resident set of any rank process (loader workers excluded), polled every 0.2 s; mmpt also
+reports the bytes its optimizer holds per rank (moments and fp32 master partitions), where ZeRO-2's
+partitioning shows directly (resident sets include the framework's own buffers).
 Results: benchmarks/results/train_throughput.{json,md,png}. The ratio mmpt/open_clip is printed last.
 
-    python benchmarks/train_throughput.py              # ~10 minutes on 2 cores
+    python benchmarks/train_throughput.py              # ~7 minutes on 2 cores
     python benchmarks/train_throughput.py --repeats 1 --steps 20
 """
 
@@ -93,7 +95,7 @@ def run(command: list[str], env: dict, log: Path, cwd: Path = REPO) -> float:
     return peak
 
 
-def mmpt_run(ranks: int, zero: int, steps: int, data: Path, work: Path, env: dict) -> tuple[list[float], float]:
+def mmpt_run(ranks: int, zero: int, steps: int, data: Path, work: Path, env: dict) -> tuple[list[float], float, float]:
     run_dir = work / f"mmpt-z{zero}-{ranks}"
     shutil.rmtree(run_dir, ignore_errors=True)
     config = {
@@ -113,10 +115,11 @@ def mmpt_run(ranks: int, zero: int, steps: int, data: Path, work: Path, env: dic
                work / f"mmpt-z{zero}-{ranks}.log")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = [max(r["step_time_per_rank"]) for r in records if "step_time_per_rank" in r]
-    return times, peak
+    state = max(records[-1].get("optimizer_state_mib_per_rank") or [float("nan")])
+    return times, peak, state
 
 
-def open_clip_run(ranks: int, steps: int, data: Path, work: Path, env: dict) -> tuple[list[float], float]:
+def open_clip_run(ranks: int, steps: int, data: Path, work: Path, env: dict) -> tuple[list[float], float, float]:
     name = f"open_clip-{ranks}"
     shutil.rmtree(work / "logs" / name, ignore_errors=True)
     shards = sorted((data / "train").glob("en-*.tar"))
@@ -134,7 +137,7 @@ def open_clip_run(ranks: int, steps: int, data: Path, work: Path, env: dict) -> 
                 str(REPO / "benchmarks/open_clip_main.py"), *args], env, work / f"{name}.log", cwd=work)
     text = (work / "logs" / name / "out.log").read_text()
     times = [float(t) for t in re.findall(r"Batch \(t\): ([0-9.]+)", text)]
-    return times, peak
+    return times, peak, float("nan")  # its optimizer state is not reported
 
 
 def _free_port() -> int:
@@ -151,7 +154,7 @@ def summarise(values: list[float]) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5, help="first steps of each run not timed")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2])
@@ -168,23 +171,25 @@ def main() -> int:
                if not (name == "mmpt-zero2" and ranks == 1)]
     samples: dict[str, list[float]] = {}
     memory: dict[str, list[float]] = {}
+    optimizer_state: dict[str, float] = {}
     for repeat in range(args.repeats):
         for name, ranks in configs:
             env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // ranks)), "PYTHONUNBUFFERED": "1"}
             env.pop("RANK", None), env.pop("WORLD_SIZE", None)
             if name == "open_clip":
-                times, peak = open_clip_run(ranks, args.steps, data, work, env)
+                times, peak, state = open_clip_run(ranks, args.steps, data, work, env)
             else:
-                times, peak = mmpt_run(ranks, int(name[-1]), args.steps, data, work, env)
+                times, peak, state = mmpt_run(ranks, int(name[-1]), args.steps, data, work, env)
             timed = times[args.warmup:]
             key = f"{name} x{ranks}"
             throughput = BATCH * ranks / statistics.median(timed)
             samples.setdefault(key, []).append(throughput)
             memory.setdefault(key, []).append(peak)
+            optimizer_state[key] = state
             print(f"repeat {repeat}: {key}: {throughput:.1f} samples/s over {len(timed)} steps, peak rank RSS "
                   f"{peak:.0f} MiB", flush=True)
 
-    record = _record(samples, memory, args, cores)
+    record = _record(samples, memory, optimizer_state, args, cores)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "train_throughput.json").write_text(json.dumps(record, indent=2) + "\n")
     (RESULTS / "train_throughput.md").write_text(_markdown(record))
@@ -196,7 +201,7 @@ def main() -> int:
     return 0
 
 
-def _record(samples, memory, args, cores) -> dict:
+def _record(samples, memory, optimizer_state, args, cores) -> dict:
     import deepspeed
     import open_clip
     import torch
@@ -211,6 +216,7 @@ def _record(samples, memory, args, cores) -> dict:
                   "repeats": args.repeats, "precision": "fp32"},
         "samples_per_s": {k: {**summarise(v), "runs": v} for k, v in samples.items()},
         "peak_rank_rss_mib": {k: {**summarise(v), "runs": v} for k, v in memory.items()},
+        "optimizer_state_mib_per_rank": optimizer_state,
         "ratios": ratios,
     }
 
@@ -222,12 +228,13 @@ def _markdown(record: dict) -> str:
              f"{record['setup']['precision']}, {record['setup']['repeats']} runs each (alternating), steps "
              f"{record['setup']['timed_from_step']}-{record['setup']['steps']} timed. "
              "Produced by `benchmarks/train_throughput.py`.\n",
-             "| trainer x ranks | samples/s min | median | max | peak RSS per rank (MiB) min | median | max |",
-             "|---|---|---|---|---|---|---|"]
+             "| trainer x ranks | samples/s min | median | max | peak RSS per rank (MiB) min | median | max "
+             "| optimizer state per rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
     for key, s in record["samples_per_s"].items():
         m = record["peak_rank_rss_mib"][key]
+        state = record["optimizer_state_mib_per_rank"][key]
         lines.append(f"| {key} | {s['min']:.1f} | {s['median']:.1f} | {s['max']:.1f} | {m['min']:.0f} | "
-                     f"{m['median']:.0f} | {m['max']:.0f} |")
+                     f"{m['median']:.0f} | {m['max']:.0f} | {'n/a' if state != state else f'{state:.1f}'} |")
     lines.append("")
     lines += [f"mmpt (ZeRO-0) / open_clip, {k}: **{v:.3f}x**" for k, v in record["ratios"].items()]
     return "\n".join(lines) + "\n"

@@ -39,7 +39,11 @@ def decode_text(data: bytes | str) -> str:
 
 
 class ImageTextDecoder:
-    """Raw sample -> {"image": float tensor, "input_ids", "attention_mask"}; picklable for workers."""
+    """Raw sample -> {"image": float tensor, "input_ids", "attention_mask"}; picklable for workers.
+
+    `attention_mask=False` leaves the mask out, for text towers that find the end token themselves
+    (open_clip's): one tensor fewer to pass from the loader workers per batch.
+    """
 
     def __init__(
         self,
@@ -47,16 +51,16 @@ class ImageTextDecoder:
         tokenize: Callable[[list[str]], dict[str, torch.Tensor]],
         image_fields: Sequence[str] = IMAGE_FIELDS,
         text_fields: Sequence[str] = TEXT_FIELDS,
+        attention_mask: bool = True,
     ):
-        self.image_transform, self.tokenize = image_transform, tokenize
+        self.image_transform, self.tokenize, self.attention_mask = image_transform, tokenize, attention_mask
         self.image_fields, self.text_fields = tuple(image_fields), tuple(text_fields)
 
     def __call__(self, sample: dict) -> dict[str, torch.Tensor]:
         image_bytes = pick_field(sample, self.image_fields, "image")
         text = decode_text(pick_field(sample, self.text_fields, "text"))
         tokens = self.tokenize([text])
-        return {
-            "image": self.image_transform(decode_image(image_bytes)),
-            "input_ids": tokens["input_ids"][0],
-            "attention_mask": tokens["attention_mask"][0],
-        }
+        sample = {"image": self.image_transform(decode_image(image_bytes)), "input_ids": tokens["input_ids"][0]}
+        if self.attention_mask:
+            sample["attention_mask"] = tokens["attention_mask"][0]
+        return sample

@@ -21,7 +21,7 @@ from mmpt.engine import checkpoint, faults
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.metrics import MetricLogger
-from mmpt.engine.optim import build_optimizer, warmup_cosine
+from mmpt.engine.optim import build_optimizer, optimizer_state_bytes, warmup_cosine
 from mmpt.engine.watchdog import Watchdog
 from mmpt.hub import WEIGHTS, load_run
 from mmpt.methods import Method, get_method
@@ -123,8 +123,10 @@ def train(cfg: Config) -> dict[str, Any]:
                 reached("log", step)
                 counts = loader.counts()
                 totals = mdist.all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist()
+                state_mib = mdist.all_gather_floats([optimizer_state_bytes(engine.optimizer, engine.module) / 2**20])
                 metrics.log(step, engine.get_lr()[0], {**{f"data/{k}": int(v) for k, v in zip(counts, totals)},
-                                                       "skipped_steps": engine.skipped_steps})
+                                                       "skipped_steps": engine.skipped_steps,
+                                                       "optimizer_state_mib_per_rank": [round(m[0], 1) for m in state_mib]})
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
                 reached("checkpoint", step)
                 state = {"data": loader.state_dict(), "rng": checkpoint.rng_state()}
@@ -186,6 +188,8 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, lo
         model=module, optimizer=optimizer, lr_scheduler=schedule,
         config=deepspeed_config(cfg, world_size, load_universal=load_universal),
     )
+    if world_size == 1 and cfg.train.zero_stage == 0:
+        engine.enable_backward_allreduce = False  # averaging over one rank: skip DeepSpeed's flatten-copy-reduce
     return engine
 
 

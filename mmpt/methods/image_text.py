@@ -63,12 +63,13 @@ class ImageTextMethod(Method):
         return self.load_tokenizer(run_dir / self.tokenizer_file_name(cfg), cfg)
 
     def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
-        decoder = ImageTextDecoder(self.image_transform(cfg, train=True), self.tokenizer(cfg, run_dir))
+        decoder = ImageTextDecoder(self.image_transform(cfg, train=True), self.tokenizer(cfg, run_dir),
+                                   attention_mask=self.uses_attention_mask)
         return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size), decoder)
 
     def training_step(self, model: nn.Module, loss: nn.Module, batch: dict[str, Any],
                       pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
-        image_features, text_features, scale = model(batch["image"], batch["input_ids"], batch["attention_mask"])
+        image_features, text_features, scale = model(batch["image"], batch["input_ids"], batch.get("attention_mask"))
         if pool is None:
             return {"contrastive": loss(image_features, text_features, scale)}
         return {"contrastive": loss(image_features, text_features, scale, pool=pool, slot=index)}
@@ -84,6 +85,7 @@ class ImageTextMethod(Method):
         }
 
     caption_normalization = None  # applied to retrieval captions, as the method's official evaluation does
+    uses_attention_mask = True  # False: training batches carry no attention mask (the model does not read it)
 
     def zeroshot(self, model: nn.Module, cfg: Config, run_dir: Path, dataset: str, language: str,
                  task: str = "zeroshot_classification") -> dict[str, Any]:

@@ -31,6 +31,7 @@ class OpenClipConfig(MethodConfig):
 class OpenClipMethod(ImageTextMethod):
     name = "open_clip"
     config_class = OpenClipConfig
+    uses_attention_mask = False  # open_clip's text tower pools at the end token
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         """Nothing to copy: open_clip ships its tokenizer; a JSON model config is read from its path."""

@@ -41,7 +41,7 @@ class OpenClipModel(nn.Module):
                     normalize: bool = True) -> torch.Tensor:
         return self.clip.encode_text(input_ids, normalize=normalize)  # open_clip pools at the end token itself
 
-    def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         """(image features, text features, logit scale multiplier clamped at 100), as open_clip trains."""
         return self.encode_image(images), self.encode_text(input_ids), self.clip.logit_scale.exp().clamp(max=100.0)
 
