@@ -222,7 +222,7 @@ def _record(samples, memory, optimizer_state, args, cores) -> dict:
 
 
 def _markdown(record: dict) -> str:
-    lines = [f"# Training throughput: mmpt vs open_clip's trainer\n",
+    lines = ["# Training throughput: mmpt vs open_clip's trainer\n",
              f"{record['date']}, {record['machine']}; " + ", ".join(f"{k} {v}" for k, v in record["versions"].items())
              + f". Model `{record['setup']['model']}`, batch {record['setup']['batch_per_rank']} per rank, "
              f"{record['setup']['precision']}, {record['setup']['repeats']} runs each (alternating), steps "

@@ -121,12 +121,6 @@ def test_m2_accumulation_must_match_grad_accum():
     assert "method.loss.accumulation_steps=2" in message and "train.grad_accum=3" in message
 
 
-@pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*/*.yaml")
-                                           if p.parent.name != "base"))
-def test_every_shipped_config_is_valid(config):
-    assert load_config(REPO / config).train.max_steps > 0
-
-
 def test_space2_config_errors_name_the_key():
     demo = REPO / "configs/space2/demo.yaml"
     assert "'method.views.0'" in error_of(demo, ["method.views=[DX]"])

@@ -46,7 +46,7 @@ def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshol
         assert len(recalls) == 6 and metrics["mean_recall"] == pytest.approx(sum(recalls) / 6)
         # 36 held-out scans per digit share the same captions: an image finds a caption of its digit
         # first, a caption finds one of its 36 images within 10 far above chance (10/359).
-        assert metrics["text_retrieval_recall@1"] >= 0.85 and metrics["image_retrieval_recall@10"] > 0.15
+        assert metrics["text_retrieval_recall@1"] >= 0.80 and metrics["image_retrieval_recall@10"] > 0.15
     if "clip/" in config:
         readme_release_example(tmp_path)
 

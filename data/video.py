@@ -1,0 +1,314 @@
+"""Video-text samples: sample T frames of a clip, decode only those, transform them, tokenize a caption.
+
+A sample holds video bytes (`mp4`, `webm` or `avi`) and text: `txt` (one caption) or `json` (a list of
+sentences, or `{"sentences": [...]}`), Chinese or English. An optional `npy` field with precomputed per-frame
+features `[N, D]` replaces the video for feature-based training.
+
+Frame sampling follows VINDLU/ViCLIP: the clip is split into T equal segments; training takes a uniformly
+random frame inside each segment, evaluation the middle frame of each. Decoding uses decord (the default
+where its wheels exist, x86_64) or PyAV. An empty, undecodable or too short video raises ValueError, so
+the loader (`data.loader.BatchStream`) skips the sample and counts it, naming its key and shard.
+
+Every random choice (which sentence, which frame in a segment, the frame transform's draws) comes from
+torch's default generator, which the loader seeds per sample: a resumed run replays the same choices.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import platform
+import random
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from mmpt.data.image_text import decode_text, pick_field
+from mmpt.data.shards import ShardSetWriter
+
+try:
+    # Loaded before decord can be: decord loads its bundled FFmpeg libraries (with an old libvpx) into the global
+    # symbol namespace, and a PyAV loaded after it then binds to them (its VP9 encoder then fails to open).
+    import av  # noqa: F401
+except ImportError:  # PyAV is optional where decord decodes
+    pass
+
+VIDEO_FIELDS = ("mp4", "webm", "avi")
+TEXT_FIELDS = ("txt", "json")
+BACKENDS = ("decord", "pyav")
+
+
+def default_backend() -> str:
+    """decord where it is installed (it publishes x86_64 wheels only), PyAV elsewhere."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        try:
+            import decord  # noqa: F401
+        except ImportError:
+            return "pyav"
+        return "decord"
+    return "pyav"
+
+
+def frame_indices(
+    num_frames_in_video: int, num_segments: int, train: bool, rng: random.Random | None = None
+) -> list[int]:
+    """`num_segments` frame indices, one per equal segment of the video, non-decreasing.
+
+    Segment i covers frames [i*N//T, (i+1)*N//T) (at least one frame). Training draws a uniformly random
+    frame inside each segment (from `rng`, or from torch's default generator when `rng` is None);
+    evaluation takes the segment's middle frame. A video shorter than T frames repeats frames.
+    """
+    n, t = int(num_frames_in_video), int(num_segments)
+    if t < 1:
+        raise ValueError(f"num_segments must be at least 1, got {t}")
+    if n < 1:
+        raise ValueError(f"cannot sample frames from a video with {n} frames")
+    if train and rng is None:
+        rng = random.Random(int(torch.randint(0, 2**62, ())))
+    indices = []
+    for i in range(t):
+        lo = i * n // t
+        hi = max((i + 1) * n // t, lo + 1)
+        indices.append(rng.randrange(lo, hi) if train else (lo + hi - 1) // 2)
+    return indices
+
+
+def _check_data(data: bytes) -> bytes:
+    if isinstance(data, memoryview | bytearray):
+        data = bytes(data)
+    if not isinstance(data, bytes):
+        raise ValueError(f"video data must be bytes, got {type(data).__name__}")
+    if not data:
+        raise ValueError("empty video (0 bytes)")
+    return data
+
+
+def _decode_decord(data: bytes, indices_fn: Callable[[int], list[int]], num_threads: int) -> np.ndarray:
+    import decord
+
+    try:
+        reader = decord.VideoReader(io.BytesIO(data), ctx=decord.cpu(0), num_threads=num_threads)
+        count = len(reader)
+    except Exception as exc:  # decord raises RuntimeError / DECORDError with long C++ traces
+        raise ValueError(f"undecodable video ({len(data)} bytes, decord): {_short(exc)}") from exc
+    indices = indices_fn(count)
+    try:
+        batch = reader.get_batch(list(indices))
+    except Exception as exc:
+        raise ValueError(f"undecodable video ({len(data)} bytes, {count} frames, decord): {_short(exc)}") from exc
+    frames = batch.asnumpy() if hasattr(batch, "asnumpy") else np.asarray(batch)  # any decord bridge
+    return np.ascontiguousarray(frames, dtype=np.uint8)
+
+
+def _open_pyav(data: bytes):
+    import av
+
+    container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    if not container.streams.video:
+        container.close()
+        raise ValueError("the file has no video stream")
+    return container, container.streams.video[0]
+
+
+def _pyav_packet_count(data: bytes) -> int:
+    container, stream = _open_pyav(data)
+    with container:
+        return sum(1 for packet in container.demux(stream) if packet.size)
+
+
+def _pyav_frames(data: bytes, wanted: set[int], num_threads: int) -> tuple[dict[int, np.ndarray], int]:
+    """The wanted frames (by decode order) and how many frames were decoded; stops after the last wanted one."""
+    container, stream = _open_pyav(data)
+    stream.codec_context.thread_count = num_threads
+    last = max(wanted)
+    frames: dict[int, np.ndarray] = {}
+    decoded = 0
+    with container:
+        for index, frame in enumerate(container.decode(stream)):
+            decoded = index + 1
+            if index in wanted:
+                frames[index] = frame.to_ndarray(format="rgb24")
+            if index >= last:
+                break
+    return frames, decoded
+
+
+def _decode_pyav(data: bytes, indices_fn: Callable[[int], list[int]], num_threads: int) -> np.ndarray:
+    import av
+
+    try:
+        container, stream = _open_pyav(data)
+        with container:
+            count = stream.frames  # from the container's index; 0 when unknown (webm, some avi)
+        if count <= 0:
+            count = _pyav_packet_count(data)
+        indices = indices_fn(count)
+        frames, decoded = _pyav_frames(data, set(indices), num_threads)
+        if decoded <= max(indices):  # the index promised more frames than the stream holds: sample again
+            if decoded == 0:
+                raise ValueError("no frame could be decoded")
+            indices = indices_fn(decoded)
+            frames, decoded = _pyav_frames(data, set(indices), num_threads)
+    except (av.FFmpegError, EOFError, OSError, IndexError) as exc:
+        raise ValueError(f"undecodable video ({len(data)} bytes, pyav): {_short(exc)}") from exc
+    return np.stack([frames[i] for i in indices]).astype(np.uint8, copy=False)
+
+
+def _short(exc: Exception, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def decode_frames(
+    data: bytes, indices_fn: Callable[[int], list[int]], backend: str | None = None, num_threads: int = 1
+) -> np.ndarray:
+    """Decode the frames `indices_fn(frame_count)` picks: uint8 array [T, H, W, 3] (RGB), in the picked order.
+
+    decord seeks and decodes the picked frames only; PyAV decodes sequentially up to the last picked
+    frame. ValueError for empty, undecodable or too short data (and whatever `indices_fn` raises).
+    """
+    data = _check_data(data)
+    backend = backend or default_backend()
+    if backend == "decord":
+        return _decode_decord(data, indices_fn, num_threads)
+    if backend == "pyav":
+        return _decode_pyav(data, indices_fn, num_threads)
+    raise ValueError(f"unknown video backend {backend!r}; use one of {', '.join(BACKENDS)}")
+
+
+def parse_sentences(data: bytes | str, field: str) -> list[str]:
+    """The captions of a text field: `txt` is one caption; `json` a list of strings or {"sentences": [...]}."""
+    text = decode_text(data)
+    if not field.endswith("json"):
+        sentences = [text]
+    else:
+        value = json.loads(text)
+        if isinstance(value, dict):
+            value = next((value[k] for k in ("sentences", "captions", "caption") if k in value), None)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError(f"json text must be a list of strings or {{'sentences': [...]}}, got {text[:100]!r}")
+        sentences = value
+    sentences = [s.strip() for s in sentences if s.strip()]
+    if not sentences:
+        raise ValueError("the sample has no non-empty caption")
+    return sentences
+
+
+class VideoTextDecoder:
+    """Raw sample -> {"frames" [T, C, H, W] or "frame_features" [T, D], "input_ids", "attention_mask"}.
+
+    Picklable for loader workers. `frame_transform` maps one PIL frame to a [C, H, W] tensor; its random
+    draws are replayed for every frame of a clip (`same_transform_per_clip`), so a random crop or flip is
+    the same across the clip. `tokenize(list[str])` returns [n, L] tensors (`data.tokenizer.TextTokenizer`).
+    When `features_field` (default `npy`) is present, its [N, D] array is sampled with the same rule and no
+    video is decoded. `min_frames`: shorter videos fail (and are skipped by the loader).
+    """
+
+    def __init__(
+        self,
+        num_frames: int,
+        frame_transform: Callable[[Image.Image], torch.Tensor] | None,
+        tokenize: Callable[[list[str]], dict[str, torch.Tensor]],
+        backend: str | None = None,
+        train: bool = True,
+        min_frames: int = 1,
+        features_field: str | None = "npy",
+        video_fields: Sequence[str] = VIDEO_FIELDS,
+        text_fields: Sequence[str] = TEXT_FIELDS,
+        attention_mask: bool = True,
+        same_transform_per_clip: bool = True,
+        num_threads: int = 1,
+    ):
+        if num_frames < 1:
+            raise ValueError(f"num_frames must be at least 1, got {num_frames}")
+        backend = backend or default_backend()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown video backend {backend!r}; use one of {', '.join(BACKENDS)}")
+        self.num_frames, self.frame_transform, self.tokenize = num_frames, frame_transform, tokenize
+        self.backend, self.train, self.min_frames, self.features_field = backend, train, min_frames, features_field
+        self.video_fields, self.text_fields = tuple(video_fields), tuple(text_fields)
+        self.attention_mask, self.same_transform_per_clip = attention_mask, same_transform_per_clip
+        self.num_threads = num_threads
+
+    def _indices(self, count: int, rng: random.Random | None) -> list[int]:
+        if count < self.min_frames:
+            raise ValueError(f"video has {count} frames, fewer than min_frames={self.min_frames}")
+        return frame_indices(count, self.num_frames, self.train, rng)
+
+    def _sentence(self, sample: dict) -> str:
+        for name in self.text_fields:
+            if name in sample:
+                sentences = parse_sentences(sample[name], name)
+                break
+        else:
+            pick_field(sample, self.text_fields, "text")  # raises MissingFieldError naming the sample
+        if self.train and len(sentences) > 1:
+            return sentences[int(torch.randint(len(sentences), ()))]
+        return sentences[0]
+
+    def _transform(self, frames: np.ndarray) -> torch.Tensor:
+        if self.frame_transform is None:
+            return torch.from_numpy(frames).permute(0, 3, 1, 2).float().div_(255.0)
+        state = torch.random.get_rng_state() if self.same_transform_per_clip else None
+        outputs = []
+        for frame in frames:
+            if state is not None:
+                torch.random.set_rng_state(state)
+            outputs.append(self.frame_transform(Image.fromarray(frame)))
+        return torch.stack(outputs)
+
+    def __call__(self, sample: dict) -> dict[str, torch.Tensor]:
+        text = self._sentence(sample)
+        rng = random.Random(int(torch.randint(0, 2**62, ()))) if self.train else None
+        out: dict[str, Any] = {}
+        if self.features_field and self.features_field in sample:
+            features = load_features(sample[self.features_field])
+            indices = self._indices(features.shape[0], rng)
+            out["frame_features"] = torch.from_numpy(np.ascontiguousarray(features[indices])).float()
+        else:
+            data = pick_field(sample, self.video_fields, "video")
+            frames = decode_frames(data, lambda count: self._indices(count, rng), self.backend, self.num_threads)
+            out["frames"] = self._transform(frames)
+        tokens = self.tokenize([text])
+        out["input_ids"] = tokens["input_ids"][0]
+        if self.attention_mask:
+            out["attention_mask"] = tokens["attention_mask"][0]
+        return out
+
+
+def load_features(data: bytes | np.ndarray) -> np.ndarray:
+    """Per-frame features [N, D] from `.npy` bytes; ValueError when they are not a 2-d numeric array."""
+    array = data if isinstance(data, np.ndarray) else np.load(io.BytesIO(data), allow_pickle=False)
+    if array.ndim != 2 or not np.issubdtype(array.dtype, np.number):
+        raise ValueError(f"frame features must be a numeric [frames, dim] array, got {array.dtype} {array.shape}")
+    return array
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def write_video_shards(samples: Iterable[dict], prefix: str, shard_size: int = 1000) -> dict[str, int]:
+    """Pack video-text samples into `<prefix>-NNNNNN.tar` shards; returns shard name -> sample count.
+
+    Values may be bytes or str, a list of sentences or a dict (written as json), or a numpy array
+    (written as `.npy`); e.g. `{"__key__": "clip1", "mp4": data, "json": {"sentences": [...]}}`.
+    """
+    with ShardSetWriter(prefix, max_samples=shard_size) as writer:
+        for sample in samples:
+            packed = {}
+            for name, value in sample.items():
+                if isinstance(value, np.ndarray):
+                    value = npy_bytes(value)
+                elif isinstance(value, list | dict):
+                    value = json.dumps({"sentences": value} if isinstance(value, list) else value, ensure_ascii=False)
+                packed[name] = value
+            writer.write(packed)
+    return dict(writer.sizes)

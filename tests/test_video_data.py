@@ -1,0 +1,331 @@
+import csv
+import io
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mmpt.data import BatchStream, MissingFieldError, ShardSetWriter, Source, StatefulLoader, StreamSpec
+from mmpt.data.demo_moving_digits import build_moving_digits, encode_mp4
+from mmpt.data.loader import SkipPolicy
+from mmpt.data.shards import count_samples, expand_shards
+from mmpt.data.stream import read_shard
+from mmpt.data.tokenizer import TextTokenizer
+from mmpt.data.video import (
+    VideoTextDecoder, decode_frames, frame_indices, npy_bytes, parse_sentences, write_video_shards,
+)
+
+SMALL = {"clips_per_kind": 12, "test_clips_per_kind": 6, "shard_size": 8}
+
+
+def all_frames(count):
+    return list(range(count))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_moving_digits(tmp_path_factory.mktemp("video") / "moving_digits", **SMALL)
+
+
+def backends():
+    try:
+        import decord  # noqa: F401
+    except ImportError:
+        return ["pyav"]
+    return ["decord", "pyav"]
+
+
+def to_tensor(image):
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+
+
+def samples_of(pattern):
+    return [sample for url in expand_shards(pattern) for _, sample in read_shard(url)]
+
+
+def decoder(corpus, **kwargs):
+    return VideoTextDecoder(4, to_tensor, TextTokenizer(corpus / "tokenizer.json", 16), **kwargs)
+
+
+# -- frame sampling -------------------------------------------------------------------------------
+
+
+def test_eval_takes_the_middle_frame_of_each_segment():
+    assert frame_indices(16, 4, train=False, rng=None) == [1, 5, 9, 13]
+    assert frame_indices(10, 3, train=False, rng=None) == [1, 4, 7]  # segments [0,3) [3,6) [6,10)
+    assert frame_indices(8, 8, train=False, rng=None) == list(range(8))
+    assert frame_indices(5, 1, train=False, rng=None) == [2]
+
+
+@pytest.mark.parametrize("count,segments", [(16, 4), (7, 3), (100, 8), (101, 8), (9, 9)])
+def test_train_draws_one_random_frame_inside_each_segment(count, segments):
+    rng = random.Random(0)
+    seen = [set() for _ in range(segments)]
+    for _ in range(300):
+        indices = frame_indices(count, segments, train=True, rng=rng)
+        assert len(indices) == segments and indices == sorted(indices)
+        for i, index in enumerate(indices):
+            assert i * count // segments <= index < (i + 1) * count // segments
+            seen[i].add(index)
+    if count <= 16:  # every frame of every segment gets drawn
+        assert [sorted(s) for s in seen] == [list(range(i * count // segments, (i + 1) * count // segments))
+                                             for i in range(segments)]
+
+
+def test_short_videos_repeat_frames_and_empty_ones_fail():
+    for train in (True, False):
+        indices = frame_indices(3, 8, train=train, rng=random.Random(1))
+        assert len(indices) == 8 and indices == sorted(indices) and set(indices) == {0, 1, 2}
+    assert frame_indices(1, 4, train=True, rng=random.Random(0)) == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="0 frames"):
+        frame_indices(0, 4, train=False, rng=None)
+
+
+def test_train_without_rng_draws_from_torch():
+    torch.manual_seed(3)
+    first = frame_indices(1000, 8, train=True, rng=None)
+    torch.manual_seed(3)
+    assert frame_indices(1000, 8, train=True, rng=None) == first
+    torch.manual_seed(4)
+    assert frame_indices(1000, 8, train=True, rng=None) != first
+
+
+# -- decoding --------------------------------------------------------------------------------------
+
+
+def test_decord_and_pyav_decode_the_same_frames(corpus):
+    pytest.importorskip("decord")
+    videos = [path.read_bytes() for path in sorted((corpus / "test" / "videos").glob("*.mp4"))[:4]]
+    for data in videos + [samples_of(str(corpus / "train/en-*.tar"))[0]["mp4"]]:
+        counts, frames = {}, {}
+        for backend in ("decord", "pyav"):
+            frames[backend] = decode_frames(data, lambda n, b=backend: counts.update({b: n}) or list(range(n)), backend)
+        assert counts["decord"] == counts["pyav"] == 16
+        assert frames["decord"].shape == frames["pyav"].shape == (16, 64, 64, 3)
+        diff = np.abs(frames["decord"].astype(int) - frames["pyav"].astype(int))
+        assert diff.max() <= 16 and diff.mean() < 0.5
+        picked = {b: decode_frames(data, lambda n: frame_indices(n, 5, False, None), b) for b in ("decord", "pyav")}
+        np.testing.assert_allclose(picked["decord"], picked["pyav"], atol=16)
+        np.testing.assert_array_equal(picked["pyav"], frames["pyav"][frame_indices(16, 5, False, None)])
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_decoded_frames_show_the_rendered_clip(backend):
+    clip = np.zeros((8, 32, 32), dtype=np.uint8)
+    for t in range(8):
+        clip[t, 8:16, 2 + 2 * t:10 + 2 * t] = 200  # a bright square moving right
+    frames = decode_frames(encode_mp4(clip, fps=8), all_frames, backend)
+    assert frames.shape == (8, 32, 32, 3) and frames.dtype == np.uint8
+    assert np.abs(frames[..., 0].astype(int) - clip).mean() < 4
+    columns = [int(np.argmax(frame[12, :, 0])) for frame in frames]
+    assert columns == sorted(columns) and columns[-1] - columns[0] >= 10
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_a_container_without_a_frame_count_is_counted_by_decoding(backend):
+    av = pytest.importorskip("av")
+    if "libvpx-vp9" not in av.codecs_available:
+        pytest.skip("no VP9 encoder")
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="webm") as container:
+        stream = container.add_stream("libvpx-vp9", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for t in range(10):
+            frame = av.VideoFrame.from_ndarray(np.full((64, 64, 3), 20 * t, dtype=np.uint8), format="rgb24")
+            frame.pts = t
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    counts = []
+    frames = decode_frames(buffer.getvalue(), lambda n: counts.append(n) or frame_indices(n, 5, False, None), backend)
+    assert counts == [10] and frames.shape == (5, 64, 64, 3)
+    assert [round(float(f.mean()) / 20) for f in frames] == [0, 2, 4, 6, 8]  # segments of 2: the first is the middle
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_bad_video_data_is_a_value_error(corpus, backend):
+    data = (corpus / "test" / "videos" / "test-0000.mp4").read_bytes()
+    with pytest.raises(ValueError, match="empty video"):
+        decode_frames(b"", all_frames, backend)
+    for bad in (data[: len(data) // 2], b"not a video at all" * 50):
+        with pytest.raises(ValueError, match="undecodable"):
+            decode_frames(bad, all_frames, backend)
+    with pytest.raises(ValueError, match="min_frames=20"):
+        decoder(corpus, backend=backend, min_frames=20)({"mp4": data, "txt": b"a clip"})
+    with pytest.raises(ValueError, match="unknown video backend"):
+        decode_frames(data, all_frames, "opencv")
+
+
+# -- the sample decoder ------------------------------------------------------------------------------
+
+
+def test_parse_sentences():
+    assert parse_sentences(b" one caption \n", "txt") == ["one caption"]
+    assert parse_sentences('["a", " ", "b"]', "json") == ["a", "b"]
+    zh = json.dumps({"sentences": ["数字七向左移动。"], "kind": "move"}).encode()
+    assert parse_sentences(zh, "zh.json") == ["数字七向左移动。"]
+    for bad in ('{"sentences": []}', '{"other": 1}', "[1, 2]"):
+        with pytest.raises(ValueError):
+            parse_sentences(bad, "json")
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_decoder_replays_its_random_choices(corpus, backend):
+    sample = samples_of(str(corpus / "train/en-000000.tar"))[0]
+    sentences = json.loads(sample["json"])["sentences"]
+    train = decoder(corpus, backend=backend, train=True)
+    torch.manual_seed(11)
+    first = train(sample)
+    torch.manual_seed(11)
+    again = train(sample)
+    assert first["frames"].shape == (4, 3, 64, 64) and first["frames"].dtype == torch.float32
+    assert first["input_ids"].shape == first["attention_mask"].shape == (16,)
+    for key in first:
+        torch.testing.assert_close(first[key], again[key])
+    draws = []
+    for seed in range(30):
+        torch.manual_seed(seed)
+        draws.append(train(sample))
+    assert len({tuple(d["input_ids"].tolist()) for d in draws}) == len(sentences)  # every sentence gets picked
+    assert len({d["frames"].sum().item() for d in draws}) > 1  # and different frames
+
+    evaluate = decoder(corpus, backend=backend, train=False)
+    out = evaluate(sample)
+    tokens = TextTokenizer(corpus / "tokenizer.json", 16)([sentences[0]])
+    torch.testing.assert_close(out["input_ids"], tokens["input_ids"][0])
+    expected = decode_frames(sample["mp4"], lambda n: frame_indices(n, 4, False, None), backend)
+    torch.testing.assert_close(out["frames"], torch.from_numpy(expected).permute(0, 3, 1, 2).float() / 255.0)
+
+
+def test_random_frame_transform_is_the_same_across_a_clip(corpus):
+    sample = samples_of(str(corpus / "train/zh-000000.tar"))[0]
+
+    def noisy(image):
+        return torch.full((1, 2, 2), torch.rand(()).item())
+
+    frames = VideoTextDecoder(6, noisy, TextTokenizer(corpus / "tokenizer.json", 8), backend="pyav")(sample)["frames"]
+    assert frames.shape == (6, 1, 2, 2) and torch.unique(frames).numel() == 1
+    frames = VideoTextDecoder(6, noisy, TextTokenizer(corpus / "tokenizer.json", 8), backend="pyav",
+                              same_transform_per_clip=False)(sample)["frames"]
+    assert torch.unique(frames).numel() == 6
+
+
+def test_precomputed_features_replace_the_video(corpus, tmp_path):
+    features = np.arange(10, dtype=np.float32)[:, None] * np.ones((1, 6), dtype=np.float32)  # row i is all i
+    sample = {"__key__": "f", "npy": npy_bytes(features), "json": json.dumps(["a seven moves up."]).encode()}
+    evaluate = decoder(corpus, train=False)
+    out = evaluate(sample)
+    assert set(out) == {"frame_features", "input_ids", "attention_mask"}
+    assert out["frame_features"][:, 0].tolist() == [0.0, 3.0, 5.0, 8.0]  # segments [0,2) [2,5) [5,7) [7,10)
+    torch.manual_seed(0)
+    rows = decoder(corpus, train=True)(sample)["frame_features"][:, 0].tolist()
+    assert all(lo <= r < hi for r, (lo, hi) in zip(rows, [(0, 2), (2, 5), (5, 7), (7, 10)]))
+    with pytest.raises(ValueError, match="min_frames=12"):
+        decoder(corpus, min_frames=12)(sample)
+    with pytest.raises(ValueError, match=r"\[frames, dim\]"):
+        evaluate({**sample, "npy": npy_bytes(np.zeros((4, 2, 2)))})
+
+    # Through the loader, from shards written by the helper.
+    sizes = write_video_shards(
+        ({"__key__": f"clip{i}", "npy": features + i, "json": ["a clip", "another caption"]} for i in range(6)),
+        str(tmp_path / "feat"), shard_size=4,
+    )
+    assert sizes == {"feat-000000.tar": 4, "feat-000001.tar": 2}
+    spec = StreamSpec([Source.from_pattern(str(tmp_path / "feat-*.tar"))], batch_size=3, mode="epoch",
+                      shuffle_buffer=0, max_epochs=1)
+    batches = list(StatefulLoader(BatchStream(spec, evaluate)))
+    assert [b["frame_features"].shape for b in batches] == [(3, 4, 6)] * 2
+    assert sorted(float(b) for batch in batches for b in batch["frame_features"][:, 0, 0]) == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_sample_without_video_or_text_is_a_clear_error(corpus):
+    sample = {"__key__": "k1", "__shard__": "s.tar", "json": b'["text"]', "jpg": b""}
+    with pytest.raises(MissingFieldError, match=r"sample 'k1' of s.tar has no video field \(looked for mp4, webm, avi"):
+        decoder(corpus)(sample)
+    with pytest.raises(MissingFieldError, match="has no text field"):
+        decoder(corpus)({"__key__": "k2", "mp4": b"x"})
+
+
+@pytest.mark.parametrize("backend,num_workers", [(b, 0) for b in backends()] + [(backends()[0], 2)])
+def test_corrupt_and_empty_videos_are_skipped_and_counted(corpus, tmp_path, caplog, backend, num_workers):
+    good = samples_of(str(corpus / "train/en-000000.tar"))
+    with ShardSetWriter(tmp_path / "clips", max_samples=5) as writer:
+        for i, sample in enumerate(good):
+            writer.write({"__key__": f"good{i}", "mp4": sample["mp4"], "json": sample["json"]})
+            if i == 2:
+                writer.write({"__key__": "truncated", "mp4": sample["mp4"][:600], "json": sample["json"]})
+            if i == 5:
+                writer.write({"__key__": "empty", "mp4": b"", "json": sample["json"]})
+    urls = expand_shards(str(tmp_path / "clips-*.tar"))
+    assert count_samples(urls) == len(good) + 2
+    spec = StreamSpec([Source.from_pattern(str(tmp_path / "clips-*.tar"))], batch_size=3, mode="epoch",
+                      shuffle_buffer=0, max_epochs=1, drop_last=False, num_workers=num_workers)
+    loader = StatefulLoader(BatchStream(spec, decoder(corpus, backend=backend)),
+                            SkipPolicy(max_rate=0.5, min_samples=1))
+    batches = list(loader)
+    assert sum(len(b["frames"]) for b in batches) == len(good)
+    assert all(b["frames"].shape[1:] == (4, 3, 64, 64) for b in batches)
+    assert loader.counts() == {"seen": len(good) + 2, "skipped": 2}
+    if num_workers:  # the workers log in their own processes
+        return
+    assert "sample 'truncated' of" in caplog.text and "clips-000000.tar" in caplog.text
+    assert "sample 'empty' of" in caplog.text and "empty video" in caplog.text
+
+
+# -- the demo corpus -------------------------------------------------------------------------------
+
+
+def test_corpus_layout_and_held_out_split(corpus):
+    assert (corpus / "COMPLETE").exists() and (corpus / "tokenizer.json").exists()
+    sizes = json.loads((corpus / "train" / "sizes.json").read_text())
+    assert sum(sizes.values()) == 2 * 24 and len(sizes) == 2 * 3
+    en, zh = samples_of(str(corpus / "train/en-*.tar")), samples_of(str(corpus / "train/zh-*.tar"))
+    assert [s["__key__"] for s in en] == [s["__key__"] for s in zh] and len({s["__key__"] for s in en}) == 24
+    assert all(a["mp4"] == b["mp4"] for a, b in zip(en, zh))
+    metas = [json.loads(s["json"]) for s in en]
+    assert {m["kind"] for m in metas} == {"move", "order"}
+    assert all(len(m["sentences"]) == 3 for m in metas)
+    zh_sentences = [s for sample in zh for s in json.loads(sample["json"])["sentences"]]
+    assert all(any("\u4e00" <= ch <= "\u9fff" for ch in s) for s in zh_sentences)
+    for meta, zh_meta in zip(metas, (json.loads(s["json"]) for s in zh)):
+        names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+        assert all(names[d] in s for d in meta["digits"] for s in meta["sentences"] if not any(c.isdigit() for c in s))
+        assert zh_meta["digits"] == meta["digits"]
+        if meta["kind"] == "order":
+            assert meta["digits"][0] != meta["digits"][1]
+
+    test = [s for url in expand_shards(str(corpus / "test/test-*.tar")) for _, s in read_shard(url)]
+    test_meta = [json.loads(s["json"]) for s in test]
+    train_scans = {scan for m in metas for scan in m["scans"]}
+    assert not train_scans & {scan for m in test_meta for scan in m["scans"]}  # held-out scans only
+
+
+def test_retrieval_files_match_the_test_shards(corpus):
+    test = [s for url in expand_shards(str(corpus / "test/test-*.tar")) for _, s in read_shard(url)]
+    assert len(test) == 12 and count_samples(expand_shards(str(corpus / "test/test-*.tar"))) == 12
+    for language, field in (("en", "json"), ("zh", "zh.json")):
+        jsonl = (corpus / "test" / f"retrieval_{language}.jsonl").read_text(encoding="utf-8")
+        lines = [json.loads(line) for line in jsonl.splitlines()]
+        with open(corpus / "test" / f"msrvtt_{language}.csv", encoding="utf-8", newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        assert [line["video"] for line in lines] == [f"videos/{s['__key__']}.mp4" for s in test]
+        assert [row["video_id"] for row in rows] == [s["__key__"] for s in test]
+        for sample, line, row in zip(test, lines, rows):
+            assert line["caption"] == json.loads(sample[field])["sentences"] and len(line["caption"]) == 2
+            assert row["sentence"] == line["caption"][0]
+            assert (corpus / "test" / line["video"]).read_bytes() == sample["mp4"]
+        assert len({row["sentence"] for row in rows}) == len(rows)  # every query names one clip
+
+
+def test_corpus_build_is_deterministic(corpus, tmp_path):
+    again = build_moving_digits(tmp_path / "again", **SMALL)
+    for pattern in ("train/en-*.tar", "train/zh-*.tar", "test/test-*.tar"):
+        first, second = samples_of(str(corpus / pattern)), samples_of(str(again / pattern))
+        assert [s["__key__"] for s in first] == [s["__key__"] for s in second]
+        assert [s["json"] for s in first] == [s["json"] for s in second]
+        assert [s["mp4"] for s in first] == [s["mp4"] for s in second]  # the encoder runs repeatably
+    for name in ("retrieval_en.jsonl", "retrieval_zh.jsonl", "msrvtt_en.csv", "msrvtt_zh.csv"):
+        assert (corpus / "test" / name).read_bytes() == (again / "test" / name).read_bytes()
+    assert (corpus / "tokenizer.json").read_bytes() == (again / "tokenizer.json").read_bytes()
+    assert build_moving_digits(again, **SMALL) == again  # complete: not rebuilt
