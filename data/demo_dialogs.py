@@ -27,7 +27,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-COMPLETE_MARKER = "COMPLETE"
+from mmpt.data.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
+
 DEFAULT_DOMAIN = "DEFAULT_DOMAIN"
 DEFAULT_INTENT = "DEFAULT_INTENT"
 HELDOUT_TEMPLATES = 4  # the last four of every intent's ten templates: two for intent train, two for intent test
@@ -690,10 +691,6 @@ def _csv(rows: list[list[str]]) -> str:
     return buffer.getvalue()
 
 
-def is_built(root: str | os.PathLike) -> bool:
-    return (Path(root) / COMPLETE_MARKER).exists()
-
-
 def build_dialogs(
     root: str | os.PathLike,
     seed: int = 0,
@@ -711,8 +708,7 @@ def build_dialogs(
     root = Path(root)
     if is_built(root):
         return root
-    staging = root.with_name(f".{root.name}.building-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = fresh_staging(root)
     goals = _goals()
 
     labelled_rng = random.Random(f"demo-dialogs-labelled-{seed}")
@@ -752,17 +748,10 @@ def build_dialogs(
     (staging / "stats.json").write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
     (staging / COMPLETE_MARKER).write_text(f"{stats['labelled_dialogs']} labelled, {stats['unlabelled_dialogs']} "
                                            f"unlabelled dialogs, {stats['intents']} intents\n")
-    try:
-        root.parent.mkdir(parents=True, exist_ok=True)
-        if root.is_dir() and any(root.iterdir()) and not is_built(root):
-            _replace_outputs(staging, root)  # a partial corpus from an interrupted build: overwrite its outputs
-        else:
-            os.rename(staging, root)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)  # another process finished first
-        if not is_built(root):
-            raise
-    return root
+    if root.is_dir() and any(root.iterdir()) and not is_built(root):
+        _replace_outputs(staging, root)  # a partial corpus from an interrupted build: overwrite its outputs
+        return root
+    return publish(staging, root)
 
 
 def _replace_outputs(staging: Path, root: Path) -> None:

@@ -14,14 +14,13 @@ import io
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
-
+from mmpt.data.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
 from mmpt.data.shards import ShardSetWriter
 from mmpt.data.tokenizer import train_wordpiece
+from PIL import Image
 
 NAMES = {
     "en": ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"],
@@ -45,7 +44,6 @@ EVAL_TEMPLATES = {
     "zh": ["一张数字{c}的照片。", "手写的{c}。", "数字{c}的图片。", "手写的数字{c}。"],
 }
 LANGUAGES = ("en", "zh")
-COMPLETE_MARKER = "COMPLETE"
 
 
 def _png(scan: np.ndarray, size: int) -> bytes:
@@ -72,10 +70,6 @@ def caption(language: str, label: int, template: str) -> str:
     return template.format(w=NAMES[language][label], n=str(label))
 
 
-def is_built(root: str | os.PathLike) -> bool:
-    return (Path(root) / COMPLETE_MARKER).exists()
-
-
 def build_digits(
     root: str | os.PathLike,
     *,
@@ -91,8 +85,7 @@ def build_digits(
     root = Path(root)
     if is_built(root):
         return root
-    staging = root.with_name(f".{root.name}.building-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = fresh_staging(root)
     digits = load_digits()
     images, labels = digits.images, digits.target
     train_ids, test_ids = _split(labels, test_fraction, seed)
@@ -132,11 +125,4 @@ def build_digits(
 
     train_wordpiece(texts, staging / "tokenizer.json", vocab_size=1000)
     (staging / COMPLETE_MARKER).write_text(f"train images: {len(train_ids)}, held-out images: {len(test_ids)}\n")
-    try:
-        root.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(staging, root)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)  # another process finished first
-        if not is_built(root):
-            raise
-    return root
+    return publish(staging, root)

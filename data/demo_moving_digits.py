@@ -31,16 +31,14 @@ import io
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
-
+from mmpt.data.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
 from mmpt.data.shards import ShardSetWriter
 from mmpt.data.tokenizer import train_wordpiece
+from PIL import Image
 
-COMPLETE_MARKER = "COMPLETE"
 LANGUAGES = ("en", "zh")
 KINDS = ("move", "order")
 NAMES = {
@@ -119,10 +117,6 @@ def caption(template: str, language: str, clip: dict) -> str:
     first, second = clip["digits"]
     a, b = names[first], names[second]
     return template.format(a=a, b=b, aa=_with_article(a), ab=_with_article(b), na=first, nb=second)
-
-
-def is_built(root: str | os.PathLike) -> bool:
-    return (Path(root) / COMPLETE_MARKER).exists()
 
 
 def _split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
@@ -287,8 +281,7 @@ def build_moving_digits(
     root = Path(root)
     if is_built(root):
         return root
-    staging = root.with_name(f".{root.name}.building-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = fresh_staging(root)
     digits = load_digits()
     train_scans, test_scans = _split(digits.target, test_fraction, seed)
     rng = random.Random(seed)
@@ -355,11 +348,4 @@ def build_moving_digits(
         f"train clips: {len(train_clips)}, held-out clips: {len(test_clips)}, frames: {frames}, size: {size}, "
         f"fps: {fps}, codec: {codec}\n"
     )
-    try:
-        root.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(staging, root)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)  # another process finished first
-        if not is_built(root):
-            raise
-    return root
+    return publish(staging, root)
