@@ -143,7 +143,7 @@ class DialogEncoder:
         """A shard sample (`json` field: {"id", "turns", "label"}) to one example's tensors; a list of dialogs
         (each a list of {"role", "text"} turns) to a padded batch."""
         if isinstance(sample, list):
-            return collate_dialogs([self.encode([{"label": {}, **t} for t in dialog]) for dialog in sample])
+            return collate_dialogs([self.encode(dialog) for dialog in sample])
         raw = sample["json"]
         example = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
         return {**self.encode(example["turns"]), "label": example["label"], "id": example["id"]}

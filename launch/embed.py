@@ -50,9 +50,8 @@ class Embedder:
             if not text.strip():
                 raise ValueError("empty text")
             return text
-        turns = json.loads(text)["turns"]
-        self.pre["tokenizer"]([turns])  # fails here, for this sample only, when a turn cannot be tokenised
-        return turns
+        # encoded here, so a turn that cannot be tokenised fails this sample only; batches are padded in `embed`
+        return self.pre["tokenizer"].encode(json.loads(text)["turns"])
 
     def embed(self, items: list):
         import torch
@@ -64,7 +63,9 @@ class Embedder:
                 tokens = {k: v.to(self.device) for k, v in self.pre["tokenizer"](items).items()}
                 features = self.model.encode_text(tokens["input_ids"], tokens["attention_mask"])
             else:
-                batch = {k: v.to(self.device) if hasattr(v, "to") else v for k, v in self.pre["tokenizer"](items).items()}
+                from mmpt.data.dialog_encoding import collate_dialogs
+
+                batch = {k: v.to(self.device) if hasattr(v, "to") else v for k, v in collate_dialogs(items).items()}
                 features = self.model.encode_dialog(batch)
         return features.float().cpu().numpy()
 
