@@ -64,6 +64,13 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
 
+    def token_id(self, token: str) -> int:
+        """The id of a (special) token, e.g. "[MASK]"; KeyError if the vocabulary lacks it."""
+        index = self._tokenizer.token_to_id(token)
+        if index is None:
+            raise KeyError(f"{self.path} has no token {token!r}")
+        return index
+
     def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
         encodings = self._tokenizer.encode_batch(list(texts))
         return {

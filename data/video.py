@@ -262,6 +262,11 @@ class VideoTextDecoder:
             outputs.append(self.frame_transform(Image.fromarray(frame)))
         return torch.stack(outputs)
 
+    def decode_video(self, data: bytes, rng: random.Random | None = None) -> torch.Tensor:
+        """Video bytes -> the T sampled, transformed frames [T, C, H, W] (ValueError if it cannot be read)."""
+        frames = decode_frames(data, lambda count: self._indices(count, rng), self.backend, self.num_threads)
+        return self._transform(frames)
+
     def __call__(self, sample: dict) -> dict[str, torch.Tensor]:
         text = self._sentence(sample)
         rng = random.Random(int(torch.randint(0, 2**62, ()))) if self.train else None
@@ -271,9 +276,7 @@ class VideoTextDecoder:
             indices = self._indices(features.shape[0], rng)
             out["frame_features"] = torch.from_numpy(np.ascontiguousarray(features[indices])).float()
         else:
-            data = pick_field(sample, self.video_fields, "video")
-            frames = decode_frames(data, lambda count: self._indices(count, rng), self.backend, self.num_threads)
-            out["frames"] = self._transform(frames)
+            out["frames"] = self.decode_video(pick_field(sample, self.video_fields, "video"), rng)
         tokens = self.tokenize([text])
         out["input_ids"] = tokens["input_ids"][0]
         if self.attention_mask:

@@ -65,7 +65,7 @@ class LoaderConfig(Section):
 
 class DataConfig(Section):
     train: LoaderConfig
-    prepare: Literal["digits", "dialogs"] | None = Field(
+    prepare: Literal["digits", "dialogs", "moving_digits"] | None = Field(
         None, description="name of a built-in demo corpus to build on first use when the shards are missing"
     )
     root: str = Field("demo_data", description="directory the demo corpus is built in")

@@ -58,10 +58,33 @@ def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype) -> Any
 
 
 def match_buffer_precision(module: nn.Module, dtype: torch.dtype) -> None:
-    """ZeRO-3 casts parameters but not buffers (e.g. BatchNorm statistics); stages 0-2 cast both."""
+    """Buffers (e.g. BatchNorm statistics, memory queues) in the training precision, as the parameters are.
+
+    A module that sets `keeps_fp32_buffers` (a momentum copy, whose small updates bf16 would lose)
+    keeps its buffers in fp32.
+    """
+    kept = {id(b) for m in module.modules() if getattr(m, "keeps_fp32_buffers", False) for b in m.buffers()}
     for buffer in module.buffers():
-        if buffer.is_floating_point() and buffer.dtype != dtype:
-            buffer.data = buffer.data.to(dtype)
+        target = torch.float32 if id(buffer) in kept else dtype
+        if buffer.is_floating_point() and buffer.dtype != target:
+            buffer.data = buffer.data.to(target)
+
+
+def after_optimizer_step(module: nn.Module, zero_stage: int) -> None:
+    """Run every submodule's `after_optimizer_step()` (e.g. a momentum copy's EMA update) once the optimizer
+    has stepped, with the parameters it reads (`source_parameters()`) whole on this rank under ZeRO-3."""
+    import deepspeed
+
+    for sub in module.modules():
+        hook = getattr(sub, "after_optimizer_step", None)
+        if hook is None:
+            continue
+        needed = list(sub.source_parameters()) if hasattr(sub, "source_parameters") else []
+        if zero_stage == 3 and needed:
+            with deepspeed.zero.GatheredParameters(needed, modifier_rank=None):
+                hook()
+        else:
+            hook()
 
 
 def prepare_demo_data(cfg: Config) -> None:
@@ -69,6 +92,10 @@ def prepare_demo_data(cfg: Config) -> None:
         from mmpt.data.demo_digits import build_digits
 
         build_digits(Path(cfg.data.root) / "digits")
+    elif cfg.data.prepare == "moving_digits":
+        from mmpt.data.demo_moving_digits import build_moving_digits
+
+        build_moving_digits(Path(cfg.data.root) / "moving_digits")
     elif cfg.data.prepare == "dialogs":
         from mmpt.data.demo_dialogs import build_dialog_shards
 
@@ -116,6 +143,8 @@ def train(cfg: Config) -> dict[str, Any]:
             micro_batches = [to_device(next(batches), engine.device, float_dtype) for _ in range(cfg.train.grad_accum)]
             data_time = time.perf_counter() - started
             losses, forward_time = optimizer_step(engine, method, micro_batches, lambda phase, at=step + 1: reached(phase, at))
+            if engine.was_step_applied():
+                after_optimizer_step(engine.module, cfg.train.zero_stage)
             step += 1
             guard.check(step, engine.was_step_applied(), losses)
             metrics.update(losses, time.perf_counter() - started, data_time, forward_time)

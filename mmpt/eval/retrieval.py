@@ -44,17 +44,21 @@ def official_caption_normalization(text: str) -> str:
     return text.lower().replace("“", '"').replace("”", '"')
 
 
-def recall_metrics(image_features: torch.Tensor, text_features: torch.Tensor, text_to_image: torch.Tensor) -> dict:
-    """Recall@1/5/10 both ways from L2-normalised features; an image is matched by any of its captions."""
-    scores = image_features.float() @ text_features.float().T  # [images, texts]
-    metrics: dict[str, float] = {}
-    # text -> image: the rank of each caption's own image.
-    own = scores[text_to_image, torch.arange(len(text_to_image))]
-    image_rank = (scores.T > own[:, None]).sum(1)
-    # image -> text: the best rank among the image's captions.
-    is_own = text_to_image[None, :] == torch.arange(len(scores))[:, None]
+def retrieval_ranks(scores: torch.Tensor, text_to_item: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-based ranks from a score matrix [items, texts]: (rank of each text's own item among all items,
+    best rank of each item's own texts among all texts). Ties count against the query."""
+    own = scores[text_to_item, torch.arange(len(text_to_item))]
+    item_rank = (scores.T > own[:, None]).sum(1)
+    is_own = text_to_item[None, :] == torch.arange(len(scores))[:, None]
     best_own = scores.masked_fill(~is_own, float("-inf")).max(1).values
     text_rank = (scores > best_own[:, None]).sum(1)
+    return item_rank, text_rank
+
+
+def recall_metrics(image_features: torch.Tensor, text_features: torch.Tensor, text_to_image: torch.Tensor) -> dict:
+    """Recall@1/5/10 both ways from L2-normalised features; an image is matched by any of its captions."""
+    image_rank, text_rank = retrieval_ranks(image_features.float() @ text_features.float().T, text_to_image)
+    metrics: dict[str, float] = {}
     for k in (1, 5, 10):
         metrics[f"image_retrieval_recall@{k}"] = (image_rank < k).float().mean().item()
         metrics[f"text_retrieval_recall@{k}"] = (text_rank < k).float().mean().item()

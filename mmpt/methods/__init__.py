@@ -16,6 +16,7 @@ _MODULES = {
     "m2_encoder": "mmpt.methods.m2_encoder",
     "open_clip": "mmpt.methods.open_clip",
     "space2": "mmpt.methods.space2",
+    "victor": "mmpt.methods.victor",
 }
 
 

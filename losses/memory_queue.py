@@ -1,0 +1,48 @@
+"""A FIFO memory queue of key features (MoCo), identical on every rank.
+
+Each push gathers the keys of all ranks (rank order) and writes them after the newest entries,
+overwriting the oldest once the queue is full. The entries, write position and fill count are
+buffers: they are saved with the training checkpoint and restored on resume. Until the queue has
+filled, only the entries written so far are negatives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mmpt.distributed import all_gather_with_grad
+
+
+class MemoryQueue(nn.Module):
+    def __init__(self, size: int, dim: int, group: dist.ProcessGroup | None = None):
+        super().__init__()
+        if size < 1:
+            raise ValueError(f"queue size must be positive, got {size}")
+        self.group = group
+        self.register_buffer("entries", torch.zeros(size, dim))
+        # Shape [1], not 0-D: DeepSpeed's buffer broadcast flattens tensors.
+        self.register_buffer("position", torch.zeros(1, dtype=torch.long))  # where the next entry goes
+        self.register_buffer("count", torch.zeros(1, dtype=torch.long))  # entries written, at most size
+
+    @property
+    def size(self) -> int:
+        return self.entries.shape[0]
+
+    def contents(self) -> torch.Tensor:
+        """The valid entries [n, dim] (no gradient), oldest-first order not guaranteed."""
+        return self.entries[: int(self.count)].detach().clone()
+
+    @torch.no_grad()
+    def push(self, keys: torch.Tensor) -> None:
+        """Enqueue every rank's `keys` [n, dim] (same n on every rank); every rank must call it."""
+        keys = all_gather_with_grad(keys.detach().contiguous(), self.group).to(self.entries.dtype)
+        if keys.shape[0] > self.size:
+            keys = keys[-self.size:]
+        rows = keys.shape[0]
+        start = int(self.position)
+        slots = (torch.arange(rows, device=keys.device) + start) % self.size
+        self.entries[slots] = keys
+        self.position.fill_((start + rows) % self.size)
+        self.count.fill_(min(int(self.count) + rows, self.size))

@@ -1,0 +1,141 @@
+"""VICTOR's proxy tasks: how their inputs are corrupted and the loss of each.
+
+Inputs (all random draws from torch's generator, which the engine seeds and checkpoints):
+- `mask_tokens`: BERT masking, 15% of the real tokens ([CLS]/[SEP]/padding never), 80% [MASK],
+  10% a random token, 10% kept.
+- `permute_sentences` / `permute_frames`: cut the real tokens (between [CLS] and [SEP]) or the T
+  frames into 3 contiguous, near-equal segments and reorder them by one of the 3! permutations;
+  the permutation index is the 6-way label (MSOM, MFOM).
+- `mask_frames`: a fraction of the T frames of each clip (at least one) for masked frame modelling.
+
+Losses (each an independent formula, see tests/test_victor_losses.py):
+- `order_loss`: cross-entropy of the 6-way order classifier.
+- `intra_mfm_loss`: the output at a masked step t against the clip's own input frame features,
+  positive at t, the other steps negatives (InfoNCE on cosine similarity / temperature).
+- `inter_mfm_loss`: the output at t against the key network's frame feature at t, the frames
+  queue as negatives.
+- `queue_nce` / `dual_vsa_loss`: MoCo InfoNCE of a pooled query against its paired key, the other
+  modality's queue as negatives; dual-VSA averages video->text and text->video.
+- `masked_lm_loss`: cross-entropy over the masked tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+PERMUTATIONS: tuple[tuple[int, int, int], ...] = tuple(itertools.permutations(range(3)))
+IGNORE = -100
+
+
+def segment_order(length: int, permutation: tuple[int, ...]) -> list[int]:
+    """Indices that reorder `length` items cut into len(permutation) contiguous near-equal segments:
+    segment permutation[0] first, then permutation[1], ... (segment i covers [i*L//S, (i+1)*L//S))."""
+    count = len(permutation)
+    bounds = [i * length // count for i in range(count + 1)]
+    return [index for segment in permutation for index in range(bounds[segment], bounds[segment + 1])]
+
+
+def random_permutations(batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One permutation index in [0, 6) per example, uniformly."""
+    return torch.randint(len(PERMUTATIONS), (batch,), device=device)
+
+
+def permute_frames(frames: torch.Tensor, permutation_ids: torch.Tensor) -> torch.Tensor:
+    """frames [B, T, ...] with each clip's T steps reordered by its permutation."""
+    steps = frames.shape[1]
+    order = torch.tensor([segment_order(steps, p) for p in PERMUTATIONS], device=frames.device)[permutation_ids]
+    index = order.view(*order.shape, *([1] * (frames.ndim - 2))).expand_as(frames)
+    return frames.gather(1, index)
+
+
+def permute_sentences(input_ids: torch.Tensor, attention_mask: torch.Tensor, permutation_ids: torch.Tensor,
+                      *aligned: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Reorder the real tokens of each row (positions 1 .. n-2, between [CLS] and [SEP]) by its permutation.
+
+    `aligned` tensors of the same shape (e.g. MLM labels) get the same reordering. Returns the
+    reordered input_ids followed by the reordered aligned tensors.
+    """
+    rows, width = input_ids.shape
+    lengths = attention_mask.sum(1).tolist()
+    index = torch.arange(width).repeat(rows, 1)
+    for row, (length, perm) in enumerate(zip(lengths, permutation_ids.tolist())):
+        inner = int(length) - 2
+        if inner > 0:
+            index[row, 1 : 1 + inner] = 1 + torch.tensor(segment_order(inner, PERMUTATIONS[perm]))
+    index = index.to(input_ids.device)
+    return tuple(t.gather(1, index) for t in (input_ids, *aligned))
+
+
+def mask_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, mask_id: int, vocab_size: int,
+                probability: float = 0.15, first_regular_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(masked input_ids, labels): labels hold the original id where a token was chosen, IGNORE elsewhere.
+
+    Candidates are the real tokens except the first ([CLS]) and last ([SEP]) of each row. Random
+    replacements are drawn from [first_regular_id, vocab_size), so no special token is inserted.
+    """
+    lengths = attention_mask.sum(1, keepdim=True)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    candidate = (positions >= 1) & (positions < lengths - 1)
+    chosen = candidate & (torch.rand(input_ids.shape, device=input_ids.device) < probability)
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, IGNORE))
+    draw = torch.rand(input_ids.shape, device=input_ids.device)
+    random_ids = torch.randint(first_regular_id, vocab_size, input_ids.shape, device=input_ids.device)
+    masked = torch.where(chosen & (draw < 0.8), torch.full_like(input_ids, mask_id), input_ids)
+    masked = torch.where(chosen & (draw >= 0.8) & (draw < 0.9), random_ids, masked)
+    return masked, labels
+
+
+def mask_frames(batch: int, steps: int, ratio: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean [B, T]: round(ratio * T) frames per clip (at least one), chosen uniformly without replacement."""
+    count = max(1, round(ratio * steps))
+    ranks = torch.rand(batch, steps, device=device).argsort(1).argsort(1)
+    return ranks < count
+
+
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over positions with a label (logits [..., V], labels [...]); 0 when there are none."""
+    chosen = labels != IGNORE
+    if not bool(chosen.any()):
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits[chosen].float(), labels[chosen])
+
+
+def order_loss(logits: torch.Tensor, permutation_ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), permutation_ids)
+
+
+def intra_mfm_loss(outputs: torch.Tensor, frame_inputs: torch.Tensor, frame_mask: torch.Tensor,
+                   temperature: float) -> torch.Tensor:
+    """outputs, frame_inputs [B, T, D]; frame_mask [B, T]. Mean over masked (b, t) of
+    -log softmax_s(cos(out[b, t], in[b, s]) / temperature)[s = t]."""
+    out = F.normalize(outputs.float(), dim=-1)
+    inputs = F.normalize(frame_inputs.float(), dim=-1)
+    logits = out @ inputs.transpose(1, 2) / temperature  # [B, T, T]: step t against every step s of its clip
+    targets = torch.arange(outputs.shape[1], device=outputs.device).expand(outputs.shape[0], -1)
+    return F.cross_entropy(logits[frame_mask], targets[frame_mask])
+
+
+def queue_nce(queries: torch.Tensor, keys: torch.Tensor, queue: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """MoCo InfoNCE: queries [N, D] against their keys [N, D] (positives) and queue [K, D] (negatives);
+    all L2-normalised; `scale` = 1 / temperature."""
+    positive = (queries * keys).sum(-1, keepdim=True)
+    negative = queries @ queue.to(queries.dtype).T
+    logits = torch.cat([positive, negative], dim=1).float() * scale
+    return F.cross_entropy(logits, torch.zeros(queries.shape[0], dtype=torch.long, device=queries.device))
+
+
+def inter_mfm_loss(outputs: torch.Tensor, key_frames: torch.Tensor, frame_mask: torch.Tensor, queue: torch.Tensor,
+                   temperature: float) -> torch.Tensor:
+    """outputs, key_frames [B, T, D]; at each masked (b, t): key_frames[b, t] positive, queue [K, D] negatives."""
+    out = F.normalize(outputs[frame_mask].float(), dim=-1)
+    keys = F.normalize(key_frames[frame_mask].float(), dim=-1)
+    return queue_nce(out, keys, F.normalize(queue.float(), dim=-1), 1.0 / temperature)
+
+
+def dual_vsa_loss(video: torch.Tensor, text: torch.Tensor, video_keys: torch.Tensor, text_keys: torch.Tensor,
+                  text_queue: torch.Tensor, video_queue: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """0.5 * (video query vs its text key, textual queue negatives + text query vs its video key, visual queue)."""
+    return 0.5 * (queue_nce(video, text_keys, text_queue, scale) + queue_nce(text, video_keys, video_queue, scale))

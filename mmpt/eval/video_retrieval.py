@@ -1,0 +1,124 @@
+"""Zero-shot text-to-video and video-to-text retrieval with the pooled unimodal features.
+
+Annotation files:
+- jsonl, one clip per line: `{"video": path, "caption": [text, ...]}` (paths relative to the file's folder);
+- csv with a header `video_id,sentence` (MSR-VTT style, e.g. the 1k-A test list), one row per caption;
+  clip `<video_id>` is looked up as `<video_root>/<video_id>.{mp4,webm,avi}` (default root: `videos/`
+  beside the csv).
+
+Metrics (MSR-VTT protocol: every text query ranks all clips): `video_retrieval_recall@{1,5,10}`,
+`video_retrieval_median_rank`, `video_retrieval_mean_rank` (text -> video), the same with `text_`
+(video -> text; a clip is found by the best-ranked of its captions), and `mean_recall`. Ranks start at 1.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mmpt.data.shards import DataError
+from mmpt.eval.retrieval import retrieval_ranks
+
+VIDEO_SUFFIXES = (".mp4", ".webm", ".avi")
+
+
+def _jsonl(path: Path) -> tuple[list[Path], list[list[str]]]:
+    videos, captions = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            video, texts = record["video"], record["caption"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise DataError(f"{path}:{number}: expected {{\"video\": path, \"caption\": [...]}} ({exc})") from None
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        if not texts:
+            raise DataError(f"{path}:{number}: no captions")
+        videos.append(Path(video) if os.path.isabs(video) else path.parent / video)
+        captions.append(texts)
+    return videos, captions
+
+
+def _find_video(root: Path, video_id: str) -> Path:
+    for suffix in VIDEO_SUFFIXES:
+        if (root / f"{video_id}{suffix}").is_file():
+            return root / f"{video_id}{suffix}"
+    raise DataError(f"video '{video_id}' not found in {root} (tried {', '.join(VIDEO_SUFFIXES)})")
+
+
+def _csv(path: Path, video_root: Path | None) -> tuple[list[Path], list[list[str]]]:
+    root = video_root or path.parent / "videos"
+    grouped: dict[str, list[str]] = {}
+    with open(path, encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle)
+        if not reader.fieldnames or not {"video_id", "sentence"} <= set(reader.fieldnames):
+            raise DataError(f"{path}: expected a header with columns video_id,sentence; got {reader.fieldnames}")
+        for number, row in enumerate(reader, start=2):
+            if not row["video_id"] or not row["sentence"]:
+                raise DataError(f"{path}:{number}: empty video_id or sentence")
+            grouped.setdefault(row["video_id"], []).append(row["sentence"])
+    return [_find_video(root, video_id) for video_id in grouped], list(grouped.values())
+
+
+def load_video_retrieval_set(path: str | os.PathLike, video_root: str | os.PathLike | None = None,
+                             ) -> tuple[list[Path], list[list[str]]]:
+    """(video files, captions of each) from a jsonl or an MSR-VTT-style csv."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"retrieval annotation file {path} does not exist")
+    videos, captions = _csv(path, Path(video_root) if video_root else None) if path.suffix == ".csv" else _jsonl(path)
+    if not videos:
+        raise DataError(f"{path}: no records")
+    return videos, captions
+
+
+def video_rank_metrics(video_features: torch.Tensor, text_features: torch.Tensor, text_to_video: torch.Tensor) -> dict:
+    video_rank, text_rank = retrieval_ranks(video_features.float() @ text_features.float().T, text_to_video)
+    metrics: dict[str, float] = {}
+    for name, ranks in (("video_retrieval", video_rank + 1), ("text_retrieval", text_rank + 1)):
+        for k in (1, 5, 10):
+            metrics[f"{name}_recall@{k}"] = (ranks <= k).float().mean().item()
+        metrics[f"{name}_median_rank"] = ranks.float().median().item()
+        metrics[f"{name}_mean_rank"] = ranks.float().mean().item()
+    recalls = [v for k, v in metrics.items() if "recall@" in k]
+    metrics["mean_recall"] = sum(recalls) / len(recalls)
+    return metrics
+
+
+@torch.no_grad()
+def video_retrieval(model, tokenize: Callable, decode_video: Callable[[bytes], torch.Tensor], path: str | os.PathLike,
+                    batch_size: int = 64, device: str | torch.device = "cpu",
+                    video_root: str | os.PathLike | None = None) -> dict:
+    """Retrieval metrics of `model` (`encode_video`, `encode_text`) on an annotation file.
+
+    `decode_video(bytes)` gives one clip's model input ([T, C, H, W] frames), e.g. an evaluation-mode
+    `VideoTextDecoder.decode_video`; an unreadable clip is an error naming the file (evaluation sets are
+    fixed, so skipping one would change the benchmark).
+    """
+    model.eval()
+    videos, captions = load_video_retrieval_set(path, video_root)
+    texts = [t for group in captions for t in group]
+    text_to_video = torch.tensor([i for i, group in enumerate(captions) for _ in group])
+    dtype = next(model.parameters()).dtype
+    video_features, text_features = [], []
+    for start in range(0, len(videos), batch_size):
+        clips = []
+        for file in videos[start : start + batch_size]:
+            try:
+                clips.append(decode_video(file.read_bytes()))
+            except (OSError, ValueError) as exc:
+                raise DataError(f"retrieval video {file} cannot be read: {exc}") from None
+        video_features.append(model.encode_video(torch.stack(clips).to(device=device, dtype=dtype)).float().cpu())
+    for start in range(0, len(texts), batch_size):
+        tokens = tokenize(texts[start : start + batch_size])
+        features = model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
+        text_features.append(features.float().cpu())
+    return video_rank_metrics(F.normalize(torch.cat(video_features), dim=-1),
+                              F.normalize(torch.cat(text_features), dim=-1), text_to_video)

@@ -1,0 +1,242 @@
+"""`victor`: video-language pretraining with contrastive proxy tasks (VICTOR, ACM MM 2021).
+
+One batch is B clips of T frames with one sentence each. A step runs:
+1. the query frame encoder once, and the momentum key network on the clean clip and sentence;
+2. dual-VSA: pooled video and text queries against the key network's pooled features of their pair,
+   the other modality's memory queue as negatives;
+3. one cross-modal pass over the masked (MLM), segment-shuffled (MSOM) sentence and the clip with
+   masked frames (intra- and inter-MFM);
+4. one cross-modal pass over the clean sentence and the segment-shuffled clip (MFOM);
+then enqueues the key features (every rank's) into the three queues. Each task has a weight in
+`method.tasks`; 0 turns it off and skips its computation. Every term is logged on its own.
+
+What the paper states and what is our design is listed in docs/victor.md.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from open_clip import image_transform
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+from pydantic import Field
+from torch import nn
+
+from mmpt.config import Config, Section
+from mmpt.data.loader import BatchStream
+from mmpt.data.tokenizer import TextTokenizer
+from mmpt.data.video import BACKENDS, VideoTextDecoder
+from mmpt.losses.memory_queue import MemoryQueue
+from mmpt.losses.victor import (
+    dual_vsa_loss, inter_mfm_loss, intra_mfm_loss, mask_frames, mask_tokens, masked_lm_loss, order_loss,
+    permute_frames, permute_sentences, random_permutations,
+)
+from mmpt.methods.base import Method, MethodConfig, stream_spec
+from mmpt.models.clip import TextTowerConfig
+from mmpt.models.victor import VictorModel, VideoTowerConfig
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class TaskWeights(Section):
+    """Weight of each proxy task in the total loss; 0 turns the task off."""
+
+    mlm: float = Field(1.0, ge=0, description="masked language modelling")
+    msom: float = Field(1.0, ge=0, description="masked sentence order modelling (6-way)")
+    mfom: float = Field(1.0, ge=0, description="masked frame order modelling (6-way) [ours]")
+    intra_mfm: float = Field(1.0, ge=0, description="masked frame vs the clip's own frames")
+    inter_mfm: float = Field(1.0, ge=0, description="masked frame vs key frame, frames queue negatives")
+    dual_vsa: float = Field(1.0, ge=0, description="dual video-sentence alignment against the memory queues")
+
+
+class RetrievalEvalConfig(Section):
+    dataset: str | None = Field(None, description="retrieval jsonl or MSR-VTT-style csv, or 'moving_digits'")
+    languages: list[str] = Field(default_factory=lambda: ["en"], description="for 'moving_digits': caption languages")
+    video_root: str | None = Field(None, description="folder of the csv's <video_id>.mp4 files (default: videos/)")
+    batch_size: int = Field(64, gt=0)
+
+
+class VictorConfig(MethodConfig):
+    name: Literal["victor"] = "victor"
+    tokenizer: str = Field(description="path of a `tokenizers` tokenizer.json (copied into the run directory)")
+    video: VideoTowerConfig = Field(default_factory=VideoTowerConfig)
+    text: TextTowerConfig = Field(default_factory=TextTowerConfig)
+    embed_dim: int = Field(256, gt=0, description="width of the pooled (retrieval) features")
+    cross_layers: int = Field(2, gt=0, description="cross-modal transformer layers (text width and heads)")
+    tasks: TaskWeights = Field(default_factory=TaskWeights)
+    momentum: float = Field(0.995, ge=0, le=1, description="m of the key network's EMA update")
+    queue_size: int = Field(4096, gt=0, description="entries of the visual and textual queues")
+    frame_queue_size: int = Field(4096, gt=0, description="entries (single frames) of the frames queue")
+    vsa_temperature: float = Field(0.07, gt=0, description="dual-VSA temperature (initial value if learned)")
+    learn_temperature: bool = Field(True, description="learn the dual-VSA temperature")
+    mfm_temperature: float = Field(0.07, gt=0, description="temperature of intra- and inter-MFM")
+    mlm_probability: float = Field(0.15, gt=0, lt=1)
+    frame_mask_ratio: float = Field(0.15, gt=0, lt=1, description="frames masked per clip (at least one)")
+    backend: Literal[BACKENDS] | None = Field(None, description="video decoder: decord or pyav (default: decord on x86_64)")
+    min_frames: int = Field(1, gt=0, description="shorter videos are skipped and counted")
+    frame_mean: tuple[float, float, float] = OPENAI_DATASET_MEAN
+    frame_std: tuple[float, float, float] = OPENAI_DATASET_STD
+    retrieval: RetrievalEvalConfig = Field(default_factory=RetrievalEvalConfig)
+
+
+class VictorLoss(nn.Module):
+    """The loss state of a run: task weights, corruption settings, and the three memory queues
+    (buffers, so the engine saves and restores them with every checkpoint)."""
+
+    def __init__(self, cfg: VictorConfig, mask_id: int, vocab_size: int):
+        super().__init__()
+        self.weights = cfg.tasks
+        self.mask_id, self.vocab_size = mask_id, vocab_size
+        self.mlm_probability, self.frame_mask_ratio = cfg.mlm_probability, cfg.frame_mask_ratio
+        self.mfm_temperature = cfg.mfm_temperature
+        self.video_queue = MemoryQueue(cfg.queue_size, cfg.embed_dim)
+        self.text_queue = MemoryQueue(cfg.queue_size, cfg.embed_dim)
+        self.frame_queue = MemoryQueue(cfg.frame_queue_size, cfg.video.width)
+
+
+class VictorMethod(Method):
+    name = "victor"
+    config_class = VictorConfig
+
+    def check_config(self, cfg: Config) -> None:
+        if not any(cfg.method.tasks.model_dump().values()):
+            raise ValueError("method.tasks: every task weight is 0; turn at least one task on")
+
+    def prepare(self, cfg: Config, run_dir: Path) -> None:
+        source = Path(cfg.method.tokenizer)
+        if not source.is_file():
+            raise FileNotFoundError(f"config key 'method.tokenizer': {source} does not exist")
+        if source.resolve() != (run_dir / TOKENIZER_FILE).resolve():
+            shutil.copyfile(source, run_dir / TOKENIZER_FILE)
+
+    def release_files(self, cfg: Config) -> list[str]:
+        return [TOKENIZER_FILE]
+
+    def tokenizer(self, cfg: Config, run_dir: Path) -> TextTokenizer:
+        return TextTokenizer(Path(run_dir) / TOKENIZER_FILE, cfg.method.text.context_length)
+
+    def frame_transform(self, cfg: Config):
+        """Resize, centre crop, normalise; the same for training and evaluation: no flips, since the
+        direction of motion is what captions describe."""
+        m = cfg.method
+        return image_transform(m.video.image_size, is_train=False, mean=m.frame_mean, std=m.frame_std)
+
+    def video_decoder(self, cfg: Config, run_dir: Path, train: bool) -> VideoTextDecoder:
+        m = cfg.method
+        return VideoTextDecoder(m.video.num_frames, self.frame_transform(cfg), self.tokenizer(cfg, run_dir),
+                                backend=m.backend, train=train, min_frames=m.min_frames,
+                                features_field="npy" if m.video.backbone is None else None)
+
+    def preprocessors(self, cfg: Config, run_dir: Path) -> dict[str, Any]:
+        """"tokenizer" (texts -> ids and mask), "preprocess" (one PIL frame -> tensor) and "video"
+        (video bytes -> the model's [T, C, H, W] input, middle frame of each segment)."""
+        return {"tokenizer": self.tokenizer(cfg, run_dir), "preprocess": self.frame_transform(cfg),
+                "video": self.video_decoder(cfg, run_dir, train=False).decode_video}
+
+    def build_model(self, cfg: Config, run_dir: Path) -> VictorModel:
+        m = cfg.method
+        text = m.text
+        if text.vocab_size is None:
+            text = text.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
+        return VictorModel(m.video, text, m.embed_dim, m.cross_layers, m.momentum, m.vsa_temperature,
+                           m.learn_temperature, tasks=[name for name, w in m.tasks.model_dump().items() if w])
+
+    def build_loss(self, cfg: Config) -> VictorLoss:
+        tokenizer = TextTokenizer(cfg.method.tokenizer, cfg.method.text.context_length)
+        return VictorLoss(cfg.method, tokenizer.token_id("[MASK]"), cfg.method.text.vocab_size or tokenizer.vocab_size)
+
+    def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
+        return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size),
+                           self.video_decoder(cfg, run_dir, train=True))
+
+    def training_step(self, model: VictorModel, loss: VictorLoss, batch: dict[str, Any],
+                      pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
+        video = batch["frames"] if "frames" in batch else batch["frame_features"]
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        w, towers = loss.weights, model.unimodal
+        frames = towers.frame_encoder(video)  # [B, T, Wv], shared by every task
+        batch_size, steps = frames.shape[:2]
+        terms: dict[str, torch.Tensor] = {}
+        key_frames, key_video, key_text = model.key(video, ids, mask) if (w.dual_vsa or w.inter_mfm) else (None,) * 3
+
+        clean_text = None
+        if w.dual_vsa:
+            clean_text = towers.text_hidden(ids, mask)
+            video_query = towers.pooled_video(towers.temporal(frames))
+            text_query = towers.pooled_text(clean_text)
+            terms["dual_vsa"] = w.dual_vsa * dual_vsa_loss(
+                video_query, text_query, key_video, key_text, loss.text_queue.contents(), loss.video_queue.contents(),
+                model.vsa_scale())
+
+        if w.mlm or w.msom or w.intra_mfm or w.inter_mfm:
+            text_ids, labels = ids, None
+            if w.mlm:
+                text_ids, labels = mask_tokens(ids, mask, loss.mask_id, loss.vocab_size, loss.mlm_probability)
+            if w.msom:
+                order = random_permutations(batch_size, ids.device)
+                text_ids, *rest = permute_sentences(text_ids, mask, order, *([labels] if labels is not None else []))
+                labels = rest[0] if rest else None
+            frame_mask = mask_frames(batch_size, steps, loss.frame_mask_ratio, frames.device) \
+                if (w.intra_mfm or w.inter_mfm) else None
+            text_out, frame_out = model.cross(towers.text_hidden(text_ids, mask), mask,
+                                              towers.temporal(frames, frame_mask)[:, 1:])
+            if w.mlm:
+                chosen = labels != -100
+                terms["mlm"] = w.mlm * masked_lm_loss(model.mlm_head(text_out[chosen]), labels[chosen])
+            if w.msom:
+                terms["msom"] = w.msom * order_loss(model.sentence_order_head(text_out[:, 0]), order)
+            if frame_mask is not None:
+                predicted = model.frame_head(frame_out)
+                if w.intra_mfm:
+                    terms["intra_mfm"] = w.intra_mfm * intra_mfm_loss(predicted, frames, frame_mask, loss.mfm_temperature)
+                if w.inter_mfm:
+                    terms["inter_mfm"] = w.inter_mfm * inter_mfm_loss(
+                        predicted, key_frames, frame_mask, loss.frame_queue.contents(), loss.mfm_temperature)
+
+        if w.mfom:
+            order = random_permutations(batch_size, ids.device)
+            text_hidden = clean_text if clean_text is not None else towers.text_hidden(ids, mask)
+            text_out, _ = model.cross(text_hidden, mask, towers.temporal(permute_frames(frames, order))[:, 1:])
+            terms["mfom"] = w.mfom * order_loss(model.frame_order_head(text_out[:, 0]), order)
+
+        if w.dual_vsa:
+            loss.video_queue.push(key_video)
+            loss.text_queue.push(key_text)
+        if w.inter_mfm:
+            loss.frame_queue.push(key_frames.flatten(0, 1))
+        return terms
+
+    def evaluate(self, model: VictorModel, cfg: Config, run_dir: Path) -> dict[str, Any]:
+        ev = cfg.method.retrieval
+        if ev.dataset is None:
+            return {}
+        return {f"retrieval/{language}/{key}": value
+                for language in ev.languages
+                for key, value in self.zeroshot(model, cfg, run_dir, ev.dataset, language)["metrics"].items()
+                if "recall@" in key or "rank" in key}
+
+    def zeroshot(self, model: VictorModel, cfg: Config, run_dir: Path, dataset: str, language: str,
+                 task: str = "zeroshot_retrieval") -> dict[str, Any]:
+        """Text-to-video and video-to-text retrieval on an annotation file (or the demo's held-out split)."""
+        if task != "zeroshot_retrieval":
+            raise ValueError(f"the victor method evaluates zeroshot_retrieval, not {task!r}")
+        from mmpt.eval.video_retrieval import video_retrieval
+
+        path = Path(dataset)
+        if dataset == "moving_digits":
+            path = Path(cfg.data.root) / "moving_digits" / "test" / f"retrieval_{language}.jsonl"
+        ev = cfg.method.retrieval
+        metrics = video_retrieval(model, self.tokenizer(cfg, run_dir), self.video_decoder(cfg, run_dir, train=False).decode_video,
+                                  path, batch_size=ev.batch_size, device=next(model.parameters()).device,
+                                  video_root=ev.video_root)
+        result = {"dataset": dataset, "model": str(run_dir), "task": task, "language": language, "metrics": metrics}
+        (run_dir / "eval").mkdir(exist_ok=True)
+        (run_dir / "eval" / f"{task}_{path.stem}_{language}.json").write_text(json.dumps(result, indent=2))
+        return result
+
+
+METHOD = VictorMethod()

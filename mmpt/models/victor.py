@@ -1,0 +1,233 @@
+"""VICTOR's networks: unimodal towers (query and momentum key copies) and a cross-modal transformer.
+
+- Frame encoder: a timm image backbone (trainable or frozen) applied to each of the T frames, or a linear
+  layer over precomputed per-frame features; either way projected to the video width.
+- Temporal transformer: [CLS] + T frame tokens with learned time embeddings; a learned mask token
+  replaces the features of masked frames (masked frame modelling).
+- Text encoder: a BERT-style `transformers` model (from scratch, any tokenizer incl. Chinese).
+- Cross-modal transformer over [text tokens; frame tokens] with modality embeddings, for the
+  reconstruction and order tasks.
+- Pooled features: the [CLS] outputs of the temporal transformer and the text encoder, projected and
+  L2-normalised; these are what retrieval and `encode_video` / `encode_text` use.
+
+The momentum key network is a `MomentumCopy` of the unimodal towers (frame encoder, temporal
+transformer, text encoder, projections): [ours] in the spec, the paper says only "query" and "key" networks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import nn
+from transformers import BertConfig, BertModel
+
+from mmpt.config import Section
+from mmpt.models.clip import TextTowerConfig
+from mmpt.models.momentum import MomentumCopy
+
+NUM_ORDER_CLASSES = 6  # 3! orders of three segments
+TASKS = ("mlm", "msom", "mfom", "intra_mfm", "inter_mfm", "dual_vsa")
+
+
+class VideoTowerConfig(Section):
+    backbone: str | None = Field(
+        "resnet10t", description="timm model name (built without pretrained weights); null: precomputed features")
+    backbone_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra timm.create_model arguments")
+    frozen: bool = Field(False, description="freeze the frame backbone (its features are still projected)")
+    feature_dim: int | None = Field(None, gt=0, description="width of precomputed `npy` frame features")
+    image_size: int = Field(224, gt=0, description="frame resolution after the transforms")
+    num_frames: int = Field(8, ge=3, description="T: frames sampled per clip, one per equal segment")
+    width: int = Field(256, gt=0)
+    layers: int = Field(2, gt=0, description="temporal transformer layers")
+    heads: int = Field(4, gt=0)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> VideoTowerConfig:
+        if (self.backbone is None) == (self.feature_dim is None):
+            raise ValueError("set exactly one of video.backbone (decode frames) and video.feature_dim (npy features)")
+        return self
+
+
+class FrameEncoder(nn.Module):
+    """Frames [B, T, C, H, W] or precomputed features [B, T, D] -> frame features [B, T, width]."""
+
+    def __init__(self, cfg: VideoTowerConfig):
+        super().__init__()
+        if cfg.backbone is None:
+            self.backbone = None
+            in_dim = cfg.feature_dim
+        else:
+            self.backbone = timm.create_model(cfg.backbone, pretrained=False, num_classes=0, **cfg.backbone_kwargs)
+            self.backbone.requires_grad_(not cfg.frozen)
+            in_dim = self.backbone.num_features
+        self.projection = nn.Linear(in_dim, cfg.width)
+
+    def forward(self, video: torch.Tensor) -> torch.Tensor:
+        if self.backbone is None:
+            if video.ndim != 3:
+                raise ValueError(f"this model reads precomputed features [B, T, D]; got a tensor of shape {tuple(video.shape)}")
+            return self.projection(video)
+        if video.ndim != 5:
+            raise ValueError(f"this model decodes frames [B, T, C, H, W]; got a tensor of shape {tuple(video.shape)}")
+        batch, frames = video.shape[:2]
+        features = self.backbone(video.flatten(0, 1))
+        return self.projection(features).unflatten(0, (batch, frames))
+
+
+def _encoder(width: int, layers: int, heads: int, dropout: float = 0.0) -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=dropout, activation="gelu",
+                                       batch_first=True, norm_first=True)
+    return nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(width), enable_nested_tensor=False)
+
+
+class TemporalTransformer(nn.Module):
+    """Frame features [B, T, W] (+ a frame mask [B, T]) -> [B, 1 + T, W]: [CLS] then the frames."""
+
+    def __init__(self, cfg: VideoTowerConfig):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.width))
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, cfg.width))
+        self.time_embedding = nn.Parameter(torch.zeros(1, cfg.num_frames, cfg.width))
+        nn.init.normal_(self.time_embedding, std=0.02)
+        nn.init.normal_(self.cls_token, std=0.02)
+        nn.init.normal_(self.mask_token, std=0.02)
+        self.encoder = _encoder(cfg.width, cfg.layers, cfg.heads)
+
+    def forward(self, frames: torch.Tensor, frame_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if frames.shape[1] != self.time_embedding.shape[1]:
+            raise ValueError(f"expected {self.time_embedding.shape[1]} frames per clip, got {frames.shape[1]}")
+        if frame_mask is not None:
+            frames = torch.where(frame_mask[..., None], self.mask_token.to(frames.dtype), frames)
+        tokens = torch.cat([self.cls_token.expand(frames.shape[0], -1, -1).to(frames.dtype),
+                            frames + self.time_embedding], dim=1)
+        return self.encoder(tokens)
+
+
+def text_encoder(cfg: TextTowerConfig) -> BertModel:
+    return BertModel(
+        BertConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.width, num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads, intermediate_size=int(cfg.width * cfg.mlp_ratio),
+            max_position_embeddings=cfg.context_length, hidden_dropout_prob=cfg.dropout,
+            attention_probs_dropout_prob=cfg.dropout,
+        ),
+        add_pooling_layer=False,
+    )
+
+
+class UnimodalTowers(nn.Module):
+    """Everything the key network copies. `forward` gives what the key network contributes:
+    (frame features [B, T, Wv], pooled video [B, E], pooled text [B, E]), the pooled ones L2-normalised."""
+
+    def __init__(self, video: VideoTowerConfig, text: TextTowerConfig, embed_dim: int):
+        super().__init__()
+        self.frame_encoder = FrameEncoder(video)
+        self.temporal = TemporalTransformer(video)
+        self.text = text_encoder(text)
+        self.video_projection = nn.Linear(video.width, embed_dim, bias=False)
+        self.text_projection = nn.Linear(text.width, embed_dim, bias=False)
+
+    def text_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.text(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def pooled_video(self, video_tokens: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.video_projection(video_tokens[:, 0]), dim=-1)
+
+    def pooled_text(self, text_hidden: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.text_projection(text_hidden[:, 0]), dim=-1)
+
+    def forward(self, video: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        frames = self.frame_encoder(video)
+        return (frames, self.pooled_video(self.temporal(frames)),
+                self.pooled_text(self.text_hidden(input_ids, attention_mask)))
+
+
+class CrossModalTransformer(nn.Module):
+    """[text hidden [B, L, Wt]; video tokens [B, T, Wv]] -> (text outputs [B, L, Wt], frame outputs [B, T, Wt])."""
+
+    def __init__(self, text_width: int, video_width: int, layers: int, heads: int):
+        super().__init__()
+        self.video_in = nn.Linear(video_width, text_width)
+        # Direct parameters (not an nn.Embedding read by index): ZeRO-3 gathers a module's own parameters
+        # when its forward runs, and would not gather a submodule's that is never called.
+        self.modality = nn.Parameter(torch.zeros(2, text_width))
+        nn.init.normal_(self.modality, std=0.02)
+        self.encoder = _encoder(text_width, layers, heads)
+
+    def forward(self, text_hidden: torch.Tensor, attention_mask: torch.Tensor, frame_tokens: torch.Tensor):
+        frames = self.video_in(frame_tokens) + self.modality[1]
+        tokens = torch.cat([text_hidden + self.modality[0], frames], dim=1)
+        padding = torch.cat([attention_mask == 0, attention_mask.new_zeros(frames.shape[:2], dtype=torch.bool)], dim=1)
+        out = self.encoder(tokens, src_key_padding_mask=padding)
+        length = text_hidden.shape[1]
+        return out[:, :length], out[:, length:]
+
+
+class PredictionHead(nn.Module):
+    """dense -> GELU -> LayerNorm -> linear, BERT's prediction-head shape."""
+
+    def __init__(self, width: int, out: int):
+        super().__init__()
+        self.transform = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))
+        self.out = nn.Linear(width, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.transform(x))
+
+
+class LogitScale(nn.Module):
+    """exp(learnable log scale), clamped at 100; a module so ZeRO-3 gathers it when it is called."""
+
+    def __init__(self, temperature: float, learnable: bool):
+        super().__init__()
+        # Shape [1], not 0-D: DeepSpeed cannot flatten 0-D parameters.
+        self.log_scale = nn.Parameter(torch.full([1], math.log(1.0 / temperature)), requires_grad=learnable)
+
+    def forward(self) -> torch.Tensor:
+        return self.log_scale.exp().clamp(max=100.0)
+
+
+class VictorModel(nn.Module):
+    """Query towers + cross-modal transformer + task heads, and the momentum key network."""
+
+    def __init__(self, video: VideoTowerConfig, text: TextTowerConfig, embed_dim: int, cross_layers: int,
+                 momentum: float, vsa_temperature: float, learn_temperature: bool, tasks: Sequence[str] = TASKS):
+        """`tasks`: the proxy tasks trained; heads (and the cross-modal transformer) only for those, so a
+        task turned off leaves no unused parameters."""
+        super().__init__()
+        if text.vocab_size is None:
+            raise ValueError("text tower vocab_size must be resolved (from the tokenizer) before building the model")
+        unknown = set(tasks) - set(TASKS)
+        if unknown:
+            raise ValueError(f"unknown VICTOR tasks {sorted(unknown)}; known: {', '.join(TASKS)}")
+        self.unimodal = UnimodalTowers(video, text, embed_dim)
+        needs_cross = bool(set(tasks) - {"dual_vsa"})
+        self.cross = CrossModalTransformer(text.width, video.width, cross_layers, text.heads) if needs_cross else None
+        self.mlm_head = PredictionHead(text.width, text.vocab_size) if "mlm" in tasks else None
+        self.sentence_order_head = PredictionHead(text.width, NUM_ORDER_CLASSES) if "msom" in tasks else None
+        self.frame_order_head = PredictionHead(text.width, NUM_ORDER_CLASSES) if "mfom" in tasks else None
+        # cross-modal frame output -> frame feature space, for intra- and inter-MFM
+        self.frame_head = PredictionHead(text.width, video.width) if {"intra_mfm", "inter_mfm"} & set(tasks) else None
+        self.vsa_scale = LogitScale(vsa_temperature, learn_temperature)
+        self.key = MomentumCopy(self.unimodal, momentum)  # registered after `unimodal`: deepcopy keeps the link
+
+    def encode_video(self, video: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """Frames [B, T, C, H, W] (or features [B, T, D] for a feature model) -> video features [B, E]."""
+        towers = self.unimodal
+        pooled = towers.video_projection(towers.temporal(towers.frame_encoder(video))[:, 0])
+        return F.normalize(pooled, dim=-1) if normalize else pooled
+
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        towers = self.unimodal
+        pooled = towers.text_projection(towers.text_hidden(input_ids, attention_mask)[:, 0])
+        return F.normalize(pooled, dim=-1) if normalize else pooled
+
+    def forward(self, video: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """(video features, text features), both L2-normalised."""
+        return self.encode_video(video), self.encode_text(input_ids, attention_mask)
