@@ -1,4 +1,4 @@
-"""Embed the images, texts or dialogs of a shard set with a released model, resumably, in several processes.
+"""Embed the images, videos, texts or dialogs of a shard set with a released model, resumably, in several processes.
 
     python launch/embed.py --model releases/clip-demo --shards 'data/train-{000000..000099}.tar' \
         --modality image --out embeddings/ --processes 2
@@ -21,7 +21,8 @@ import os
 import sys
 from pathlib import Path
 
-MODALITY_FIELDS = {"image": ("jpg", "jpeg", "png", "webp"), "text": ("txt", "text", "caption"), "dialog": ("json",)}
+MODALITY_FIELDS = {"image": ("jpg", "jpeg", "png", "webp"), "video": ("mp4", "webm", "avi"),
+                   "text": ("txt", "text", "caption"), "dialog": ("json",)}
 
 
 def output_paths(out: Path, shard: str) -> tuple[Path, Path]:
@@ -45,6 +46,8 @@ class Embedder:
         value = pick_field(sample, MODALITY_FIELDS[self.modality], self.modality)
         if self.modality == "image":
             return self.pre["preprocess"](decode_image(value))
+        if self.modality == "video":
+            return self.pre["video"](value)  # the model's frame sampling and transform (evaluation mode)
         text = decode_text(value)
         if self.modality == "text":
             if not text.strip():
@@ -59,6 +62,8 @@ class Embedder:
         with torch.no_grad():
             if self.modality == "image":
                 features = self.model.encode_image(torch.stack(items).to(self.device))
+            elif self.modality == "video":
+                features = self.model.encode_video(torch.stack(items).to(self.device))
             elif self.modality == "text":
                 tokens = {k: v.to(self.device) for k, v in self.pre["tokenizer"](items).items()}
                 features = self.model.encode_text(tokens["input_ids"], tokens["attention_mask"])

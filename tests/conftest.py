@@ -19,6 +19,17 @@ def digits_root(tmp_path_factory) -> Path:
     return build_digits(tmp_path_factory.mktemp("data") / "digits", captions_per_image=2, shard_size=400)
 
 
+SMALL_MOVING_DIGITS = {"clips_per_kind": 12, "test_clips_per_kind": 6, "shard_size": 8}
+
+
+@pytest.fixture(scope="session")
+def moving_digits_root(tmp_path_factory) -> Path:
+    """A small moving-digits corpus: 24 training clips (English and Chinese shards), 12 held out."""
+    from mmpt.data.demo_moving_digits import build_moving_digits
+
+    return build_moving_digits(tmp_path_factory.mktemp("video") / "moving_digits", **SMALL_MOVING_DIGITS)
+
+
 def tiny_config(digits_root: Path, run_dir: Path, **sections) -> dict:
     """A small clip config on the digits corpus; `sections` deep-update it."""
     cfg = {

@@ -66,6 +66,30 @@ def test_dialog_round_trip(tmp_path):
     assert json.loads((release / "config.json").read_text())["method"] == "space2"
 
 
+VICTOR_TINY = {"name": "victor", "embed_dim": 16, "cross_layers": 1,
+               "video": {"backbone": "resnet10t", "image_size": 32, "num_frames": 4, "width": 32, "layers": 1, "heads": 2},
+               "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16}}
+
+
+def test_video_round_trip(tmp_path, moving_digits_root):
+    model = build({**VICTOR_TINY, "tokenizer": str(moving_digits_root / "tokenizer.json")}, tmp_path)
+    release = model.save_pretrained(tmp_path / "release")
+    loaded = mmpt.load(release)
+    videos = sorted((moving_digits_root / "test" / "videos").glob("*.mp4"))[:3]
+
+    def embed(m):
+        pre = m.preprocessors()
+        clips = torch.stack([pre["video"](v.read_bytes()) for v in videos])
+        tokens = pre["tokenizer"](["the digit seven moves to the left.", "数字三向上移动。"])
+        with torch.no_grad():
+            return m.encode_video(clips), m.encode_text(tokens["input_ids"], tokens["attention_mask"])
+
+    for before, after in zip(embed(model), embed(loaded)):
+        assert torch.equal(before, after)
+        torch.testing.assert_close(after.norm(dim=-1), torch.ones(len(after)))
+    assert embed(loaded)[0].shape == (3, 16)
+
+
 @pytest.mark.distributed
 def test_export_from_a_two_rank_zero3_run_equals_the_trained_model(tmp_path, digits_root):
     run_dir = tmp_path / "run"
@@ -140,9 +164,9 @@ def test_a_pickled_checkpoint_with_code_is_refused(tmp_path, digits_root, monkey
     assert not marker.exists()
 
 
-def embed_command(release, shards, out, processes=1):
+def embed_command(release, shards, out, processes=1, modality="image"):
     return [sys.executable, str(REPO / "launch/embed.py"), "--model", str(release), "--shards", shards,
-            "--modality", "image", "--out", str(out), "--batch-size", "16", "--processes", str(processes)]
+            "--modality", modality, "--out", str(out), "--batch-size", "16", "--processes", str(processes)]
 
 
 def test_embed_killed_and_restarted_embeds_every_sample_once(tmp_path, digits_root):
@@ -193,3 +217,29 @@ def test_embed_killed_and_restarted_embeds_every_sample_once(tmp_path, digits_ro
         direct = model.encode_image(torch.stack([pre(decode_image(s["png"])) for s in samples[:30]]))
     np.testing.assert_allclose(first["embeddings"], direct.numpy(), atol=1e-5)
     assert first["keys"].tolist() == [s["__key__"] for s in samples[:30]]
+
+
+def test_embed_videos_with_a_bad_clip_recorded(tmp_path, moving_digits_root):
+    import numpy as np
+
+    from mmpt.data import ShardSetWriter
+    from mmpt.data.stream import read_shard
+
+    model = build({**VICTOR_TINY, "tokenizer": str(moving_digits_root / "tokenizer.json")}, tmp_path)
+    release = model.save_pretrained(tmp_path / "release")
+    samples = [s for shard in sorted((moving_digits_root / "test").glob("test-*.tar")) for _, s in read_shard(str(shard))]
+    with ShardSetWriter(tmp_path / "in" / "part", max_samples=5) as writer:
+        for index, sample in enumerate(samples):
+            writer.write({"__key__": sample["__key__"], "mp4": b"\x00" * 100 if index == 3 else sample["mp4"]})
+    shards = ",".join(str(p) for p in sorted((tmp_path / "in").glob("part-*.tar")))
+    out = tmp_path / "out"
+    subprocess.run(embed_command(release, shards, out, processes=2, modality="video"), env=launcher_env(), check=True,
+                   capture_output=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["samples"], manifest["embedded"], manifest["failed"]) == (len(samples), len(samples) - 1, 1)
+    first = np.load(out / "part-000000.npz")
+    assert first["keys"].tolist() == [s["__key__"] for s in samples[:5] if s is not samples[3]]
+    pre = model.preprocessors()["video"]
+    with torch.no_grad():
+        direct = model.encode_video(torch.stack([pre(s["mp4"]) for i, s in enumerate(samples[:5]) if i != 3]))
+    np.testing.assert_allclose(first["embeddings"], direct.numpy(), atol=1e-5)

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import SMALL_MOVING_DIGITS
+
 from mmpt.data import BatchStream, MissingFieldError, ShardSetWriter, Source, StatefulLoader, StreamSpec
 from mmpt.data.demo_moving_digits import build_moving_digits, encode_mp4
 from mmpt.data.loader import SkipPolicy
@@ -17,7 +19,6 @@ from mmpt.data.video import (
     VideoTextDecoder, decode_frames, frame_indices, npy_bytes, parse_sentences, write_video_shards,
 )
 
-SMALL = {"clips_per_kind": 12, "test_clips_per_kind": 6, "shard_size": 8}
 
 
 def all_frames(count):
@@ -25,8 +26,8 @@ def all_frames(count):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return build_moving_digits(tmp_path_factory.mktemp("video") / "moving_digits", **SMALL)
+def corpus(moving_digits_root):
+    return moving_digits_root
 
 
 def backends():
@@ -319,7 +320,7 @@ def test_retrieval_files_match_the_test_shards(corpus):
 
 
 def test_corpus_build_is_deterministic(corpus, tmp_path):
-    again = build_moving_digits(tmp_path / "again", **SMALL)
+    again = build_moving_digits(tmp_path / "again", **SMALL_MOVING_DIGITS)
     for pattern in ("train/en-*.tar", "train/zh-*.tar", "test/test-*.tar"):
         first, second = samples_of(str(corpus / pattern)), samples_of(str(again / pattern))
         assert [s["__key__"] for s in first] == [s["__key__"] for s in second]
@@ -328,4 +329,4 @@ def test_corpus_build_is_deterministic(corpus, tmp_path):
     for name in ("retrieval_en.jsonl", "retrieval_zh.jsonl", "msrvtt_en.csv", "msrvtt_zh.csv"):
         assert (corpus / "test" / name).read_bytes() == (again / "test" / name).read_bytes()
     assert (corpus / "tokenizer.json").read_bytes() == (again / "tokenizer.json").read_bytes()
-    assert build_moving_digits(again, **SMALL) == again  # complete: not rebuilt
+    assert build_moving_digits(again, **SMALL_MOVING_DIGITS) == again  # complete: not rebuilt

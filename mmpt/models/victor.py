@@ -121,6 +121,23 @@ def text_encoder(cfg: TextTowerConfig) -> BertModel:
     )
 
 
+class Projection(nn.Module):
+    """Pooled token -> embedding: linear, then batch normalisation without affine terms (MoCo v3's heads).
+
+    The normalisation centres the features over the batch. Without it, towers trained from scratch start
+    with nearly identical pooled features (a BERT [CLS] at init is the same for every sentence), the key
+    network's targets carry no signal, and both towers collapse to one constant feature.
+    """
+
+    def __init__(self, width: int, embed_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(width, embed_dim, bias=False)
+        self.norm = nn.BatchNorm1d(embed_dim, affine=False)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(pooled))
+
+
 class UnimodalTowers(nn.Module):
     """Everything the key network copies. `forward` gives what the key network contributes:
     (frame features [B, T, Wv], pooled video [B, E], pooled text [B, E]), the pooled ones L2-normalised."""
@@ -130,8 +147,8 @@ class UnimodalTowers(nn.Module):
         self.frame_encoder = FrameEncoder(video)
         self.temporal = TemporalTransformer(video)
         self.text = text_encoder(text)
-        self.video_projection = nn.Linear(video.width, embed_dim, bias=False)
-        self.text_projection = nn.Linear(text.width, embed_dim, bias=False)
+        self.video_projection = Projection(video.width, embed_dim)
+        self.text_projection = Projection(text.width, embed_dim)
 
     def text_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.text(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
