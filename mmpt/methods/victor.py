@@ -10,7 +10,7 @@ One batch is B clips of T frames with one sentence each. A step runs:
 then enqueues the key features (every rank's) into the three queues. Each task has a weight in
 `method.tasks`; 0 turns it off and skips its computation. Every term is logged on its own.
 
-What the paper states and what is our design is listed in docs/victor.md.
+What the paper states and what is our design is listed in the README's VICTOR section.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from mmpt.losses.victor import (
 )
 from mmpt.methods.base import Method, MethodConfig, stream_spec
 from mmpt.models.clip import TextTowerConfig
-from mmpt.models.victor import VictorModel, VideoTowerConfig
+from mmpt.models.victor import VictorModel, VideoTowerConfig, load_backbone_weights
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -144,6 +144,12 @@ class VictorMethod(Method):
             text = text.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
         return VictorModel(m.video, text, m.embed_dim, m.cross_layers, m.momentum, m.vsa_temperature,
                            m.learn_temperature, tasks=[name for name, w in m.tasks.model_dump().items() if w])
+
+    def load_initial_weights(self, model: VictorModel, cfg: Config) -> None:
+        weights = cfg.method.video.backbone_weights
+        if weights:
+            load_backbone_weights(model.unimodal.frame_encoder.backbone, weights)
+            model.key.reset()  # the key network starts from the loaded weights too
 
     def build_loss(self, cfg: Config) -> VictorLoss:
         tokenizer = TextTokenizer(cfg.method.tokenizer, cfg.method.text.context_length)

@@ -66,6 +66,12 @@ class MomentumCopy(nn.Module):
             else:
                 key.copy_(query)
 
+    @torch.no_grad()
+    def reset(self) -> None:
+        """key <- source: after the source was loaded from a checkpoint, start the copy from the same weights."""
+        for key, query in self._pairs():
+            key.copy_(query)
+
     def after_optimizer_step(self) -> None:
         self.update()
 

@@ -7,8 +7,8 @@
 - Text encoder: a BERT-style `transformers` model (from scratch, any tokenizer incl. Chinese).
 - Cross-modal transformer over [text tokens; frame tokens] with modality embeddings, for the
   reconstruction and order tasks.
-- Pooled features: the [CLS] outputs of the temporal transformer and the text encoder, projected and
-  L2-normalised; these are what retrieval and `encode_video` / `encode_text` use.
+- Pooled features: the [CLS] outputs of the temporal transformer and the text encoder, projected,
+  batch-normalised (see `Projection`) and L2-normalised; retrieval and `encode_video` / `encode_text` use them.
 
 The momentum key network is a `MomentumCopy` of the unimodal towers (frame encoder, temporal
 transformer, text encoder, projections): [ours] in the spec, the paper says only "query" and "key" networks.
@@ -39,6 +39,8 @@ class VideoTowerConfig(Section):
     backbone: str | None = Field(
         "resnet10t", description="timm model name (built without pretrained weights); null: precomputed features")
     backbone_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra timm.create_model arguments")
+    backbone_weights: str | None = Field(
+        None, description="local weights file for the backbone (.safetensors, or a torch state dict read weights-only)")
     frozen: bool = Field(False, description="freeze the frame backbone (its features are still projected)")
     feature_dim: int | None = Field(None, gt=0, description="width of precomputed `npy` frame features")
     image_size: int = Field(224, gt=0, description="frame resolution after the transforms")
@@ -51,6 +53,8 @@ class VideoTowerConfig(Section):
     def _one_input(self) -> VideoTowerConfig:
         if (self.backbone is None) == (self.feature_dim is None):
             raise ValueError("set exactly one of video.backbone (decode frames) and video.feature_dim (npy features)")
+        if self.backbone is None and (self.backbone_weights or self.frozen):
+            raise ValueError("video.backbone_weights and video.frozen need a video.backbone")
         return self
 
 
@@ -66,7 +70,15 @@ class FrameEncoder(nn.Module):
             self.backbone = timm.create_model(cfg.backbone, pretrained=False, num_classes=0, **cfg.backbone_kwargs)
             self.backbone.requires_grad_(not cfg.frozen)
             in_dim = self.backbone.num_features
+        self.frozen = cfg.frozen
         self.projection = nn.Linear(in_dim, cfg.width)
+
+    def train(self, mode: bool = True) -> FrameEncoder:
+        """A frozen backbone stays in evaluation mode (no BatchNorm statistics updates, no dropout)."""
+        super().train(mode)
+        if self.frozen:
+            self.backbone.eval()
+        return self
 
     def forward(self, video: torch.Tensor) -> torch.Tensor:
         if self.backbone is None:
@@ -84,6 +96,23 @@ def _encoder(width: int, layers: int, heads: int, dropout: float = 0.0) -> nn.Tr
     layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=dropout, activation="gelu",
                                        batch_first=True, norm_first=True)
     return nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(width), enable_nested_tensor=False)
+
+
+def load_backbone_weights(backbone: nn.Module, path: str) -> None:
+    """Backbone weights from a local file (e.g. timm's ImageNet weights); the classifier may be absent or extra."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = state.get("state_dict", state.get("model", state)) if isinstance(state, dict) else state
+    result = backbone.load_state_dict(state, strict=False)
+    classifier = getattr(backbone, "pretrained_cfg", {}).get("classifier") or "head"
+    unexpected = [k for k in result.unexpected_keys if not k.startswith(classifier)]
+    if result.missing_keys or unexpected:
+        raise ValueError(f"config key 'method.video.backbone_weights': {path} does not fit the backbone: missing "
+                         f"{result.missing_keys[:10]}, unexpected {unexpected[:10]}")
 
 
 class TemporalTransformer(nn.Module):
