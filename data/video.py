@@ -199,12 +199,35 @@ def parse_sentences(data: bytes | str, field: str) -> list[str]:
     return sentences
 
 
+class ResizeCenterCrop:
+    """Decoded frames uint8 [T, H, W, 3] -> uint8 tensor [T, 3, size, size]: the shorter side resized to `size`
+    (bilinear, antialiased), then the centre crop; all frames in one call.
+
+    The frames stay uint8: normalisation belongs on the accelerator (`models.victor.FrameEncoder` does it),
+    so the loader copies and ships a quarter of the bytes of float frames, and copies them once (when batching).
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, frames: np.ndarray) -> torch.Tensor:
+        from torchvision.transforms.v2 import functional as TF
+
+        clip = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+        if min(clip.shape[-2:]) != self.size:
+            clip = TF.resize(clip, self.size, antialias=True)
+        if tuple(clip.shape[-2:]) != (self.size, self.size):
+            clip = TF.center_crop(clip, [self.size, self.size])
+        return clip  # a channels-last view: batching copies it into place once
+
+
 class VideoTextDecoder:
     """Raw sample -> {"frames" [T, C, H, W] or "frame_features" [T, D], "input_ids", "attention_mask"}.
 
     Picklable for loader workers. `frame_transform` maps one PIL frame to a [C, H, W] tensor; its random
     draws are replayed for every frame of a clip (`same_transform_per_clip`), so a random crop or flip is
-    the same across the clip. `tokenize(list[str])` returns [n, L] tensors (`data.tokenizer.TextTokenizer`).
+    the same across the clip. `clip_transform`, when given instead, maps all decoded frames (uint8
+    [T, H, W, 3]) at once, e.g. `ResizeCenterCrop`. `tokenize(list[str])` returns [n, L] tensors (`data.tokenizer.TextTokenizer`).
     When `features_field` (default `npy`) is present, its [N, D] array is sampled with the same rule and no
     video is decoded. `min_frames`: shorter videos fail (and are skipped by the loader).
     """
@@ -223,6 +246,7 @@ class VideoTextDecoder:
         attention_mask: bool = True,
         same_transform_per_clip: bool = True,
         num_threads: int = 1,
+        clip_transform: Callable[[np.ndarray], torch.Tensor] | None = None,
     ):
         if num_frames < 1:
             raise ValueError(f"num_frames must be at least 1, got {num_frames}")
@@ -233,7 +257,7 @@ class VideoTextDecoder:
         self.backend, self.train, self.min_frames, self.features_field = backend, train, min_frames, features_field
         self.video_fields, self.text_fields = tuple(video_fields), tuple(text_fields)
         self.attention_mask, self.same_transform_per_clip = attention_mask, same_transform_per_clip
-        self.num_threads = num_threads
+        self.num_threads, self.clip_transform = num_threads, clip_transform
 
     def _indices(self, count: int, rng: random.Random | None) -> list[int]:
         if count < self.min_frames:
@@ -252,6 +276,8 @@ class VideoTextDecoder:
         return sentences[0]
 
     def _transform(self, frames: np.ndarray) -> torch.Tensor:
+        if self.clip_transform is not None:
+            return self.clip_transform(frames)
         if self.frame_transform is None:
             return torch.from_numpy(frames).permute(0, 3, 1, 2).float().div_(255.0)
         state = torch.random.get_rng_state() if self.same_transform_per_clip else None

@@ -4,7 +4,9 @@
         --task zeroshot_classification --language zh --output out.json
 
 --dataset is, for classification, a CLIP_benchmark webdataset folder, an ImageFolder or a demo corpus
-name (digits); for retrieval, a jsonl of {"image": path, "caption": [...]} lines.
+name (digits); for retrieval, a jsonl of {"image": path, "caption": [...]} lines, or for a video model
+(victor) a jsonl of {"video": path, "caption": [...]} lines, an MSR-VTT-style csv (video_id,sentence;
+clips in videos/ beside it) or the demo's held-out clips (moving_digits).
 """
 
 from __future__ import annotations

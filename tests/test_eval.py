@@ -6,6 +6,7 @@ import torch
 from mmpt.data.shards import DataError
 from mmpt.eval.retrieval import load_retrieval_set, official_caption_normalization, recall_metrics
 from mmpt.eval.templates import DEFAULT_TEMPLATES
+from mmpt.eval.video_retrieval import load_video_retrieval_set, video_rank_metrics
 
 
 def test_recall_metrics_on_hand_built_ranks():
@@ -37,3 +38,35 @@ def test_retrieval_jsonl_layout_and_errors(tmp_path):
 def test_official_caption_normalization_and_templates():
     assert official_caption_normalization("A “Red” Car") == 'a "red" car'
     assert len(DEFAULT_TEMPLATES["en"]) == 80 and all("{c}" in t for t in DEFAULT_TEMPLATES["en"] + DEFAULT_TEMPLATES["zh"])
+
+
+def test_video_rank_metrics_on_hand_built_ranks():
+    # the same scores as above, read as 3 clips and 4 captions: 1-based ranks
+    video = torch.eye(3)
+    text = torch.tensor([[1.0, 0, 0], [0, 0, 1.0], [0.5, 0.9, 0], [0.2, 0, 0.1]])
+    m = video_rank_metrics(video, text, torch.tensor([0, 0, 1, 2]))
+    # text -> video ranks 1, 2, 1, 2; video -> text ranks 1, 1, 2
+    assert m["video_retrieval_recall@1"] == pytest.approx(0.5) and m["video_retrieval_recall@5"] == 1.0
+    assert m["video_retrieval_median_rank"] == 1.5  # an even count: the mean of the middle two, as np.median
+    assert m["video_retrieval_mean_rank"] == pytest.approx(1.5)
+    assert m["text_retrieval_recall@1"] == pytest.approx(2 / 3) and m["text_retrieval_median_rank"] == 1.0
+    assert m["text_retrieval_mean_rank"] == pytest.approx(4 / 3)
+
+
+def test_msrvtt_csv_and_video_jsonl_layouts(tmp_path):
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    for name in ("video7.mp4", "video9.webm"):
+        (videos / name).write_bytes(b"")
+    (tmp_path / "test.csv").write_text("video_id,sentence\nvideo7,a man sings\nvideo9,a cat\nvideo7,someone sings\n")
+    files, captions = load_video_retrieval_set(tmp_path / "test.csv")
+    assert files == [videos / "video7.mp4", videos / "video9.webm"]
+    assert captions == [["a man sings", "someone sings"], ["a cat"]]
+    (tmp_path / "missing.csv").write_text("video_id,sentence\nvideo8,a dog\n")
+    with pytest.raises(DataError, match="video8"):
+        load_video_retrieval_set(tmp_path / "missing.csv")
+    (tmp_path / "bad.csv").write_text("id,text\nvideo7,x\n")
+    with pytest.raises(DataError, match="video_id,sentence"):
+        load_video_retrieval_set(tmp_path / "bad.csv")
+    (tmp_path / "r.jsonl").write_text(json.dumps({"video": "videos/video7.mp4", "caption": "a man sings"}) + "\n")
+    assert load_video_retrieval_set(tmp_path / "r.jsonl") == ([tmp_path / "videos/video7.mp4"], [["a man sings"]])

@@ -185,9 +185,10 @@ def test_momentum_copy_moves_by_one_minus_m_and_keeps_fp32():
             assert torch.allclose(key.network.state_dict()[name], 0.9 * before[name] + 0.1 * value, atol=1e-6), name
         else:
             assert torch.equal(key.network.state_dict()[name], value), name
-    # a bf16 run: the copy's weights stay fp32, outputs come back in the input's precision
+    # a bf16 run: the copy's weights stay fp32, it computes and answers in the source's precision
     inputs = torch.randn(5, 3)
     reference = key.eval()(inputs)
+    source.bfloat16()
     low = key(inputs.bfloat16())
     assert low.dtype == torch.bfloat16 and key.network[0].weight.dtype == torch.float32
     assert torch.allclose(low.float(), reference, atol=0.1)

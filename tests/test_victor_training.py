@@ -38,10 +38,21 @@ def zeroshot_cli(cwd, run, dataset, language, out):
     return json.loads(out.read_text())
 
 
-def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(tmp_path):
-    # momentum 0: the key network must equal the query towers after every step, which needs the
-    # engine to gather ZeRO-3's partitioned parameters for the update.
-    train_demo(tmp_path, "train.max_steps=4", "train.save_every=2", "train.zero_stage=3", "method.momentum=0.0")
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    """4 steps of the demo config under ZeRO-3, checkpoints at steps 2 and 4. Momentum 0: the key network
+    must then equal the query towers after every step, which needs the engine to gather ZeRO-3's
+    partitioned parameters for the update."""
+    cwd = tmp_path_factory.mktemp("victor")
+    train_demo(cwd, *ZERO3)
+    return cwd
+
+
+ZERO3 = ["train.max_steps=4", "train.save_every=2", "train.keep_last=2", "train.zero_stage=3", "method.momentum=0.0"]
+
+
+def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
+    tmp_path = zero3_run
     run = tmp_path / "runs/victor-demo"
     records = [r for r in read_metrics(run) if "loss/total" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -79,17 +90,17 @@ def checkpoint_module(run: Path, step: int) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)["module"]
 
 
-def test_resumed_run_restores_the_memory_queues(tmp_path):
-    train_demo(tmp_path, "train.max_steps=4", "train.save_every=2")
-    run = tmp_path / "runs/victor-demo"
+def test_resumed_run_restores_the_memory_queues(zero3_run, tmp_path):
+    run = zero3_run / "runs/victor-demo"
     uninterrupted = checkpoint_module(run, 4)
     # the same run killed after step 2: only its step-2 checkpoint survives
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    (resumed / "demo_data").symlink_to(tmp_path / "demo_data")
-    shutil.copytree(run, resumed / "runs/victor-demo", ignore=shutil.ignore_patterns("step_000000004", "model.safetensors"))
+    (resumed / "demo_data").symlink_to(zero3_run / "demo_data")
+    shutil.copytree(run, resumed / "runs/victor-demo",
+                    ignore=shutil.ignore_patterns("step_000000004", "model.safetensors", "eval", "metrics.jsonl"))
     (resumed / "runs/victor-demo/checkpoints/latest").write_text("step_000000002")
-    result = train_demo(resumed, "train.max_steps=4", "train.save_every=2")
+    result = train_demo(resumed, *ZERO3)
     assert "resumed from" in result.stdout + result.stderr
     again = checkpoint_module(resumed / "runs/victor-demo", 4)
     queues = [k for k in uninterrupted if "_queue." in k]
@@ -97,6 +108,7 @@ def test_resumed_run_restores_the_memory_queues(tmp_path):
     assert int(uninterrupted["loss.video_queue.count"]) == 24  # 4 pushes of 2 ranks x 8 keys, capped at 24
     for name in queues:
         assert torch.equal(uninterrupted[name], again[name]), name
-    for name, value in uninterrupted.items():
-        if name.startswith("model.key."):
-            assert torch.equal(value, again[name]), name
+    keys = [k for k in uninterrupted if k.startswith("model.key.")]
+    assert keys
+    for name in keys:
+        assert torch.equal(uninterrupted[name], again[name]), name

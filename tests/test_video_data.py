@@ -330,3 +330,21 @@ def test_corpus_build_is_deterministic(corpus, tmp_path):
         assert (corpus / "test" / name).read_bytes() == (again / "test" / name).read_bytes()
     assert (corpus / "tokenizer.json").read_bytes() == (again / "tokenizer.json").read_bytes()
     assert build_moving_digits(again, **SMALL_MOVING_DIGITS) == again  # complete: not rebuilt
+
+
+def test_resize_center_crop_keeps_uint8_and_matches_pil():
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as PF
+
+    from mmpt.data.video import ResizeCenterCrop
+
+    frames = np.random.default_rng(0).integers(0, 256, (3, 48, 64, 3), dtype=np.uint8)
+    clip = ResizeCenterCrop(32)(frames)
+    assert clip.dtype == torch.uint8 and clip.shape == (3, 3, 32, 32)
+    for frame, ours in zip(frames, clip):
+        pil = PF.center_crop(PF.resize(Image.fromarray(frame), 32, InterpolationMode.BILINEAR), 32)
+        reference = torch.from_numpy(np.array(pil)).permute(2, 0, 1).int()
+        assert (ours.int() - reference).abs().max() <= 2  # rounding of PIL's and torch's antialiased filters
+    assert torch.equal(ResizeCenterCrop(32)(frames[:, :32, :32]), torch.from_numpy(frames[:, :32, :32]).permute(0, 3, 1, 2))
+

@@ -85,7 +85,7 @@ def video_rank_metrics(video_features: torch.Tensor, text_features: torch.Tensor
     for name, ranks in (("video_retrieval", video_rank + 1), ("text_retrieval", text_rank + 1)):
         for k in (1, 5, 10):
             metrics[f"{name}_recall@{k}"] = (ranks <= k).float().mean().item()
-        metrics[f"{name}_median_rank"] = ranks.float().median().item()
+        metrics[f"{name}_median_rank"] = ranks.float().quantile(0.5).item()  # as np.median: mean of the middle two
         metrics[f"{name}_mean_rank"] = ranks.float().mean().item()
     recalls = [v for k, v in metrics.items() if "recall@" in k]
     metrics["mean_recall"] = sum(recalls) / len(recalls)
@@ -98,7 +98,7 @@ def video_retrieval(model, tokenize: Callable, decode_video: Callable[[bytes], t
                     video_root: str | os.PathLike | None = None) -> dict:
     """Retrieval metrics of `model` (`encode_video`, `encode_text`) on an annotation file.
 
-    `decode_video(bytes)` gives one clip's model input ([T, C, H, W] frames), e.g. an evaluation-mode
+    `decode_video(bytes)` gives one clip's model input (frames [T, C, H, W]), e.g. an evaluation-mode
     `VideoTextDecoder.decode_video`; an unreadable clip is an error naming the file (evaluation sets are
     fixed, so skipping one would change the benchmark).
     """
@@ -115,7 +115,10 @@ def video_retrieval(model, tokenize: Callable, decode_video: Callable[[bytes], t
                 clips.append(decode_video(file.read_bytes()))
             except (OSError, ValueError) as exc:
                 raise DataError(f"retrieval video {file} cannot be read: {exc}") from None
-        video_features.append(model.encode_video(torch.stack(clips).to(device=device, dtype=dtype)).float().cpu())
+        clips = torch.stack(clips).to(device)
+        if clips.is_floating_point():  # normalised frames or features; uint8 frames are normalised by the model
+            clips = clips.to(dtype)
+        video_features.append(model.encode_video(clips).float().cpu())
     for start in range(0, len(texts), batch_size):
         tokens = tokenize(texts[start : start + batch_size])
         features = model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))

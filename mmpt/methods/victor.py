@@ -21,15 +21,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from open_clip import image_transform
-from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from pydantic import Field
 from torch import nn
 
 from mmpt.config import Config, Section
 from mmpt.data.loader import BatchStream
 from mmpt.data.tokenizer import TextTokenizer
-from mmpt.data.video import BACKENDS, VideoTextDecoder
+from mmpt.data.video import BACKENDS, ResizeCenterCrop, VideoTextDecoder
 from mmpt.losses.memory_queue import MemoryQueue
 from mmpt.losses.victor import (
     dual_vsa_loss, inter_mfm_loss, intra_mfm_loss, mask_frames, mask_tokens, masked_lm_loss, order_loss,
@@ -78,8 +76,6 @@ class VictorConfig(MethodConfig):
     frame_mask_ratio: float = Field(0.15, gt=0, lt=1, description="frames masked per clip (at least one)")
     backend: Literal[BACKENDS] | None = Field(None, description="video decoder: decord or pyav (default: decord on x86_64)")
     min_frames: int = Field(1, gt=0, description="shorter videos are skipped and counted")
-    frame_mean: tuple[float, float, float] = OPENAI_DATASET_MEAN
-    frame_std: tuple[float, float, float] = OPENAI_DATASET_STD
     retrieval: RetrievalEvalConfig = Field(default_factory=RetrievalEvalConfig)
 
 
@@ -119,22 +115,18 @@ class VictorMethod(Method):
     def tokenizer(self, cfg: Config, run_dir: Path) -> TextTokenizer:
         return TextTokenizer(Path(run_dir) / TOKENIZER_FILE, cfg.method.text.context_length)
 
-    def frame_transform(self, cfg: Config):
-        """Resize, centre crop, normalise; the same for training and evaluation: no flips, since the
-        direction of motion is what captions describe."""
-        m = cfg.method
-        return image_transform(m.video.image_size, is_train=False, mean=m.frame_mean, std=m.frame_std)
-
     def video_decoder(self, cfg: Config, run_dir: Path, train: bool) -> VideoTextDecoder:
+        """Frames resized and centre-cropped, the same way for training and evaluation: no flips, since the
+        direction of motion is what captions describe. They stay uint8; the model normalises them."""
         m = cfg.method
-        return VideoTextDecoder(m.video.num_frames, self.frame_transform(cfg), self.tokenizer(cfg, run_dir),
-                                backend=m.backend, train=train, min_frames=m.min_frames,
+        return VideoTextDecoder(m.video.num_frames, None, self.tokenizer(cfg, run_dir), backend=m.backend,
+                                train=train, min_frames=m.min_frames, clip_transform=ResizeCenterCrop(m.video.image_size),
                                 features_field="npy" if m.video.backbone is None else None)
 
     def preprocessors(self, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        """"tokenizer" (texts -> ids and mask), "preprocess" (one PIL frame -> tensor) and "video"
-        (video bytes -> the model's [T, C, H, W] input, middle frame of each segment)."""
-        return {"tokenizer": self.tokenizer(cfg, run_dir), "preprocess": self.frame_transform(cfg),
+        """"tokenizer" (texts -> ids and mask) and "video" (video bytes -> the model's uint8 [T, 3, H, W]
+        input: the middle frame of each of T segments, resized and centre-cropped)."""
+        return {"tokenizer": self.tokenizer(cfg, run_dir),
                 "video": self.video_decoder(cfg, run_dir, train=False).decode_video}
 
     def build_model(self, cfg: Config, run_dir: Path) -> VictorModel:

@@ -8,7 +8,7 @@ with the source's full parameters in place, whatever the ZeRO stage).
 The copy keeps its weights in fp32 whatever the training precision (`keeps_fp32_buffers`): with
 m = 0.995 an update moves a weight by 0.5% of its distance to the query weight, less than bf16 can
 represent for most steps, so a bf16 average would stop moving. Its forward runs under autocast to the
-precision of its inputs.
+precision of the source's parameters.
 """
 
 from __future__ import annotations
@@ -77,8 +77,7 @@ class MomentumCopy(nn.Module):
 
     @torch.no_grad()
     def forward(self, *args, **kwargs):
-        dtype = next((a.dtype for a in (*args, *kwargs.values())
-                      if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
+        dtype = next(self.source.parameters()).dtype  # the precision the query network trains in
         if dtype == torch.float32:
             return self.network(*args, **kwargs)
         device = next(self.network.buffers()).device.type

@@ -22,6 +22,7 @@ from typing import Any
 
 import timm
 import torch
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
@@ -44,6 +45,8 @@ class VideoTowerConfig(Section):
     frozen: bool = Field(False, description="freeze the frame backbone (its features are still projected)")
     feature_dim: int | None = Field(None, gt=0, description="width of precomputed `npy` frame features")
     image_size: int = Field(224, gt=0, description="frame resolution after the transforms")
+    mean: tuple[float, float, float] = Field(OPENAI_DATASET_MEAN, description="per-channel mean of frames in [0, 1]")
+    std: tuple[float, float, float] = Field(OPENAI_DATASET_STD, description="per-channel std of frames in [0, 1]")
     num_frames: int = Field(8, ge=3, description="T: frames sampled per clip, one per equal segment")
     width: int = Field(256, gt=0)
     layers: int = Field(2, gt=0, description="temporal transformer layers")
@@ -59,7 +62,11 @@ class VideoTowerConfig(Section):
 
 
 class FrameEncoder(nn.Module):
-    """Frames [B, T, C, H, W] or precomputed features [B, T, D] -> frame features [B, T, width]."""
+    """Frames [B, T, C, H, W] or precomputed features [B, T, D] -> frame features [B, T, width].
+
+    uint8 frames (raw pixels, as the loader ships them) are normalised here, on the accelerator, with the
+    configured mean and std; floating frames are taken as already normalised.
+    """
 
     def __init__(self, cfg: VideoTowerConfig):
         super().__init__()
@@ -72,6 +79,10 @@ class FrameEncoder(nn.Module):
             in_dim = self.backbone.num_features
         self.frozen = cfg.frozen
         self.projection = nn.Linear(in_dim, cfg.width)
+        std = torch.tensor(cfg.std).view(1, 3, 1, 1)
+        # x_normalised = x_uint8 * scale + shift; not saved: they follow from the config
+        self.register_buffer("pixel_scale", 1.0 / (255.0 * std), persistent=False)
+        self.register_buffer("pixel_shift", -torch.tensor(cfg.mean).view(1, 3, 1, 1) / std, persistent=False)
 
     def train(self, mode: bool = True) -> FrameEncoder:
         """A frozen backbone stays in evaluation mode (no BatchNorm statistics updates, no dropout)."""
@@ -88,7 +99,11 @@ class FrameEncoder(nn.Module):
         if video.ndim != 5:
             raise ValueError(f"this model decodes frames [B, T, C, H, W]; got a tensor of shape {tuple(video.shape)}")
         batch, frames = video.shape[:2]
-        features = self.backbone(video.flatten(0, 1))
+        images = video.flatten(0, 1)
+        if not images.is_floating_point():
+            dtype = self.projection.weight.dtype
+            images = torch.addcmul(self.pixel_shift.to(dtype), images.to(dtype), self.pixel_scale.to(dtype))
+        features = self.backbone(images)
         return self.projection(features).unflatten(0, (batch, frames))
 
 
