@@ -38,10 +38,9 @@ BATCH = 16
 
 def make_clips(root: Path, count: int, frames: int, size: int) -> tuple[list[bytes], str]:
     """`count` moving-digit clips at `size` px, written to shards under `root`; (mp4 bytes, shard pattern)."""
-    from sklearn.datasets import load_digits
-
     from mmpt.data.demo_moving_digits import DIRECTIONS, _render, encode_mp4
     from mmpt.data.video import write_video_shards
+    from sklearn.datasets import load_digits
 
     digits, rng = load_digits(), random.Random(0)
     clips = []
@@ -94,7 +93,6 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=224, help="largest frame size the loader gives (smaller clips keep theirs)")
     args = parser.parse_args()
     import torch
-
     from mmpt.data.tokenizer import train_wordpiece
     from mmpt.data.video import BACKENDS
 

@@ -7,14 +7,24 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
 from conftest import run_on_gloo_ranks
 from mmpt.losses.memory_queue import MemoryQueue
 from mmpt.losses.victor import (
-    IGNORE, PERMUTATIONS, dual_vsa_loss, inter_mfm_loss, intra_mfm_loss, mask_frames, mask_tokens, masked_lm_loss,
-    order_loss, permute_frames, permute_sentences, queue_nce,
+    IGNORE,
+    PERMUTATIONS,
+    dual_vsa_loss,
+    inter_mfm_loss,
+    intra_mfm_loss,
+    mask_frames,
+    mask_tokens,
+    masked_lm_loss,
+    order_loss,
+    permute_frames,
+    permute_sentences,
+    queue_nce,
 )
+from torch import nn
+
 from mmpt.models.momentum import MomentumCopy
 
 

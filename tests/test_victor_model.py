@@ -29,7 +29,7 @@ def built(tmp_path, method_section):
     torch.manual_seed(0)
     model = method.build_model(cfg, run)
     method.load_initial_weights(model, cfg)
-    return cfg, method, model, method.build_loss(cfg), method.tokenizer(cfg, run)
+    return method, model, method.build_loss(cfg), method.tokenizer(cfg, run)
 
 
 def feature_batch(tokenizer, rows=4, steps=6, dim=20):
@@ -39,7 +39,7 @@ def feature_batch(tokenizer, rows=4, steps=6, dim=20):
 
 
 def test_feature_model_trains_every_task_and_fills_the_queues(tmp_path, moving_digits_root):
-    cfg, method, model, loss, tokenizer = built(tmp_path, section(moving_digits_root / "tokenizer.json",
+    method, model, loss, tokenizer = built(tmp_path, section(moving_digits_root / "tokenizer.json",
                                                                   backbone=None, feature_dim=20))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(3):
@@ -65,7 +65,7 @@ def test_feature_model_trains_every_task_and_fills_the_queues(tmp_path, moving_d
 def test_a_task_turned_off_is_skipped_and_builds_no_head(tmp_path, moving_digits_root, off):
     method_section = section(moving_digits_root / "tokenizer.json", backbone=None, feature_dim=20)
     method_section["tasks"] = {off: 0.0}
-    cfg, method, model, loss, tokenizer = built(tmp_path, method_section)
+    method, model, loss, tokenizer = built(tmp_path, method_section)
     terms = method.training_step(model.train(), loss, feature_batch(tokenizer))
     assert set(terms) == set(TASKS) - {off}
     sum(terms.values()).backward()
@@ -86,7 +86,7 @@ def test_frames_model_with_a_frozen_preloaded_backbone(tmp_path, moving_digits_r
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(weights))  # classifier included
     method_section = section(moving_digits_root / "tokenizer.json", backbone="resnet10t", image_size=32,
                              backbone_weights=str(weights), frozen=True)
-    cfg, method, model, loss, tokenizer = built(tmp_path, method_section)
+    method, model, loss, tokenizer = built(tmp_path, method_section)
     backbone = model.unimodal.frame_encoder.backbone
     for name, value in backbone.state_dict().items():
         assert torch.equal(value, reference.state_dict()[name]), name

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import REPO, free_port, launcher_env, read_metrics
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
 

@@ -18,25 +18,26 @@ from mmpt.data.image_text import decode_image
 from mmpt.data.shards import DataError
 
 
-def load_retrieval_set(path: str | os.PathLike) -> tuple[list[Path], list[list[str]]]:
+def load_retrieval_set(path: str | os.PathLike, media: str = "image") -> tuple[list[Path], list[list[str]]]:
+    """(files, captions of each) from `{"<media>": path, "caption": [...]}` lines; relative paths from the file's folder."""
     path = Path(path)
-    images, captions = [], []
+    files, captions = [], []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            image, texts = record["image"], record["caption"]
+            file, texts = record[media], record["caption"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DataError(f"{path}:{number}: expected {{\"image\": path, \"caption\": [...]}} ({exc})") from None
+            raise DataError(f"{path}:{number}: expected {{\"{media}\": path, \"caption\": [...]}} ({exc})") from None
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts:
             raise DataError(f"{path}:{number}: no captions")
-        images.append(Path(image) if os.path.isabs(image) else path.parent / image)
+        files.append(Path(file) if os.path.isabs(file) else path.parent / file)
         captions.append(texts)
-    if not images:
+    if not files:
         raise DataError(f"{path}: no records")
-    return images, captions
+    return files, captions
 
 
 def official_caption_normalization(text: str) -> str:

@@ -14,7 +14,6 @@ Metrics (MSR-VTT protocol: every text query ranks all clips): `video_retrieval_r
 from __future__ import annotations
 
 import csv
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,27 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from mmpt.data.shards import DataError
-from mmpt.eval.retrieval import retrieval_ranks
+from mmpt.eval.retrieval import load_retrieval_set, retrieval_ranks
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".avi")
-
-
-def _jsonl(path: Path) -> tuple[list[Path], list[list[str]]]:
-    videos, captions = [], []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            video, texts = record["video"], record["caption"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DataError(f"{path}:{number}: expected {{\"video\": path, \"caption\": [...]}} ({exc})") from None
-        texts = [texts] if isinstance(texts, str) else list(texts)
-        if not texts:
-            raise DataError(f"{path}:{number}: no captions")
-        videos.append(Path(video) if os.path.isabs(video) else path.parent / video)
-        captions.append(texts)
-    return videos, captions
 
 
 def _find_video(root: Path, video_id: str) -> Path:
@@ -73,7 +54,9 @@ def load_video_retrieval_set(path: str | os.PathLike, video_root: str | os.PathL
     path = Path(path)
     if not path.is_file():
         raise DataError(f"retrieval annotation file {path} does not exist")
-    videos, captions = _csv(path, Path(video_root) if video_root else None) if path.suffix == ".csv" else _jsonl(path)
+    if path.suffix != ".csv":
+        return load_retrieval_set(path, media="video")
+    videos, captions = _csv(path, Path(video_root) if video_root else None)
     if not videos:
         raise DataError(f"{path}: no records")
     return videos, captions

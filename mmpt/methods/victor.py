@@ -30,8 +30,16 @@ from mmpt.data.tokenizer import TextTokenizer
 from mmpt.data.video import BACKENDS, ResizeCenterCrop, VideoTextDecoder
 from mmpt.losses.memory_queue import MemoryQueue
 from mmpt.losses.victor import (
-    dual_vsa_loss, inter_mfm_loss, intra_mfm_loss, mask_frames, mask_tokens, masked_lm_loss, order_loss,
-    permute_frames, permute_sentences, random_permutations,
+    dual_vsa_loss,
+    inter_mfm_loss,
+    intra_mfm_loss,
+    mask_frames,
+    mask_tokens,
+    masked_lm_loss,
+    order_loss,
+    permute_frames,
+    permute_sentences,
+    random_permutations,
 )
 from mmpt.methods.base import Method, MethodConfig, stream_spec
 from mmpt.models.clip import TextTowerConfig

@@ -42,24 +42,29 @@ class TextTowerConfig(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
 
 
+def bert_text_encoder(cfg: TextTowerConfig) -> BertModel:
+    """A randomly initialised BERT encoder of the tower's size (no pooler: towers pool themselves)."""
+    if cfg.vocab_size is None:
+        raise ValueError("text tower vocab_size must be resolved (from the tokenizer) before building the model")
+    return BertModel(
+        BertConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.width, num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads, intermediate_size=int(cfg.width * cfg.mlp_ratio),
+            max_position_embeddings=cfg.context_length, hidden_dropout_prob=cfg.dropout,
+            attention_probs_dropout_prob=cfg.dropout,
+        ),
+        add_pooling_layer=False,
+    )
+
+
 class ClipModel(nn.Module):
     """`encode_image` / `encode_text` return L2-normalised features in a shared `embed_dim` space."""
 
     def __init__(self, image: ImageTowerConfig, text: TextTowerConfig, embed_dim: int, init_logit_scale: float = math.log(1 / 0.07)):
         super().__init__()
-        if text.vocab_size is None:
-            raise ValueError("text tower vocab_size must be resolved (from the tokenizer) before building the model")
         self.visual = timm.create_model(image.timm_name, pretrained=False, num_classes=0, **image.timm_kwargs)
         self.image_projection = nn.Linear(self.visual.num_features, embed_dim, bias=False)
-        self.text = BertModel(
-            BertConfig(
-                vocab_size=text.vocab_size, hidden_size=text.width, num_hidden_layers=text.layers,
-                num_attention_heads=text.heads, intermediate_size=int(text.width * text.mlp_ratio),
-                max_position_embeddings=text.context_length, hidden_dropout_prob=text.dropout,
-                attention_probs_dropout_prob=text.dropout,
-            ),
-            add_pooling_layer=False,
-        )
+        self.text = bert_text_encoder(text)
         self.text_projection = nn.Linear(text.width, embed_dim, bias=False)
         # Shape [1], not 0-D: DeepSpeed cannot flatten 0-D parameters.
         self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))

@@ -22,15 +22,14 @@ from typing import Any
 
 import timm
 import torch
-from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 import torch.nn.functional as F
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from pydantic import Field, model_validator
 from timm.models.vision_transformer import Block
 from torch import nn
-from transformers import BertConfig, BertModel
 
 from mmpt.config import Section
-from mmpt.models.clip import TextTowerConfig
+from mmpt.models.clip import TextTowerConfig, bert_text_encoder
 from mmpt.models.momentum import MomentumCopy
 
 NUM_ORDER_CLASSES = 6  # 3! orders of three segments
@@ -169,18 +168,6 @@ class TemporalTransformer(nn.Module):
         return self.encoder(tokens)
 
 
-def text_encoder(cfg: TextTowerConfig) -> BertModel:
-    return BertModel(
-        BertConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.width, num_hidden_layers=cfg.layers,
-            num_attention_heads=cfg.heads, intermediate_size=int(cfg.width * cfg.mlp_ratio),
-            max_position_embeddings=cfg.context_length, hidden_dropout_prob=cfg.dropout,
-            attention_probs_dropout_prob=cfg.dropout,
-        ),
-        add_pooling_layer=False,
-    )
-
-
 class Projection(nn.Module):
     """Pooled token -> embedding: linear, then batch normalisation without affine terms (MoCo v3's heads).
 
@@ -206,7 +193,7 @@ class UnimodalTowers(nn.Module):
         super().__init__()
         self.frame_encoder = FrameEncoder(video)
         self.temporal = TemporalTransformer(video)
-        self.text = text_encoder(text)
+        self.text = bert_text_encoder(text)
         self.video_projection = Projection(video.width, embed_dim)
         self.text_projection = Projection(text.width, embed_dim)
 
@@ -278,8 +265,6 @@ class VictorModel(nn.Module):
         """`tasks`: the proxy tasks trained; heads (and the cross-modal transformer) only for those, so a
         task turned off leaves no unused parameters."""
         super().__init__()
-        if text.vocab_size is None:
-            raise ValueError("text tower vocab_size must be resolved (from the tokenizer) before building the model")
         unknown = set(tasks) - set(TASKS)
         if unknown:
             raise ValueError(f"unknown VICTOR tasks {sorted(unknown)}; known: {', '.join(TASKS)}")
