@@ -82,10 +82,3 @@ class TreeContrastiveLoss(nn.Module):
             raise ValueError("every rank must contribute the same number of examples")
         return soft_supcon(features.permute(2, 0, 1, 3), gathered.permute(2, 0, 1, 3), weights.to(features.device),
                            offset, self.temperature, self.base_temperature)
-
-
-def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the predicted tokens (SPACE-2's token-averaged MLM); 0 when none."""
-    if targets.numel() == 0:
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits.float(), targets)

@@ -16,7 +16,7 @@ Losses (each an independent formula, see tests/test_victor_losses.py):
   queue as negatives.
 - `queue_nce` / `dual_vsa_loss`: MoCo InfoNCE of a pooled query against its paired key, the other
   modality's queue as negatives; dual-VSA averages video->text and text->video.
-- `masked_lm_loss`: cross-entropy over the masked tokens.
+- MLM: `losses.mlm.masked_lm_loss` over the masked tokens (labels other than IGNORE).
 """
 
 from __future__ import annotations
@@ -93,14 +93,6 @@ def mask_frames(batch: int, steps: int, ratio: float, device: torch.device | str
     count = max(1, round(ratio * steps))
     ranks = torch.rand(batch, steps, device=device).argsort(1).argsort(1)
     return ranks < count
-
-
-def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over positions with a label (logits [..., V], labels [...]); 0 when there are none."""
-    chosen = labels != IGNORE
-    if not bool(chosen.any()):
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits[chosen].float(), labels[chosen])
 
 
 def order_loss(logits: torch.Tensor, permutation_ids: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from conftest import run_on_gloo_ranks
-from mmpt.losses.tree_contrastive import TreeContrastiveLoss, masked_lm_loss
+from mmpt.losses.mlm import masked_lm_loss
+from mmpt.losses.tree_contrastive import TreeContrastiveLoss
 from mmpt.losses.tree_score import VIEWS, view_score_matrices
 
 TAU = 0.07

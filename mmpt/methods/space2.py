@@ -23,7 +23,8 @@ from torch import nn
 from mmpt.config import Config, Section
 from mmpt.data.dialog_encoding import DialogEncoder, DialogInputSpec, collate_dialogs
 from mmpt.data.loader import BatchStream
-from mmpt.losses.tree_contrastive import TreeContrastiveLoss, masked_lm_loss
+from mmpt.losses.mlm import masked_lm_loss
+from mmpt.losses.tree_contrastive import TreeContrastiveLoss
 from mmpt.losses.tree_score import VIEWS
 from mmpt.methods.base import Method, MethodConfig, stream_spec
 from mmpt.models.space2 import Space2Encoder

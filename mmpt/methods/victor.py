@@ -29,13 +29,14 @@ from mmpt.data.loader import BatchStream
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.data.video import BACKENDS, ResizeCenterCrop, VideoTextDecoder
 from mmpt.losses.memory_queue import MemoryQueue
+from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.victor import (
+    IGNORE,
     dual_vsa_loss,
     inter_mfm_loss,
     intra_mfm_loss,
     mask_frames,
     mask_tokens,
-    masked_lm_loss,
     order_loss,
     permute_frames,
     permute_sentences,
@@ -191,7 +192,7 @@ class VictorMethod(Method):
             text_out, frame_out = model.cross(towers.text_hidden(text_ids, mask), mask,
                                               towers.temporal(frames, frame_mask)[:, 1:])
             if w.mlm:
-                chosen = labels != -100
+                chosen = labels != IGNORE
                 terms["mlm"] = w.mlm * masked_lm_loss(model.mlm_head(text_out[chosen]), labels[chosen])
             if w.msom:
                 terms["msom"] = w.msom * order_loss(model.sentence_order_head(text_out[:, 0]), order)
