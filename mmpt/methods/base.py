@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +75,25 @@ class Method:
     def evaluate(self, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:
         """Evaluation at the end of training, on one process with the full (unsharded) model."""
         return {}
+
+
+def copy_tokenizer(cfg: Config, run_dir: Path, name: str) -> None:
+    """Copy the file named by `method.tokenizer` into the run directory as `name`: a run is self-contained."""
+    source = Path(cfg.method.tokenizer)
+    if not source.is_file():
+        raise FileNotFoundError(f"config key 'method.tokenizer': {source} does not exist")
+    target = run_dir / name
+    if source.resolve() != target.resolve():
+        shutil.copyfile(source, target)
+
+
+def write_eval_record(run_dir: Path, dataset: str, task: str, language: str, metrics: dict[str, Any],
+                      stem: str) -> dict[str, Any]:
+    """A CLIP_benchmark-style result, saved as `eval/<task>_<stem>_<language>.json` in the run directory."""
+    result = {"dataset": dataset, "model": str(run_dir), "task": task, "language": language, "metrics": metrics}
+    (run_dir / "eval").mkdir(exist_ok=True)
+    (run_dir / "eval" / f"{task}_{stem}_{language}.json").write_text(json.dumps(result, indent=2))
+    return result
 
 
 def stream_spec(cfg: Config, *, rank: int, world_size: int) -> StreamSpec:

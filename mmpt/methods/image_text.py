@@ -3,8 +3,6 @@ features-and-scale training step, and bilingual zero-shot classification."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ from mmpt.data.loader import BatchStream
 from mmpt.eval import resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
-from mmpt.methods.base import Method, stream_spec
+from mmpt.methods.base import Method, copy_tokenizer, stream_spec, write_eval_record
 
 
 class ZeroShotConfig(Section):
@@ -44,12 +42,7 @@ class ImageTextMethod(Method):
         raise NotImplementedError
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
-        source = Path(cfg.method.tokenizer)
-        if not source.is_file():
-            raise FileNotFoundError(f"config key 'method.tokenizer': {source} does not exist")
-        target = run_dir / self.tokenizer_file_name(cfg)
-        if source.resolve() != target.resolve():
-            shutil.copyfile(source, target)
+        copy_tokenizer(cfg, run_dir, self.tokenizer_file_name(cfg))
 
     def release_files(self, cfg: Config) -> list[str]:
         return [self.tokenizer_file_name(cfg)]
@@ -101,7 +94,4 @@ class ImageTextMethod(Method):
             metrics = zeroshot_classification(model, tokenizer, transform, data, **common)
         else:
             raise ValueError(f"unknown zero-shot task {task!r}")
-        result = {"dataset": dataset, "model": str(run_dir), "task": task, "language": language, "metrics": metrics}
-        (run_dir / "eval").mkdir(exist_ok=True)
-        (run_dir / "eval" / f"{task}_{Path(dataset).stem}_{language}.json").write_text(json.dumps(result, indent=2))
-        return result
+        return write_eval_record(run_dir, dataset, task, language, metrics, Path(dataset).stem)

@@ -15,8 +15,6 @@ What the paper states and what is our design is listed in the README's VICTOR se
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +40,7 @@ from mmpt.losses.victor import (
     permute_sentences,
     random_permutations,
 )
-from mmpt.methods.base import Method, MethodConfig, stream_spec
+from mmpt.methods.base import Method, MethodConfig, copy_tokenizer, stream_spec, write_eval_record
 from mmpt.models.clip import TextTowerConfig
 from mmpt.models.victor import VictorModel, VideoTowerConfig, load_backbone_weights
 
@@ -112,11 +110,7 @@ class VictorMethod(Method):
             raise ValueError("method.tasks: every task weight is 0; turn at least one task on")
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
-        source = Path(cfg.method.tokenizer)
-        if not source.is_file():
-            raise FileNotFoundError(f"config key 'method.tokenizer': {source} does not exist")
-        if source.resolve() != (run_dir / TOKENIZER_FILE).resolve():
-            shutil.copyfile(source, run_dir / TOKENIZER_FILE)
+        copy_tokenizer(cfg, run_dir, TOKENIZER_FILE)
 
     def release_files(self, cfg: Config) -> list[str]:
         return [TOKENIZER_FILE]
@@ -240,10 +234,7 @@ class VictorMethod(Method):
         metrics = video_retrieval(model, self.tokenizer(cfg, run_dir), self.video_decoder(cfg, run_dir, train=False).decode_video,
                                   path, batch_size=ev.batch_size, device=next(model.parameters()).device,
                                   video_root=ev.video_root)
-        result = {"dataset": dataset, "model": str(run_dir), "task": task, "language": language, "metrics": metrics}
-        (run_dir / "eval").mkdir(exist_ok=True)
-        (run_dir / "eval" / f"{task}_{path.stem}_{language}.json").write_text(json.dumps(result, indent=2))
-        return result
+        return write_eval_record(run_dir, dataset, task, language, metrics, path.stem)
 
 
 METHOD = VictorMethod()
