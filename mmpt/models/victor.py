@@ -200,11 +200,13 @@ class UnimodalTowers(nn.Module):
     def text_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.text(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
-    def pooled_video(self, video_tokens: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.video_projection(video_tokens[:, 0]), dim=-1)
+    def pooled_video(self, video_tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        pooled = self.video_projection(video_tokens[:, 0])
+        return F.normalize(pooled, dim=-1) if normalize else pooled
 
-    def pooled_text(self, text_hidden: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.text_projection(text_hidden[:, 0]), dim=-1)
+    def pooled_text(self, text_hidden: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        pooled = self.text_projection(text_hidden[:, 0])
+        return F.normalize(pooled, dim=-1) if normalize else pooled
 
     def forward(self, video: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         frames = self.frame_encoder(video)
@@ -282,13 +284,11 @@ class VictorModel(nn.Module):
     def encode_video(self, video: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """Frames [B, T, C, H, W] (or features [B, T, D] for a feature model) -> video features [B, E]."""
         towers = self.unimodal
-        pooled = towers.video_projection(towers.temporal(towers.frame_encoder(video))[:, 0])
-        return F.normalize(pooled, dim=-1) if normalize else pooled
+        return towers.pooled_video(towers.temporal(towers.frame_encoder(video)), normalize)
 
     def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         towers = self.unimodal
-        pooled = towers.text_projection(towers.text_hidden(input_ids, attention_mask)[:, 0])
-        return F.normalize(pooled, dim=-1) if normalize else pooled
+        return towers.pooled_text(towers.text_hidden(input_ids, attention_mask), normalize)
 
     def forward(self, video: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """(video features, text features), both L2-normalised."""
