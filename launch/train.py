@@ -42,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     from mmpt.engine import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except ConfigError as exc:  # found once the model exists (e.g. a module a method cannot train with)
+        if rank == 0:
+            print(f"config error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

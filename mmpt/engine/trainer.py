@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mmpt import distributed as mdist
-from mmpt.config import Config, save_config
+from mmpt.config import Config, ConfigError, save_config
 from mmpt.data.loader import SkipPolicy, StatefulLoader
 from mmpt.engine import checkpoint, faults
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
@@ -23,6 +23,7 @@ from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.optim import build_optimizer, optimizer_state_bytes, warmup_cosine
 from mmpt.engine.watchdog import Watchdog
+from mmpt.engine.zero3_guard import partitioned_parameter_guard
 from mmpt.hub import WEIGHTS, load_run
 from mmpt.methods import Method, get_method
 
@@ -30,13 +31,17 @@ log = logging.getLogger(__name__)
 
 
 class TrainingModule(nn.Module):
-    """Model + loss as one module, so DeepSpeed's forward hooks see every parameter use."""
+    """Model + loss as one module. Every method hook that reads parameters (`step_pool`, `training_step`)
+    runs inside this module's forward, and the engine calls it only through DeepSpeed's forward: that is
+    where ZeRO-3 gathers partitioned parameters, including ones read as tensors outside a module call."""
 
     def __init__(self, method: Method, model: nn.Module, loss: nn.Module):
         super().__init__()
         self.method, self.model, self.loss = method, model, loss
 
-    def forward(self, batch: dict[str, Any], pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
+    def forward(self, batch: Any, pool: Any = None, index: int = 0, pool_pass: bool = False) -> Any:
+        if pool_pass:  # `batch` is then the step's list of micro-batches
+            return self.method.step_pool(self.model, self.loss, batch)
         return self.method.training_step(self.model, self.loss, batch, pool, index)
 
 
@@ -85,6 +90,28 @@ def after_optimizer_step(module: nn.Module, zero_stage: int) -> None:
                 hook()
         else:
             hook()
+
+
+def check_pooled_accumulation(method: Method, model: nn.Module, grad_accum: int) -> None:
+    """Pooled accumulation is exact only if both passes over a micro-batch compute the same features:
+    refuse modules whose training-mode forward is random (dropout, drop-path) or counts each batch
+    (batch norm statistics would be updated twice)."""
+    if not (method.pooled_accumulation and grad_accum > 1):
+        return
+    for name, module in model.named_modules():
+        reason = None
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            reason = f"dropout p={module.p}"
+        elif isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
+            reason = f"attention dropout {module.dropout}"
+        elif isinstance(getattr(module, "drop_prob", None), float) and module.drop_prob > 0:
+            reason = f"drop-path {module.drop_prob}"
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            reason = "batch norm in training mode"
+        if reason:
+            raise ConfigError(f"method '{method.name}' pools train.grad_accum={grad_accum} micro-batches per step, which "
+                              f"needs the same features in its pool and gradient passes, but model module '{name}' has "
+                              f"{reason}: turn it off or set train.grad_accum=1")
 
 
 def prepare_demo_data(cfg: Config) -> None:
@@ -136,15 +163,18 @@ def train(cfg: Config) -> dict[str, Any]:
         return faults.inject(phase, at_step, rank)  # no-op unless a test injects a fault here
 
     guard = NonFiniteGuard(cfg.train.max_bad_steps)
+    first_step = step
     try:
         while step < cfg.train.max_steps:
             started = time.perf_counter()
             reached("data", step + 1)
             micro_batches = [to_device(next(batches), engine.device, float_dtype) for _ in range(cfg.train.grad_accum)]
             data_time = time.perf_counter() - started
-            losses, forward_time = optimizer_step(engine, method, micro_batches, lambda phase, at=step + 1: reached(phase, at))
-            if engine.was_step_applied():
-                after_optimizer_step(engine.module, cfg.train.zero_stage)
+            # Under ZeRO-3 the first step of a process is checked for parameters used while partitioned.
+            with partitioned_parameter_guard(engine.module, f"step {step + 1}", active=step == first_step and cfg.train.zero_stage == 3):
+                losses, forward_time = optimizer_step(engine, method, micro_batches, lambda phase, at=step + 1: reached(phase, at))
+                if engine.was_step_applied():
+                    after_optimizer_step(engine.module, cfg.train.zero_stage)
             step += 1
             guard.check(step, engine.was_step_applied(), losses)
             metrics.update(losses, time.perf_counter() - started, data_time, forward_time)
@@ -207,6 +237,7 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, lo
 
     seed_everything(cfg.train.seed)  # the same initial weights on every rank
     model = method.build_model(cfg, run_dir)
+    check_pooled_accumulation(method, model.train(), cfg.train.grad_accum)
     method.load_initial_weights(model, cfg)
     module = TrainingModule(method, model, method.build_loss(cfg))
     optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage)
@@ -260,9 +291,11 @@ def optimizer_step(engine, method: Method, micro_batches: list[dict[str, Any]],
 
     `phase(name)` is told where the step is (forward, backward, step), for the watchdog.
     """
-    phase("forward")
-    with torch.no_grad():
-        pool = method.step_pool(engine.module.model, engine.module.loss, micro_batches)
+    pool = None
+    if method.pooled_accumulation and len(micro_batches) > 1:
+        phase("forward")
+        with torch.no_grad():
+            pool = engine(micro_batches, pool_pass=True)
     sums: dict[str, float] = {}
     forward_time = 0.0
     for index, batch in enumerate(micro_batches):

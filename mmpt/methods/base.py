@@ -58,18 +58,28 @@ class Method:
     def check_config(self, cfg: Config) -> None:
         """Cross-section checks the schema cannot express; raise ValueError naming the keys."""
 
-    def step_pool(self, model: nn.Module, loss: nn.Module, batches: list[dict[str, Any]]) -> Any:
-        """Optional pass over all micro-batches of an optimizer step, run without gradient.
+    pooled_accumulation: bool = False
+    """True: with `train.grad_accum` K > 1 the engine first runs `step_pool` over the step's K micro-batches
+    (without gradient), then each micro-batch through `training_step` with that pool; each micro-batch
+    loss is then the whole step's loss with gradient through that micro-batch only, so the engine sums
+    the K gradients instead of averaging them. This is exact only if the model computes the same
+    features in both passes: the engine refuses models with dropout, drop-path or batch norm in training
+    mode here (augmentation is not a concern: both passes see the same batch tensors)."""
 
-        A method that returns a pool (e.g. GBA-ITC's negative pool) declares that each micro-batch
-        loss is the whole step's loss with gradient through that micro-batch only: the engine then
-        sums micro-batch gradients instead of averaging them. None: ordinary accumulation.
-        """
-        return None
+    def step_pool(self, model: nn.Module, loss: nn.Module, batches: list[dict[str, Any]]) -> Any:
+        """The pool of a step with pooled accumulation (e.g. GBA-ITC's negatives), from all its micro-batches."""
+        raise NotImplementedError
 
     def training_step(self, model: nn.Module, loss: nn.Module, batch: dict[str, Any],
                       pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
-        """One micro-batch (`index` of the step, `pool` from `step_pool`): named loss terms to sum."""
+        """One micro-batch (`index` of the step, `pool` from `step_pool`): named loss terms to sum.
+
+        The rule for parameters: `training_step` and `step_pool` are the only method code that computes
+        with the model's parameters during training. The engine runs both inside DeepSpeed's forward,
+        where ZeRO-3 gathers what they read; anything that reads parameters after the optimizer step
+        is an `after_optimizer_step` hook that names them in `source_parameters()`. Under ZeRO-3 the
+        engine checks the first step for a parameter used while partitioned and stops with its name.
+        """
         raise NotImplementedError
 
     def evaluate(self, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:

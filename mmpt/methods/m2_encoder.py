@@ -110,9 +110,9 @@ class M2EncoderMethod(ImageTextMethod):
         size = {"world": None, "auto": mdist.local_world_size()}.get(spec.group_size, spec.group_size)
         return GroupedContrastiveLoss(mdist.contiguous_group(size), tile_size=spec.tile_size)
 
+    pooled_accumulation = True  # GBA-ITC: the step's K micro-batches form one negative pool
+
     def step_pool(self, model: M2Encoder, loss: GroupedContrastiveLoss, batches: list[dict[str, Any]]):
-        if len(batches) == 1:
-            return None
         images = [model.encode_image(b["image"]) for b in batches]
         texts = [model.encode_text(b["input_ids"], b["attention_mask"]) for b in batches]
         return loss.pool(images, texts)

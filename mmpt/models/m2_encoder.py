@@ -148,8 +148,8 @@ class Encoder(nn.Module):
     def forward(self, x: torch.Tensor, expert: str, attend: torch.Tensor | None,
                 position_expert: str | None = None) -> torch.Tensor:
         if position_expert is not None:
-            table = getattr(self.embed_positions, position_expert).weight
-            x = x + table[FIRST_POSITION : FIRST_POSITION + x.shape[1]]
+            positions = torch.arange(FIRST_POSITION, FIRST_POSITION + x.shape[1], device=x.device)
+            x = x + self.embed_positions(positions, position_expert)
         if attend is not None:
             x = x * attend.unsqueeze(-1).to(x.dtype)
         for layer in self.layers:
