@@ -39,15 +39,17 @@ def zeroshot_cli(cwd, run, dataset, language, out):
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory):
-    """4 steps of the demo config under ZeRO-3, checkpoints at steps 2 and 4. Momentum 0: the key network
-    must then equal the query towers after every step, which needs the engine to gather ZeRO-3's
-    partitioned parameters for the update."""
+    """4 steps of the demo config under ZeRO-3, a checkpoint after every step. Momentum 0.5: after each
+    step the key network must be the EMA of its previous value and the query towers just updated, which
+    needs the engine to gather ZeRO-3's partitioned parameters for the update."""
     cwd = tmp_path_factory.mktemp("victor")
     train_demo(cwd, *ZERO3)
     return cwd
 
 
-ZERO3 = ["train.max_steps=4", "train.save_every=2", "train.keep_last=2", "train.zero_stage=3", "method.momentum=0.0"]
+MOMENTUM = 0.75
+ZERO3 = ["train.max_steps=4", "train.save_every=1", "train.keep_last=4", "train.zero_stage=3",
+         f"method.momentum={MOMENTUM}"]
 
 
 def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
@@ -63,12 +65,21 @@ def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
     assert records[0]["loss/dual_vsa"] == pytest.approx(0.0, abs=1e-6) and records[1]["loss/dual_vsa"] > 0
     assert records[-1]["data/seen"] == 4 * 8 * 2 and records[-1]["data/skipped"] == 0
 
+    # key_s = m * key_(s-1) + (1 - m) * query_s for every weight, the query towers' parameters whole (consolidated
+    # from the ZeRO-3 shards). Batch-norm statistics are left out: the key network's own forward moves them too.
+    key = key_network(run, 1)
+    for step in (2, 3, 4):
+        query, previous, key = query_parameters(run, step), key, key_network(run, step)
+        assert query.keys() <= key.keys() and len(query) > 20
+        moved = 0
+        for name in query:
+            value = key[name]
+            expected = MOMENTUM * previous[name].double() + (1 - MOMENTUM) * query[name].double()
+            torch.testing.assert_close(value.double(), expected, rtol=0, atol=1e-6, msg=lambda m: f"step {step} {name}: {m}")
+            moved += not torch.equal(value, previous[name])
+        assert moved > len(query) // 2  # the key network really moves
     weights = load_file(run / "model.safetensors")
-    towers = {k[len("unimodal."):]: v for k, v in weights.items() if k.startswith("unimodal.")}
-    keys = {k[len("key.network."):]: v for k, v in weights.items() if k.startswith("key.network.")}
-    assert towers.keys() == keys.keys()
-    for name, value in towers.items():
-        assert torch.equal(value, keys[name]), name
+    assert all(torch.equal(weights[f"key.network.{name}"], value) for name, value in key.items())
 
     final = read_metrics(run)[-1]
     for language in ("en", "zh"):
@@ -92,6 +103,23 @@ def checkpoint_module(run: Path, step: int, rank: int = 0) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)["module"]
 
 
+def key_network(run: Path, step: int) -> dict:
+    """The momentum copy's weights (buffers, whole on every rank) saved at `step`."""
+    prefix = "model.key.network."
+    return {k[len(prefix):]: v for k, v in checkpoint_module(run, step).items() if k.startswith(prefix)}
+
+
+def query_parameters(run: Path, step: int) -> dict:
+    """The query towers' parameters at `step`, consolidated from every rank's ZeRO-3 partition."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    prefix = "model.unimodal."
+    path = run / "checkpoints" / f"step_{step:09d}" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    buffers = set(torch.load(path, map_location="cpu", weights_only=False)["buffer_names"])
+    state = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag=f"step_{step:09d}")
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and k not in buffers}
+
+
 def test_resumed_run_restores_the_memory_queues(zero3_run, tmp_path):
     run = zero3_run / "runs/victor-demo"
     uninterrupted = checkpoint_module(run, 4)
@@ -99,8 +127,8 @@ def test_resumed_run_restores_the_memory_queues(zero3_run, tmp_path):
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     (resumed / "demo_data").symlink_to(zero3_run / "demo_data")
-    shutil.copytree(run, resumed / "runs/victor-demo",
-                    ignore=shutil.ignore_patterns("step_000000004", "model.safetensors", "eval", "metrics.jsonl"))
+    shutil.copytree(run, resumed / "runs/victor-demo", ignore=shutil.ignore_patterns(
+        "step_000000003", "step_000000004", "model.safetensors", "eval", "metrics.jsonl"))
     (resumed / "runs/victor-demo/checkpoints/latest").write_text("step_000000002")
     result = train_demo(resumed, *ZERO3)
     assert "resumed from" in result.stdout + result.stderr
