@@ -155,7 +155,31 @@ def reference_losses(tmp_path_factory, digits_root):
     result = subprocess.run(deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    return step_losses(folder / "run")
+    return step_losses(folder / "run"), folder / "run"
+
+
+def adam_state(run_dir, step):
+    """(Adam's step count, norm of its second moment over every rank's partition) saved at `step`."""
+    import torch
+
+    counts, squares = set(), 0.0
+
+    def visit(node):
+        nonlocal squares
+        if isinstance(node, dict):
+            if "exp_avg_sq" in node and "step" in node:
+                counts.add(int(node["step"]))
+                squares += float(node["exp_avg_sq"].double().square().sum())
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                visit(value)
+
+    for path in sorted((run_dir / f"checkpoints/step_{step:09d}").glob("*optim_states.pt")):
+        visit(torch.load(path, map_location="cpu", weights_only=False))
+    assert len(counts) == 1, counts
+    return counts.pop(), squares ** 0.5
 
 
 @pytest.mark.parametrize("before, after, stage", [(2, 1, 2), (1, 2, 2), (2, 1, 3)])
@@ -163,6 +187,7 @@ def test_resume_on_another_number_of_ranks_joins_the_loss_curve(tmp_path, digits
                                                                 before, after, stage):
     from conftest import step_losses
 
+    reference_losses, reference_dir = reference_losses
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "cfg.yaml", tiny_config(
         digits_root, run_dir, train={**STEPS, "max_steps": 16, "zero_stage": stage}))
@@ -181,8 +206,17 @@ def test_resume_on_another_number_of_ranks_joins_the_loss_curve(tmp_path, digits
     losses = step_losses(run_dir)
     after_resume = [losses[s] for s in range(9, 17)]
     reference = [reference_losses[s] for s in range(9, 17)]
-    assert sum(abs(a - b) for a, b in zip(after_resume, reference)) / 8 < 0.35, (after_resume, reference)
+    # The data readers restart on the new layout, so the batches after step 8 differ from the reference's:
+    # the curves agree to batch noise (about 0.1 here), not exactly.
+    assert sum(abs(a - b) for a, b in zip(after_resume, reference)) / 8 < 0.2, (after_resume, reference)
     # It continued rather than started over: after resuming it is nearer the level it left than the start.
     start = (reference_losses[1] + reference_losses[2]) / 2
     left = (reference_losses[7] + reference_losses[8]) / 2
     assert sum(after_resume[:4]) / 4 < (start + left) / 2, (after_resume, reference)
+    # The optimizer state came along, which the loss over 8 steps barely shows: Adam counts 16 steps (a run
+    # that lost the state at step 8 counts 8), and its second moment, summed over all partitions, has the
+    # reference's size (a restarted one holds 8 steps' worth: about half).
+    count, second_moment = adam_state(run_dir, 16)
+    reference_count, reference_moment = adam_state(reference_dir, 16)
+    assert count == reference_count == 16
+    assert 0.8 < second_moment / reference_moment < 1.25, (second_moment, reference_moment)
