@@ -171,7 +171,8 @@ def train(cfg: Config) -> dict[str, Any]:
             micro_batches = [to_device(next(batches), engine.device, float_dtype) for _ in range(cfg.train.grad_accum)]
             data_time = time.perf_counter() - started
             # Under ZeRO-3 the first step of a process is checked for parameters used while partitioned.
-            with partitioned_parameter_guard(engine.module, f"step {step + 1}", active=step == first_step and cfg.train.zero_stage == 3):
+            check = step == first_step and cfg.train.zero_stage == 3
+            with partitioned_parameter_guard(engine.module, f"step {step + 1}", active=check):
                 losses, forward_time = optimizer_step(engine, method, micro_batches, lambda phase, at=step + 1: reached(phase, at))
                 if engine.was_step_applied():
                     after_optimizer_step(engine.module, cfg.train.zero_stage)
