@@ -25,6 +25,8 @@ def run_cell(cell: dict, results: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
+    from conftest import read_metrics  # this script's folder, tests/, is on sys.path
+
     import mmpt
     from mmpt import distributed as mdist
     from mmpt.config import load_config
@@ -36,7 +38,7 @@ def run_cell(cell: dict, results: Path) -> None:
     train(load_config(cell["config"], [*common, "train.max_steps=2"]))
     train(load_config(cell["config"], [*common, "train.max_steps=3"]))  # resumes from step 2
     if mdist.get_rank() == 0:
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(run_dir)
         steps = [r["step"] for r in records if "loss/total" in r]
         assert steps == [1, 2, 3], f"logged steps {steps}: the second start did not resume at step 2"
         losses = {r["step"]: r["loss/total"] for r in records if "loss/total" in r}

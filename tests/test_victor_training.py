@@ -97,10 +97,15 @@ def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
     assert 1 <= csv_record["metrics"]["video_retrieval_median_rank"] <= clips
 
 
-def checkpoint_module(run: Path, step: int, rank: int = 0) -> dict:
-    """The module state (parameters placeholders under ZeRO-3, buffers whole) that a rank saved."""
+def model_states(run: Path, step: int, rank: int = 0) -> dict:
+    """What a rank saved besides optimizer state: "module" (parameter placeholders under ZeRO-3, buffers whole),
+    "buffer_names", ..."""
     path = run / "checkpoints" / f"step_{step:09d}" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-    return torch.load(path, map_location="cpu", weights_only=False)["module"]
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def checkpoint_module(run: Path, step: int, rank: int = 0) -> dict:
+    return model_states(run, step, rank)["module"]
 
 
 def key_network(run: Path, step: int) -> dict:
@@ -114,8 +119,7 @@ def query_parameters(run: Path, step: int) -> dict:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     prefix = "model.unimodal."
-    path = run / "checkpoints" / f"step_{step:09d}" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    buffers = set(torch.load(path, map_location="cpu", weights_only=False)["buffer_names"])
+    buffers = set(model_states(run, step)["buffer_names"])
     state = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag=f"step_{step:09d}")
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and k not in buffers}
 

@@ -51,7 +51,9 @@ class _Guard(TorchFunctionMode):
 
 def _is_partitioned(param: nn.Parameter) -> bool:
     status = getattr(param, "ds_status", None)
-    return status is not None and status.name == "NOT_AVAILABLE" and param.numel() == 0 and getattr(param, "ds_numel", 0) > 0
+    if status is None or status.name != "NOT_AVAILABLE":
+        return False
+    return param.numel() == 0 and getattr(param, "ds_numel", 0) > 0
 
 
 def _op_name(func) -> str:
@@ -67,4 +69,3 @@ def partitioned_parameter_guard(module: nn.Module, where: str, active: bool = Tr
     names = {id(p): n for n, p in module.named_parameters()}
     with _Guard(names, where):
         yield
-
