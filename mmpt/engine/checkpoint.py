@@ -191,7 +191,26 @@ def load_engine(engine, checkpoint: Path) -> int:
     _, client = engine.load_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
     if client is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {checkpoint}")
+    _unshare_step_counters(engine.optimizer)
     return int(client["step"])
+
+
+def _unshare_step_counters(optimizer) -> None:
+    """Give every optimizer state its own `step` tensor.
+
+    DeepSpeed 0.19.8's ZeRO-3 universal-checkpoint loader puts one `step` tensor into the state of
+    every parameter sub-group. Adam increments its step in place, once per sub-group, so a shared
+    counter advanced by the number of sub-groups per optimizer step: Adam's bias correction ran ahead
+    after every resume on another number of ranks.
+    """
+    states = getattr(optimizer, "optimizer", optimizer).state.values()
+    seen: set[int] = set()
+    for state in states:
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(step))
 
 
 def rank_states(checkpoint: Path) -> list[dict[str, Any]]:
