@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from mmpt.data import counts
 from mmpt.data.shards import DataError, expand_shards
 from mmpt.data.stream import MixedStream, ShardStream
 
@@ -26,7 +27,12 @@ log = logging.getLogger(__name__)
 
 
 class MissingFieldError(DataError):
-    """A sample lacks a field the pipeline needs: a data/config mismatch, never skipped silently."""
+    """A sample lacks a field the pipeline needs. One such sample is skipped and counted (web data always
+    holds a few); a source none of whose first `FIELD_CHECK_SAMPLES` samples has it stops the run."""
+
+
+LOGGED_SKIPS = 10  # a reader logs its first skipped samples, then one in 1000: web data has millions
+FIELD_CHECK_SAMPLES = 16  # a source whose first this many samples all miss a field is misconfigured, not damaged
 
 
 @dataclass
@@ -101,12 +107,12 @@ class BatchStream(IterableDataset):
     def num_slots(self) -> int:
         return self.spec.world_size * max(1, self.spec.num_workers)
 
-    def _make_stream(self, source: Source, slot: int) -> ShardStream:
+    def _make_stream(self, source: Source, slot: int, on_loss=None) -> ShardStream:
         spec = self.spec
         return ShardStream(
             source.urls, slot=slot, num_slots=self.num_slots, seed=spec.seed, mode=spec.mode,
             shuffle_buffer=spec.shuffle_buffer, max_epochs=spec.max_epochs, name=source.name,
-            start_epoch=spec.start_epoch,
+            start_epoch=spec.start_epoch, on_loss=on_loss,
         )
 
     def logical_worker(self) -> int:
@@ -115,17 +121,33 @@ class BatchStream(IterableDataset):
         return ((info.id if info else 0) + self.rotation) % workers
 
     def __iter__(self) -> Iterator[dict]:
+        """Batches with their positions; a data error becomes a `fatal` item, raised by the main process
+        as one line (a worker's exception would arrive wrapped in its traceback)."""
+        try:
+            yield from self._batches()
+        except DataError as exc:
+            yield {"fatal": str(exc)}
+
+    def _batches(self) -> Iterator[dict]:
         spec = self.spec
         worker = self.logical_worker()
         slot = spec.rank * max(1, spec.num_workers) + worker
-        stream = MixedStream(
-            [self._make_stream(s, slot) for s in spec.sources], [s.weight for s in spec.sources], seed=spec.seed, slot=slot
-        )
-        status = {"counts": {"seen": 0, "skipped": 0}, "last_error": ""}
+        status = {"counts": counts.empty(s.name for s in spec.sources), "last_error": ""}
+
+        def on_loss(source: str, lost: int | None) -> None:
+            source_counts = status["counts"][source]
+            source_counts["broken_shards"] += 1
+            if lost is None:
+                source_counts["unsized_broken_shards"] += 1
+            else:
+                source_counts["lost"] += lost
+
+        stream = MixedStream([self._make_stream(s, slot, on_loss) for s in spec.sources],
+                             [s.weight for s in spec.sources], seed=spec.seed, slot=slot)
         if worker in self.start_states:
             start = self.start_states[worker]
             stream.load_state_dict(start["stream"])
-            status["counts"] = dict(start["counts"])
+            status["counts"] = counts.upgrade(start["counts"], [s.name for s in spec.sources])
         if spec.per_source:
             yield from self._per_source_batches(stream, worker, slot, status)
             return
@@ -159,30 +181,43 @@ class BatchStream(IterableDataset):
             yield self._package(batch, worker, stream, status)
 
     def _decode(self, raw: dict, slot: int, status: dict) -> dict | None:
-        """The decoded sample, or None (counted, with the reason kept) when it fails to decode."""
-        status["counts"]["seen"] += 1
+        """The decoded sample, or None (counted by reason, the reason kept) when it cannot be used."""
+        source_counts = status["counts"][raw["__source__"]]
+        source_counts["seen"] += 1
         try:
             # Random transforms draw from a per-sample seed (CPU generator). A worker process owns its RNG;
             # in the main process (no workers) the caller's RNG is left as it was.
             seed = sample_seed(self.spec.seed, slot, raw)
             if get_worker_info() is not None:
                 torch.random.default_generator.manual_seed(seed)
-                return self.decode(raw)
-            with torch.random.fork_rng(devices=[]):
-                torch.random.default_generator.manual_seed(seed)
-                return self.decode(raw)
-        except MissingFieldError:
-            raise
-        except Exception as exc:  # a corrupt sample must not stop the run
-            status["counts"]["skipped"] += 1
-            status["last_error"] = f"sample {raw.get('__key__')!r} of {raw.get('__shard__')}: {type(exc).__name__}: {exc}"
-            log.warning("skipped %s", status["last_error"])
+                sample = self.decode(raw)
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    torch.random.default_generator.manual_seed(seed)
+                    sample = self.decode(raw)
+        except Exception as exc:  # one bad sample must not stop the run
+            reason = "missing_field" if isinstance(exc, MissingFieldError) else "undecodable"
+            source_counts[reason] += 1
+            where = f"sample {raw.get('__key__')!r} of {raw.get('__shard__')}"
+            status["last_error"] = f"{where}: {exc}" if reason == "missing_field" else f"{where}: {type(exc).__name__}: {exc}"
+            status["skipped_here"] = status.get("skipped_here", 0) + 1
+            if status["skipped_here"] <= LOGGED_SKIPS or status["skipped_here"] % 1000 == 0:
+                more = "" if status["skipped_here"] < LOGGED_SKIPS else (
+                    f" ({status['skipped_here']} skipped by this reader; from here on one in 1000 is logged, "
+                    "all are counted in data/skipped)")
+                log.warning("skipped %s%s", status["last_error"], more)
+            if reason == "missing_field" and source_counts["missing_field"] == source_counts["seen"] >= FIELD_CHECK_SAMPLES:
+                raise MissingFieldError(
+                    f"source {raw['__source__']!r}: none of its first {FIELD_CHECK_SAMPLES} samples has a field the "
+                    f"method needs; the last one: {exc}") from None
             return None
+        source_counts["decoded"] += 1
+        return sample
 
     def _package(self, batch, worker, stream, status) -> dict:
         return {
             "batch": batch,
-            "position": {"worker": worker, "stream": stream.state_dict(), "counts": dict(status["counts"])},
+            "position": {"worker": worker, "stream": stream.state_dict(), "counts": counts.merge({}, status["counts"])},
             "last_error": status["last_error"],
         }
 
@@ -205,7 +240,11 @@ class StatefulLoader:
     skip_policy: SkipPolicy = field(default_factory=SkipPolicy)
     batches: int = 0
     positions: dict[int, dict] = field(default_factory=dict)
-    carried: dict[str, int] = field(default_factory=lambda: {"seen": 0, "skipped": 0})  # from before a reshard
+    carried: counts.Counts = field(default_factory=dict)  # from before a reshard
+
+    @property
+    def source_names(self) -> list[str]:
+        return [s.name for s in self.dataset.spec.sources]
 
     def state_dict(self) -> dict[str, Any]:
         spec = self.dataset.spec
@@ -214,7 +253,7 @@ class StatefulLoader:
             "num_workers": spec.num_workers,
             "world_size": spec.world_size,
             "positions": {str(k): v for k, v in self.positions.items()},
-            "carried": dict(self.carried),
+            "carried": counts.merge({}, self.carried),
             "start_epoch": spec.start_epoch,
         }
 
@@ -227,7 +266,7 @@ class StatefulLoader:
             )
         self.batches = state["batches"]
         self.positions = {int(k): v for k, v in state["positions"].items()}
-        self.carried = dict(state.get("carried", {"seen": 0, "skipped": 0}))
+        self.carried = counts.upgrade(state.get("carried", {}), self.source_names)
         spec.start_epoch = state.get("start_epoch", 0)  # for a worker that had not delivered a batch yet
 
     def reshard(self, old_states: list[dict[str, Any]]) -> None:
@@ -235,28 +274,34 @@ class StatefulLoader:
 
         Positions cannot be split differently, so every reader starts at the epoch after the furthest
         one any old reader had reached: no sample is read twice; in epoch mode, what was left of the
-        epochs in progress is skipped. Skip counts carry over.
+        epochs in progress is skipped. Counts carry over.
         """
         positions = [p for state in old_states for p in state["positions"].values()]
         epochs = [source["epoch"] for p in positions for source in p["stream"]["sources"]]
         self.dataset.spec.start_epoch = max(epochs, default=-1) + 1
         self.batches, self.positions = 0, {}
         if self.dataset.spec.rank == 0:  # counted once, not on every new rank
-            for key in ("seen", "skipped"):
-                before = sum(state.get("carried", {}).get(key, 0) for state in old_states)
-                self.carried[key] = before + sum(p["counts"][key] for p in positions)
+            names = self.source_names
+            for saved in [state.get("carried", {}) for state in old_states] + [p["counts"] for p in positions]:
+                counts.merge(self.carried, counts.upgrade(saved, names))
+
+    def counts_by_source(self) -> counts.Counts:
+        """This rank's counts per source: carried over plus every worker's at its last consumed batch."""
+        total = counts.merge(counts.empty(self.source_names), self.carried)
+        for position in self.positions.values():
+            counts.merge(total, counts.upgrade(position["counts"], self.source_names))
+        return total
 
     def counts(self) -> dict[str, int]:
-        carried = self.carried
-        seen = carried["seen"] + sum(p["counts"]["seen"] for p in self.positions.values())
-        skipped = carried["skipped"] + sum(p["counts"]["skipped"] for p in self.positions.values())
-        return {"seen": seen, "skipped": skipped}
+        """This rank's counts, all sources together (`data.counts.totals`)."""
+        return counts.totals(self.counts_by_source())
 
     def _check_skip_rate(self, last_error: str) -> None:
         c = self.counts()
         if c["seen"] >= self.skip_policy.min_samples and c["skipped"] > self.skip_policy.max_rate * c["seen"]:
+            reasons = ", ".join(f"{r} {c[r]}" for r in counts.SKIP_REASONS if c[r])
             raise DataError(
-                f"{c['skipped']} of {c['seen']} samples failed to decode, more than max_skip_rate="
+                f"{c['skipped']} of {c['seen']} samples could not be used ({reasons}), more than max_skip_rate="
                 f"{self.skip_policy.max_rate}; last failure: {last_error}"
             )
 
@@ -277,6 +322,8 @@ class StatefulLoader:
 
     def _consume(self, items: Iterator[dict]) -> Iterator[Any]:
         for item in items:
+            if "fatal" in item:
+                raise DataError(item["fatal"])
             position = item["position"]
             self.positions[position["worker"]] = position
             self.batches += 1

@@ -103,19 +103,29 @@ def expand_shards(pattern: str) -> list[str]:
     return urls
 
 
+def shard_size(url: str, cache: dict[Path, dict] | None = None) -> int | None:
+    """Samples in one local shard: from `sizes.json` beside it (mmpt, open_clip) or from img2dataset's
+    `<shard>_stats.json` (`successes`: the samples it wrote); None when neither knows."""
+    if _is_remote(url):
+        return None
+    path = Path(url)
+    cache = {} if cache is None else cache
+    if path.parent not in cache:
+        sizes_file = path.parent / "sizes.json"
+        cache[path.parent] = json.loads(sizes_file.read_text()) if sizes_file.exists() else {}
+    if path.name in cache[path.parent]:
+        return int(cache[path.parent][path.name])
+    stats_file = path.with_name(f"{path.stem}_stats.json")
+    if stats_file.exists():
+        try:
+            return int(json.loads(stats_file.read_text())["successes"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    return None
+
+
 def count_samples(urls: list[str]) -> int | None:
-    """Total samples from the sizes.json beside the shards, or None when any count is unknown."""
-    total = 0
+    """Total samples of the shards (see `shard_size`), or None when any count is unknown."""
     cache: dict[Path, dict] = {}
-    for url in urls:
-        if _is_remote(url):
-            return None
-        folder = Path(url).parent
-        if folder not in cache:
-            sizes_file = folder / "sizes.json"
-            cache[folder] = json.loads(sizes_file.read_text()) if sizes_file.exists() else {}
-        name = Path(url).name
-        if name not in cache[folder]:
-            return None
-        total += int(cache[folder][name])
-    return total
+    sizes = [shard_size(url, cache) for url in urls]
+    return None if any(size is None for size in sizes) else sum(sizes)

@@ -16,35 +16,82 @@ Shard assignment per epoch:
 from __future__ import annotations
 
 import logging
+import os
 import random
-from collections.abc import Iterator
+import re
+import tarfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import webdataset as wds
-from webdataset.tariterators import group_by_keys, tar_file_expander
+from webdataset.tariterators import group_by_keys
 
-from mmpt.data.shards import DataError
+from mmpt.data.shards import DataError, shard_size
 
 log = logging.getLogger(__name__)
 
 Tag = tuple[int, int]  # (position of the shard in this slot's epoch order, sample index inside the shard)
 
 
-def _warn_and_continue(exc: Exception) -> bool:
-    log.warning("unreadable shard data skipped: %s", " ".join(str(a) for a in exc.args))
-    return True
+ShardEndHandler = Callable[[str, int, "str | None"], None]  # (url, samples it yielded, what broke or None)
+META_MEMBER = re.compile(r"__[^/]*__($|/)")  # webdataset's convention for archive-level metadata files
 
 
-def read_shard(url: str, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(index, sample) pairs of one tar shard from sample `start` on; a broken tar ends it with a warning."""
-    stream = wds.gopen(url, "rb")
+def read_shard(url: str, start: int = 0, on_end: ShardEndHandler | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(index, sample) pairs of one tar shard from sample `start` on.
+
+    A tar that cannot be opened or breaks (truncated, corrupt header, unreadable member) ends with a
+    warning. Once the shard is read to its end, `on_end` is told how many samples it yielded in all
+    and what broke, if anything.
+    """
+    errors: list[str] = []
+
+    def note(exc: Exception) -> bool:
+        errors.append(f"{type(exc).__name__}: {exc}")
+        log.warning("unreadable data in shard %s skipped: %s", url, errors[-1])
+        return True
+
+    yielded = 0
     try:
-        files = tar_file_expander([{"url": url, "stream": stream}], handler=_warn_and_continue)
-        for index, sample in enumerate(group_by_keys(files, handler=_warn_and_continue)):
-            if index >= start:
-                yield index, sample
-    finally:
-        stream.close()
+        stream = wds.gopen(url, "rb")
+    except OSError as exc:
+        note(exc)
+    else:
+        try:
+            for index, sample in enumerate(group_by_keys(_tar_members(url, stream, note), handler=note)):
+                yielded = index + 1
+                if index >= start:
+                    yield index, sample
+        finally:
+            stream.close()
+    if on_end is not None:
+        on_end(url, yielded, errors[-1] if errors else None)
+
+
+def _tar_members(url: str, stream: Any, note: Callable[[Exception], bool]) -> Iterator[dict[str, Any]]:
+    """The regular files of a tar as webdataset's grouping expects them; a break is noted, including a
+    corrupt header mid-archive, where Python's tarfile ends the archive without an error."""
+    try:
+        archive = tarfile.open(fileobj=stream, mode="r|*")
+        for info in archive:
+            if info.isreg() and not META_MEMBER.match(info.name):
+                yield {"fname": info.name, "data": archive.extractfile(info).read(), "__url__": url}
+            archive.members = []  # streaming: keep no list of every member
+        end = archive.offset
+    except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
+        note(exc)
+        return
+    if not _ends_with_zero_block(url, end):
+        note(tarfile.ReadError(f"no valid tar header at byte {end}; the rest of the shard is unreadable"))
+
+
+def _ends_with_zero_block(url: str, offset: int) -> bool:
+    """Whether a plain local tar really ends at `offset` (an all-zero end block, or nothing, follows)."""
+    if not url.endswith(".tar") or not os.path.isfile(url):
+        return True  # compressed or remote: nothing to look at, trust the reader
+    with open(url, "rb") as handle:
+        handle.seek(offset)
+        return not handle.read(512).strip(b"\0")
 
 
 class ShardStream:
@@ -62,7 +109,10 @@ class ShardStream:
         max_epochs: int | None = None,
         name: str = "data",
         start_epoch: int = 0,
+        on_loss: Callable[[str, int | None], None] | None = None,
     ):
+        """`on_loss(source name, samples lost, or None when the shard's size is unknown)` is called for a
+        shard that turns out broken or short of its known size, once per read of it."""
         if mode not in ("resampled", "epoch"):
             raise ValueError(f"unknown sampling mode {mode!r}")
         if mode == "epoch" and len(urls) < num_slots:
@@ -76,6 +126,8 @@ class ShardStream:
         self._buffer: list[tuple[Tag, dict]] = []
         self._rng = self._buffer_rng(start_epoch)
         self._resume_tags: list[Tag] | None = None
+        self.on_loss = on_loss
+        self._sizes: dict = {}
 
     # -- positions ---------------------------------------------------------------------------
 
@@ -127,10 +179,16 @@ class ShardStream:
     def _tagged_samples(self, order: list[str]) -> Iterator[tuple[Tag, dict]]:
         while self.shard_pos < len(order):
             url = order[self.shard_pos]
-            for index, sample in read_shard(url, self.member):
+            for index, sample in read_shard(url, self.member, self._shard_ended):
                 self.member = index + 1
                 yield (self.shard_pos, index), self._annotate(sample, url, self.shard_pos)
             self.shard_pos, self.member = self.shard_pos + 1, 0
+
+    def _shard_ended(self, url: str, yielded: int, error: str | None) -> None:
+        size = shard_size(url, self._sizes)
+        lost = None if size is None else max(0, size - yielded)
+        if self.on_loss is not None and (error is not None or lost):
+            self.on_loss(self.name, lost)
 
     def _take(self) -> dict:
         pick = self._rng.randrange(len(self._buffer))

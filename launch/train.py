@@ -5,6 +5,8 @@
     python launch/train.py --config ...            (one process)
 
 The config is validated before any process group starts; an error is one line naming the key.
+Every expected stop (config, data, non-finite training, hang) ends with one line per rank and an
+exit code listed in `mmpt/engine/stops.py`; `MMPT_DEBUG=1` shows tracebacks instead.
 """
 
 from __future__ import annotations
@@ -25,29 +27,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from mmpt.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-        from mmpt.engine.deepspeed_config import check_precision
-
-        check_precision(cfg)
-    except ConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:  # several ranks fail alike: say it once
-            print(f"config error: {exc}", file=sys.stderr, flush=True)
-        return 2
-
     rank = int(os.environ.get("RANK", "0"))
+    try:
+        return run(args, rank)
+    except Exception as exc:
+        from mmpt.engine import stops
+
+        said = stops.stop_line(exc, rank)
+        if said is None or stops.debugging():
+            raise
+        line, code = said
+        print(f"mmpt: {line}", file=sys.stderr, flush=True)
+        return code
+
+
+def run(args: argparse.Namespace, rank: int) -> int:
+    from mmpt.config import load_config
+    from mmpt.engine.deepspeed_config import check_precision
+
+    cfg = load_config(args.config, args.overrides)  # validated before any process group starts
+    check_precision(cfg)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     from mmpt.engine import train
 
-    try:
-        train(cfg)
-    except ConfigError as exc:  # found once the model exists (e.g. a module a method cannot train with)
-        if rank == 0:
-            print(f"config error: {exc}", file=sys.stderr, flush=True)
-        return 2
+    train(cfg)
     return 0
 
 

@@ -85,7 +85,7 @@ def test_launcher_rejects_typo_within_seconds(tmp_path, config_file):
                             capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - started
     assert result.returncode != 0
-    lines = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("mmpt: config error:")]
     assert len(lines) == 1, result.stderr
     assert "'optim.learning_rate'" in lines[0] and str(config_file) in lines[0]
     assert elapsed < 60

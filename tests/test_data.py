@@ -1,5 +1,7 @@
 import io
 import json
+import re
+import tarfile
 from collections import Counter
 from itertools import islice
 
@@ -8,6 +10,7 @@ import torch
 from PIL import Image
 
 from mmpt.data import BatchStream, DataError, MissingFieldError, ShardSetWriter, Source, StatefulLoader, StreamSpec
+from mmpt.data import counts
 from mmpt.data.image_text import decode_image, decode_text
 from mmpt.data.loader import SkipPolicy
 from mmpt.data.shards import count_samples, expand_shards
@@ -41,6 +44,13 @@ def decode(sample):
         "id": torch.tensor(int(decode_text(sample["cls"]))),
         "augment": torch.rand(1)[0],  # stands for a random transform: must replay identically on resume
     }
+
+
+def subset(actual: dict, **expected) -> bool:
+    """Whether `actual` has every expected count (shows both when not)."""
+    picked = {k: actual[k] for k in expected}
+    assert picked == expected, (picked, expected)
+    return True
 
 
 def ids_of(batches):
@@ -165,25 +175,86 @@ def test_corrupt_sample_is_skipped_and_counted(tmp_path, caplog):
     loader = StatefulLoader(BatchStream(spec, decode), SkipPolicy(max_rate=0.5, min_samples=1))
     ids = ids_of(loader)
     assert sorted(ids) == sorted(set(range(30)) - {4, 17})
-    assert loader.counts() == {"seen": 30, "skipped": 2}
+    assert subset(loader.counts(), seen=30, decoded=28, skipped=2, undecodable=2, missing_field=0, lost=0)
     assert "'00004'" in caplog.text and "part-000000.tar" in caplog.text
 
 
 def test_skip_rate_limit_fails_with_the_last_error(tmp_path):
     pattern = write_set(tmp_path, n=30, per_shard=10, corrupt=set(range(0, 30, 3)))
     spec = StreamSpec([Source.from_pattern(pattern)], batch_size=4, mode="epoch", shuffle_buffer=0, max_epochs=1)
-    with pytest.raises(DataError, match=r"failed to decode, more than max_skip_rate=0.1; last failure: sample '000\d\d'"):
+    with pytest.raises(DataError, match=r"could not be used \(undecodable \d+\), more than max_skip_rate=0.1; "
+                                        r"last failure: sample '000\d\d'"):
         list(StatefulLoader(BatchStream(spec, decode), SkipPolicy(max_rate=0.1, min_samples=10)))
 
 
-def test_missing_field_is_a_clear_error(tmp_path, digits_root):
+def text_decoder():
     from mmpt.data.image_text import ImageTextDecoder
 
-    pattern = write_set(tmp_path, n=10, per_shard=5, drop_text={3})
-    decoder = ImageTextDecoder(lambda image: torch.zeros(1), lambda texts: {"input_ids": torch.zeros(1, 2), "attention_mask": torch.zeros(1, 2)})
-    spec = StreamSpec([Source.from_pattern(pattern)], batch_size=2, shuffle_buffer=0, mode="epoch", max_epochs=1)
-    with pytest.raises(MissingFieldError, match=r"sample '00003' of .*part-000000.tar has no text field \(looked for txt"):
-        list(StatefulLoader(BatchStream(spec, decoder)))
+    return ImageTextDecoder(lambda image: torch.zeros(1),
+                            lambda texts: {"input_ids": torch.zeros(len(texts), 2), "attention_mask": torch.zeros(len(texts), 2)})
+
+
+def test_sample_missing_a_field_is_skipped_and_counted(tmp_path, caplog):
+    pattern = write_set(tmp_path, n=10, per_shard=5, drop_text={3, 7})
+    spec = StreamSpec([Source.from_pattern(pattern)], batch_size=2, shuffle_buffer=0, mode="epoch", max_epochs=1,
+                      drop_last=False)
+    loader = StatefulLoader(BatchStream(spec, text_decoder()), SkipPolicy(max_rate=0.5, min_samples=1))
+    assert sum(len(b["image"]) for b in loader) == 8
+    assert subset(loader.counts(), seen=10, decoded=8, skipped=2, missing_field=2, undecodable=0)
+    assert re.search(r"skipped sample '00003' of .*part-000000.tar has no text field \(looked for txt", caplog.text)
+
+
+def test_source_without_the_field_stops_early_in_one_line(tmp_path):
+    pattern = write_set(tmp_path, n=40, per_shard=10, drop_text=set(range(40)))
+    spec = StreamSpec([Source.from_pattern(pattern, name="web")], batch_size=2, shuffle_buffer=0, mode="epoch",
+                      max_epochs=1, num_workers=1)
+    with pytest.raises(DataError) as error:
+        list(StatefulLoader(BatchStream(spec, text_decoder()), SkipPolicy(max_rate=1.0)))
+    message = str(error.value)
+    assert "\n" not in message and "Traceback" not in message  # raised in a worker, arrives as one line
+    assert re.search(r"source 'web': none of its first 16 samples has a field the method needs; the last one: sample "
+                     r"'00015' .* has no text field \(looked for txt, text, caption; it has cls, png\)", message)
+
+
+def tar_member(path, name):
+    return next(m for m in tarfile.open(path).getmembers() if m.name == name)
+
+
+def damaged_set(folder):
+    """Three shards of 10: the first cut inside sample 4's caption, the second with sample 15's header
+    first member's header overwritten, the third intact; `sizes.json` knows all three sizes."""
+    pattern = write_set(folder, n=30, per_shard=10)
+    first, second = folder / "part-000000.tar", folder / "part-000001.tar"
+    cut = tar_member(first, "00004.txt").offset_data + 3
+    first.write_bytes(first.read_bytes()[:cut])
+    header = min(m.offset for m in tarfile.open(second).getmembers() if m.name.startswith("00015."))
+    data = second.read_bytes()
+    second.write_bytes(data[:header] + b"\xff" * 512 + data[header + 512:])
+    return pattern
+
+
+def test_samples_lost_with_a_broken_shard_are_counted_exactly(tmp_path, caplog):
+    spec = StreamSpec([Source.from_pattern(damaged_set(tmp_path))], batch_size=2, shuffle_buffer=0, mode="epoch",
+                      max_epochs=1, drop_last=False)
+    loader = StatefulLoader(BatchStream(spec, text_decoder()), SkipPolicy(max_rate=0.5, min_samples=1))
+    assert sum(len(b["image"]) for b in loader) == 4 + 5 + 10
+    # shard 0 yields 0-3 whole and 4 without its caption (skipped), 5-9 are lost; shard 1 ends before 15
+    assert subset(loader.counts(), seen=20, decoded=19, missing_field=1, lost=5 + 5, broken_shards=2,
+                  unsized_broken_shards=0)
+    assert "unexpected end of data" in caplog.text and "no valid tar header at byte" in caplog.text
+
+
+def test_broken_shard_of_unknown_size_and_a_missing_shard_are_counted(tmp_path):
+    pattern = damaged_set(tmp_path)
+    (tmp_path / "sizes.json").unlink()
+    urls = expand_shards(pattern) + [str(tmp_path / "gone.tar")]
+    spec = StreamSpec([Source("web", urls)], batch_size=2, shuffle_buffer=0, mode="epoch", max_epochs=1, drop_last=False)
+    loader = StatefulLoader(BatchStream(spec, text_decoder()), SkipPolicy(max_rate=0.5, min_samples=1))
+    assert sum(len(b["image"]) for b in loader) == 19
+    assert subset(loader.counts(), seen=20, lost=0, broken_shards=3, unsized_broken_shards=3)
+    summary = counts.nest(counts.flatten(loader.counts_by_source(), ["web"]), ["web"])["all"]
+    assert counts.describe(summary) == ("19 decoded, 1 skipped (missing_field 1), 0 lost with 3 broken shard(s) "
+                                        "(+ the unknown rest of 3 shard(s) without a known size)")
 
 
 def test_reshard_starts_every_reader_after_the_furthest_epoch(tmp_path):

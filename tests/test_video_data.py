@@ -267,7 +267,8 @@ def test_corrupt_and_empty_videos_are_skipped_and_counted(corpus, tmp_path, capl
     batches = list(loader)
     assert sum(len(b["frames"]) for b in batches) == len(good)
     assert all(b["frames"].shape[1:] == (4, 3, 64, 64) for b in batches)
-    assert loader.counts() == {"seen": len(good) + 2, "skipped": 2}
+    assert {k: loader.counts()[k] for k in ("seen", "skipped", "undecodable")} == {
+        "seen": len(good) + 2, "skipped": 2, "undecodable": 2}
     if num_workers:  # the workers log in their own processes
         return
     assert "sample 'truncated' of" in caplog.text and "clips-000000.tar" in caplog.text

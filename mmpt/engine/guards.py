@@ -9,6 +9,10 @@ import logging
 log = logging.getLogger(__name__)
 
 
+class NonFiniteError(RuntimeError):
+    """Training cannot go on: too many optimizer steps in a row were non-finite."""
+
+
 class NonFiniteGuard:
     def __init__(self, max_in_a_row: int):
         self.max_in_a_row = max_in_a_row
@@ -22,7 +26,7 @@ class NonFiniteGuard:
         log.warning("step %d skipped: non-finite loss or gradients (%d in a row; losses %s)", step, self.in_a_row,
                     {k: round(v, 4) for k, v in losses.items()})
         if self.in_a_row >= self.max_in_a_row:
-            raise RuntimeError(
+            raise NonFiniteError(
                 f"stopping at step {step}: {self.in_a_row} optimizer steps in a row had a non-finite loss or gradient "
                 f"(train.max_bad_steps={self.max_in_a_row}); last losses {losses}. Lower optim.lr, check the data "
                 "(data/skipped in metrics.jsonl) or use fp32, then resume from the last checkpoint.")

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from mmpt import distributed as mdist
+from mmpt.data.counts import describe
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class MetricLogger:
         self._slow_windows: dict[int, int] = defaultdict(int)
         self.stragglers: dict[int, float] = {}  # rank -> worst step time / median seen while named
         self.global_batch = global_batch
+        self.data_counts: dict[str, dict[str, int]] = {}  # the latest reduced sample counts, for the summary
         self._sums: dict[str, float] = defaultdict(float)
         self._count = 0
         self._step_time = self._data_time = self._forward_time = 0.0
@@ -117,8 +119,11 @@ class MetricLogger:
 
     def close(self) -> None:
         if self.rank == 0:
-            summary = {"stragglers": {str(rank): round(ratio, 2) for rank, ratio in sorted(self.stragglers.items())}}
+            summary = {"stragglers": {str(rank): round(ratio, 2) for rank, ratio in sorted(self.stragglers.items())},
+                       "data": self.data_counts}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            for group, counts in self.data_counts.items():
+                print(f"data ({'all sources' if group == 'all' else group}): {describe(counts)}", flush=True)
         for handle in (self._bar, self._writer, self._jsonl):
             if handle is not None:
                 handle.close()

@@ -16,6 +16,7 @@ from torch import nn
 
 from mmpt import distributed as mdist
 from mmpt.config import Config, ConfigError, save_config
+from mmpt.data import counts as data_counts
 from mmpt.data.loader import SkipPolicy, StatefulLoader
 from mmpt.engine import checkpoint, faults
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
@@ -181,10 +182,9 @@ def train(cfg: Config) -> dict[str, Any]:
             metrics.update(losses, time.perf_counter() - started, data_time, forward_time)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
                 reached("log", step)
-                counts = loader.counts()
-                totals = mdist.all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist()
+                metrics.data_counts = reduced_data_counts(loader)
                 state_mib = mdist.all_gather_floats([optimizer_state_bytes(engine.optimizer, engine.module) / 2**20])
-                metrics.log(step, engine.get_lr()[0], {**{f"data/{k}": int(v) for k, v in zip(counts, totals)},
+                metrics.log(step, engine.get_lr()[0], {**data_counts.metrics(metrics.data_counts),
                                                        "skipped_steps": engine.skipped_steps,
                                                        "optimizer_state_mib_per_rank": [round(m[0], 1) for m in state_mib]})
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
@@ -195,6 +195,14 @@ def train(cfg: Config) -> dict[str, Any]:
         watchdog.close()
         metrics.close()
     return finish(cfg, method, engine, run_dir, step)
+
+
+def reduced_data_counts(loader: StatefulLoader) -> dict[str, dict[str, int]]:
+    """Every rank's sample counts summed, {"all" or source: {...}} (a collective)."""
+    sources = loader.source_names
+    local = data_counts.flatten(loader.counts_by_source(), sources)
+    summed = mdist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()
+    return data_counts.nest(summed, sources)
 
 
 def start_process_group() -> tuple[int, int]:

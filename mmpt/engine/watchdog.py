@@ -5,6 +5,10 @@ Progress is a (step, phase) pair written to `<run_dir>/heartbeats/rank_<r>.json`
 change (phases: data, forward, backward, step, log, checkpoint; the collectives of a step happen in
 backward and step). The lagging ranks are those furthest behind, or, when all are at the same point,
 those silent longest: a rank stuck in a collective waits for exactly those.
+
+Rank 0 says the diagnosis: the other ranks wait `grace` seconds longer before they act, so a hang
+ends with one report from rank 0 (and the launcher stops the rest), unless rank 0 itself cannot
+report (its process frozen or gone).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class Watchdog:
         self.folder = run_dir / "heartbeats"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.patience = timeout if rank == 0 else timeout + max(10.0, timeout / 2)
         self.step, self.phase, self._last = 0, "start", time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="mmpt-watchdog", daemon=True)
@@ -52,8 +57,8 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout / 10)):
             silent = time.monotonic() - self._last
-            if silent > self.timeout:
-                print(self.diagnosis(silent), file=sys.stderr, flush=True)
+            if silent > self.patience:
+                print(f"mmpt: {self.diagnosis(silent)}", file=sys.stderr, flush=True)
                 os._exit(EXIT_HANG)
 
     def diagnosis(self, silent: float) -> str:
@@ -78,6 +83,7 @@ class Watchdog:
         return (f"watchdog: rank {self.rank} made no progress for {silent:.0f}s (> {self.timeout:.0f}s) in "
                 f"'{self.phase}' of step {self.step}; lagging rank(s): {names}"
                 f"{'; no heartbeat from rank(s) ' + str(missing) if missing else ''}. All ranks: {where}. "
+                f"{'' if self.rank == 0 else 'Rank 0 did not report. '}"
                 f"Exiting with {EXIT_HANG}; restart to resume from the latest checkpoint.")
 
     def _read_all(self) -> list[dict]:

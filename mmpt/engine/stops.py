@@ -1,0 +1,79 @@
+"""Expected stops: the ways a run ends on purpose, each with a documented exit code and one line per rank.
+
+| exit | stop |
+|---|---|
+| 0 | finished |
+| 1 | an unexpected error (a bug, or a failure mmpt does not know): the full traceback |
+| 2 | config error: a key, value or combination that cannot work (every rank finds it alike) |
+| 3 | data error: missing shards, a source without a needed field, too many unusable samples |
+| 4 | non-finite training: too many optimizer steps in a row with a NaN/Inf loss or gradient |
+| 75 | watchdog: a rank made no progress (`mmpt.engine.watchdog`), restart to resume |
+
+A stop that every rank finds alike (config, non-finite) is said in full by rank 0; the others say
+one short line. A data error belongs to one rank's readers, so each rank that has one says it.
+A rank that loses its peers because one of them stopped says so in one line. `MMPT_DEBUG=1` shows
+the traceback of every stop instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mmpt.config import ConfigError
+from mmpt.data.shards import DataError
+from mmpt.engine.guards import NonFiniteError
+from mmpt.engine.watchdog import EXIT_HANG
+
+EXIT_UNEXPECTED, EXIT_CONFIG, EXIT_DATA, EXIT_NON_FINITE = 1, 2, 3, 4
+# Errors a surviving rank gets from its collective library when a peer process is gone.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+             "NCCL communicator was aborted", "Socket Timeout")
+
+
+@dataclass(frozen=True)
+class Stop:
+    kind: str
+    exit_code: int
+    same_on_every_rank: bool
+
+
+STOPS: dict[type[Exception], Stop] = {
+    ConfigError: Stop("config error", EXIT_CONFIG, True),
+    DataError: Stop("data error", EXIT_DATA, False),
+    NonFiniteError: Stop("non-finite training", EXIT_NON_FINITE, True),
+}
+assert EXIT_HANG not in {s.exit_code for s in STOPS.values()}
+
+
+def debugging() -> bool:
+    return os.environ.get("MMPT_DEBUG", "") not in ("", "0")
+
+
+def classify(exc: BaseException) -> Stop | None:
+    for kind, stop in STOPS.items():
+        if isinstance(exc, kind):
+            return stop
+    return None
+
+
+def peer_lost(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in PEER_LOST)
+
+
+def one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def stop_line(exc: BaseException, rank: int) -> tuple[str, int] | None:
+    """(the line this rank prints, the exit code) for an expected stop; None for anything else."""
+    stop = classify(exc)
+    if stop is not None:
+        if rank == 0 or not stop.same_on_every_rank:
+            prefix = "" if rank == 0 else f"rank {rank}: "
+            return f"{prefix}{stop.kind}: {one_line(exc)}", stop.exit_code
+        return f"rank {rank}: stopped on the {stop.kind} that rank 0 reports", stop.exit_code
+    if peer_lost(exc):
+        return f"rank {rank}: stopped because another rank ended the run (see its line)", EXIT_UNEXPECTED
+    return None
