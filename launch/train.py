@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -33,12 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         from mmpt.engine import stops
 
-        said = stops.stop_line(exc, rank)
-        if said is None or stops.debugging():
+        end = stops.ending(exc, rank)
+        if end is None or stops.debugging():
             raise
-        line, code = said
-        print(f"mmpt: {line}", file=sys.stderr, flush=True)
-        return code
+        stops.say(end.line)
+        time.sleep(end.linger_s)
+        return end.exit_code
 
 
 def run(args: argparse.Namespace, rank: int) -> int:

@@ -295,3 +295,44 @@ def test_tokenizer_build_is_deterministic_across_processes(tmp_path):
 
     ids = TextTokenizer(tmp_path / "1.json", 8)(["digit seven 七"])["input_ids"][0].tolist()
     assert 1 not in ids[:5]  # no [UNK]: every word and character of the corpus is in the vocabulary
+
+
+def write_img2dataset_shard(folder, shard: int, count: int, failed: int):
+    """One shard as img2dataset writes it: `{shard:05d}.tar` of jpg/txt/json per sample (successes only),
+    `_stats.json` and a parquet of every url beside it, no sizes.json."""
+    import tarfile as tar_module
+
+    path = folder / f"{shard:05d}.tar"
+    with tar_module.open(path, "w") as archive:
+        for i in range(count):
+            key = f"{shard:05d}{i:04d}"
+            image = io.BytesIO()
+            Image.new("RGB", (8, 8), color=(i, 0, 0)).save(image, format="JPEG")
+            meta = {"url": f"http://example.com/{key}.jpg", "key": key, "status": "success", "error_message": None,
+                    "width": 8, "height": 8, "original_width": 640, "original_height": 480, "caption": f"photo {i}",
+                    "sha256": "0" * 64}
+            for suffix, data in (("jpg", image.getvalue()), ("txt", f"photo {i}".encode()),
+                                 ("json", json.dumps(meta).encode())):
+                info = tar_module.TarInfo(f"{key}.{suffix}")
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    (folder / f"{shard:05d}_stats.json").write_text(json.dumps(
+        {"count": count + failed, "successes": count, "failed_to_download": failed, "failed_to_resize": 0,
+         "status_dict": {"success": count, "Connection timed out": failed}}))
+    (folder / f"{shard:05d}.parquet").write_bytes(b"PAR1" + b"\0" * 16 + b"PAR1")  # stands in; never read
+    return path
+
+
+def test_img2dataset_output_is_read_as_it_is(tmp_path):
+    """jpg + txt + json per sample, no sizes.json: sizes come from `_stats.json`, so a cut shard's loss is exact."""
+    for shard in range(3):
+        write_img2dataset_shard(tmp_path, shard, count=12, failed=3)
+    assert count_samples(expand_shards(str(tmp_path / "{00000..00002}.tar"))) == 36
+    cut = tmp_path / "00001.tar"
+    cut.write_bytes(cut.read_bytes()[: tar_member(cut, "000010005.txt").offset_data + 1])  # inside sample 5's caption
+    spec = StreamSpec([Source.from_pattern(str(tmp_path / "*.tar"), name="laion")], batch_size=4, mode="epoch",
+                      shuffle_buffer=0, max_epochs=1, drop_last=False)
+    loader = StatefulLoader(BatchStream(spec, text_decoder()), SkipPolicy(max_rate=0.5, min_samples=1))
+    assert sum(len(b["image"]) for b in loader) == 12 + 5 + 12
+    assert subset(loader.counts(), seen=30, decoded=29, missing_field=1, lost=6, broken_shards=1,
+                  unsized_broken_shards=0)

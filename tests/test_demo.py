@@ -44,9 +44,11 @@ def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshol
         metrics = record["metrics"]
         recalls = [v for k, v in metrics.items() if k != "mean_recall"]
         assert len(recalls) == 6 and metrics["mean_recall"] == pytest.approx(sum(recalls) / 6)
-        # 36 held-out scans per digit share the same captions: an image finds a caption of its digit
-        # first, a caption finds one of its 36 images within 10 far above chance (10/359).
-        assert metrics["text_retrieval_recall@1"] >= 0.80 and metrics["image_retrieval_recall@10"] > 0.15
+        # 36 held-out scans per digit share the same captions, and ties count against the query: an image's
+        # own caption ranks behind the identical captions of its digit's other scans, so image -> text
+        # recall@10 is 0; a caption finds one of its 36 images within 10 far above chance (10/359).
+        assert record["rank_ties"].startswith("pessimistic")
+        assert metrics["text_retrieval_recall@10"] == 0.0 and metrics["image_retrieval_recall@10"] > 0.15
     if "clip/" in config:
         readme_release_example(tmp_path)
 

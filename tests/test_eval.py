@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mmpt.data.shards import DataError
-from mmpt.eval.retrieval import load_retrieval_set, official_caption_normalization, recall_metrics
+from mmpt.eval.retrieval import load_retrieval_set, official_caption_normalization, recall_metrics, retrieval_ranks
 from mmpt.eval.templates import DEFAULT_TEMPLATES
 from mmpt.eval.video_retrieval import load_video_retrieval_set, video_rank_metrics
 
@@ -22,6 +22,34 @@ def test_recall_metrics_on_hand_built_ranks():
     # image2 -> caption3 (0.1) behind caption1 (1.0): rank 1.
     assert m["text_retrieval_recall@1"] == pytest.approx(2 / 3) and m["text_retrieval_recall@10"] == 1.0
     assert m["mean_recall"] == pytest.approx((2 / 4 + 1 + 1 + 2 / 3 + 1 + 1) / 6)
+
+
+def test_identical_captions_of_other_images_rank_before_the_own_one():
+    # two images of dogs, each captioned "a dog" (the same text, so the same features), and a cat
+    image = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0]])
+    dog, cat = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    m = recall_metrics(image, torch.stack([dog, dog, cat]), torch.tensor([0, 1, 2]))
+    # image -> text: each dog image's own caption ties with the other dog's: rank 1, not 0
+    assert m["text_retrieval_recall@1"] == pytest.approx(1 / 3) and m["text_retrieval_recall@5"] == 1.0
+    # text -> image: "a dog" of image 1 scores image 0 higher (1.0 > 0.8): rank 1; the others rank 0
+    assert m["image_retrieval_recall@1"] == pytest.approx(2 / 3)
+
+
+def test_ranks_with_ties_equal_a_brute_force_count():
+    generator = torch.Generator().manual_seed(0)
+    images = torch.nn.functional.normalize(torch.randn(7, 4, generator=generator), dim=-1)
+    distinct = torch.nn.functional.normalize(torch.randn(3, 4, generator=generator), dim=-1)
+    pick = torch.randint(0, 3, (14,), generator=generator)  # 14 captions from 3 texts: many exact ties
+    owner = torch.arange(14) % 7
+    scores = images @ distinct[pick].T
+    item_rank, text_rank = retrieval_ranks(scores, owner)
+    for t in range(14):
+        own = scores[owner[t], t]
+        assert item_rank[t] == sum(1 for i in range(7) if i != owner[t] and scores[i, t] >= own)
+    for i in range(7):
+        best = max(scores[i, t] for t in range(14) if owner[t] == i)
+        assert text_rank[i] == sum(1 for t in range(14) if owner[t] != i and scores[i, t] >= best)
+    assert text_rank.float().mean() > 1  # the ties were there to count
 
 
 def test_retrieval_jsonl_layout_and_errors(tmp_path):
@@ -45,10 +73,11 @@ def test_video_rank_metrics_on_hand_built_ranks():
     video = torch.eye(3)
     text = torch.tensor([[1.0, 0, 0], [0, 0, 1.0], [0.5, 0.9, 0], [0.2, 0, 0.1]])
     m = video_rank_metrics(video, text, torch.tensor([0, 0, 1, 2]))
-    # text -> video ranks 1, 2, 1, 2; video -> text ranks 1, 1, 2
+    # text -> video ranks 1, 3, 1, 2 (caption 1 scores 0 with its clip, tied with clip 1: the tie counts
+    # against it); video -> text ranks 1, 1, 2
     assert m["video_retrieval_recall@1"] == pytest.approx(0.5) and m["video_retrieval_recall@5"] == 1.0
     assert m["video_retrieval_median_rank"] == 1.5  # an even count: the mean of the middle two, as np.median
-    assert m["video_retrieval_mean_rank"] == pytest.approx(1.5)
+    assert m["video_retrieval_mean_rank"] == pytest.approx(1.75)
     assert m["text_retrieval_recall@1"] == pytest.approx(2 / 3) and m["text_retrieval_median_rank"] == 1.0
     assert m["text_retrieval_mean_rank"] == pytest.approx(4 / 3)
 

@@ -249,7 +249,7 @@ def test_a_sample_without_video_or_text_is_a_clear_error(corpus):
 
 
 @pytest.mark.parametrize("backend,num_workers", [(b, 0) for b in backends()] + [(backends()[0], 2)])
-def test_corrupt_and_empty_videos_are_skipped_and_counted(corpus, tmp_path, caplog, backend, num_workers):
+def test_corrupt_empty_and_missing_videos_are_skipped_and_counted(corpus, tmp_path, caplog, backend, num_workers):
     good = samples_of(str(corpus / "train/en-000000.tar"))
     with ShardSetWriter(tmp_path / "clips", max_samples=5) as writer:
         for i, sample in enumerate(good):
@@ -258,8 +258,10 @@ def test_corrupt_and_empty_videos_are_skipped_and_counted(corpus, tmp_path, capl
                 writer.write({"__key__": "truncated", "mp4": sample["mp4"][:600], "json": sample["json"]})
             if i == 5:
                 writer.write({"__key__": "empty", "mp4": b"", "json": sample["json"]})
+            if i == 6:
+                writer.write({"__key__": "no_video", "json": sample["json"]})  # the download of its mp4 failed
     urls = expand_shards(str(tmp_path / "clips-*.tar"))
-    assert count_samples(urls) == len(good) + 2
+    assert count_samples(urls) == len(good) + 3
     spec = StreamSpec([Source.from_pattern(str(tmp_path / "clips-*.tar"))], batch_size=3, mode="epoch",
                       shuffle_buffer=0, max_epochs=1, drop_last=False, num_workers=num_workers)
     loader = StatefulLoader(BatchStream(spec, decoder(corpus, backend=backend)),
@@ -267,8 +269,8 @@ def test_corrupt_and_empty_videos_are_skipped_and_counted(corpus, tmp_path, capl
     batches = list(loader)
     assert sum(len(b["frames"]) for b in batches) == len(good)
     assert all(b["frames"].shape[1:] == (4, 3, 64, 64) for b in batches)
-    assert {k: loader.counts()[k] for k in ("seen", "skipped", "undecodable")} == {
-        "seen": len(good) + 2, "skipped": 2, "undecodable": 2}
+    assert {k: loader.counts()[k] for k in ("seen", "skipped", "undecodable", "missing_field")} == {
+        "seen": len(good) + 3, "skipped": 3, "undecodable": 2, "missing_field": 1}
     if num_workers:  # the workers log in their own processes
         return
     assert "sample 'truncated' of" in caplog.text and "clips-000000.tar" in caplog.text

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mmpt import distributed as mdist
+from mmpt.config import ConfigError
 from mmpt.engine import faults
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     if resume != "auto":
         path = Path(resume)
         if not is_complete(path):
-            raise FileNotFoundError(f"config key 'run.resume': {path} is not a complete checkpoint")
+            raise ConfigError(f"config key 'run.resume': {path} is not a complete checkpoint")
         return path
     root = run_dir / CHECKPOINTS
     complete = [p for p in root.glob("step_*") if p.is_dir() and is_complete(p)]

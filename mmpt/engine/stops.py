@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from mmpt.config import ConfigError
 from mmpt.data.shards import DataError
 from mmpt.engine.guards import NonFiniteError
-from mmpt.engine.watchdog import EXIT_HANG
 
-EXIT_UNEXPECTED, EXIT_CONFIG, EXIT_DATA, EXIT_NON_FINITE = 1, 2, 3, 4
+EXIT_UNEXPECTED, EXIT_CONFIG, EXIT_DATA, EXIT_NON_FINITE, EXIT_HANG = 1, 2, 3, 4, 75
 # Errors a surviving rank gets from its collective library when a peer process is gone.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
              "NCCL communicator was aborted", "Socket Timeout")
@@ -43,7 +42,12 @@ STOPS: dict[type[Exception], Stop] = {
     DataError: Stop("data error", EXIT_DATA, False),
     NonFiniteError: Stop("non-finite training", EXIT_NON_FINITE, True),
 }
-assert EXIT_HANG not in {s.exit_code for s in STOPS.values()}
+
+
+def say(line: str) -> None:
+    """`mmpt: <line>` on stderr in one write: ranks share the launcher's pipe, and a print's separate
+    writes of text and newline can interleave with another rank's."""
+    os.write(2, f"mmpt: {line}\n".encode())
 
 
 def debugging() -> bool:
@@ -66,14 +70,24 @@ def one_line(text: str) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
-def stop_line(exc: BaseException, rank: int) -> tuple[str, int] | None:
-    """(the line this rank prints, the exit code) for an expected stop; None for anything else."""
+@dataclass(frozen=True)
+class Ending:
+    line: str
+    exit_code: int
+    linger_s: float = 0.0  # wait before exiting, so the launcher sees the rank that stopped first
+
+
+def ending(exc: BaseException, rank: int) -> Ending | None:
+    """How this rank ends on an expected stop (its one line, exit code); None for anything else."""
     stop = classify(exc)
     if stop is not None:
         if rank == 0 or not stop.same_on_every_rank:
             prefix = "" if rank == 0 else f"rank {rank}: "
-            return f"{prefix}{stop.kind}: {one_line(exc)}", stop.exit_code
-        return f"rank {rank}: stopped on the {stop.kind} that rank 0 reports", stop.exit_code
+            return Ending(f"{prefix}{stop.kind}: {one_line(exc)}", stop.exit_code)
+        return Ending(f"rank {rank}: stopped on the {stop.kind} that rank 0 reports", stop.exit_code)
     if peer_lost(exc):
-        return f"rank {rank}: stopped because another rank ended the run (see its line)", EXIT_UNEXPECTED
+        # Launchers report the exit code of whichever failed process they notice first (DeepSpeed's polls
+        # every second): lingering lets them notice, and report, the rank that stopped for a reason.
+        return Ending(f"rank {rank}: stopped because another rank ended the run (see its line)", EXIT_UNEXPECTED,
+                      linger_s=5.0)
     return None

@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
+from mmpt.engine.stops import EXIT_HANG, say
+
 log = logging.getLogger(__name__)
 
-EXIT_HANG = 75
 PHASES = ("data", "forward", "backward", "step", "log", "checkpoint")
 
 
@@ -58,7 +58,7 @@ class Watchdog:
         while not self._stop.wait(min(1.0, self.timeout / 10)):
             silent = time.monotonic() - self._last
             if silent > self.patience:
-                print(f"mmpt: {self.diagnosis(silent)}", file=sys.stderr, flush=True)
+                say(self.diagnosis(silent))
                 os._exit(EXIT_HANG)
 
     def diagnosis(self, silent: float) -> str:

@@ -3,6 +3,7 @@
 Each line: `{"image": path, "caption": [text, ...]}` (image paths relative to the jsonl's folder
 unless absolute). Reports recall@1/5/10 in both directions and their mean, CLIP_benchmark style:
 `text_retrieval_recall@k` (image -> text), `image_retrieval_recall@k` (text -> image), `mean_recall`.
+Ranks count ties against the query (`RANK_TIES`), and the results say so.
 """
 
 from __future__ import annotations
@@ -45,15 +46,37 @@ def official_caption_normalization(text: str) -> str:
     return text.lower().replace("“", '"').replace("”", '"')
 
 
+RANK_TIES = "pessimistic: every other candidate scoring at least as high as the query's match ranks before it"
+
+
 def retrieval_ranks(scores: torch.Tensor, text_to_item: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """0-based ranks from a score matrix [items, texts]: (rank of each text's own item among all items,
-    best rank of each item's own texts among all texts). Ties count against the query."""
+    best rank of each item's own texts among all texts).
+
+    Ties count against the query (`RANK_TIES`): a caption of another image that scores the same as
+    the image's own caption, as identical captions do, ranks before it. Counting only strictly
+    higher scores would let every set with repeated captions ("a dog on grass") report a perfect
+    image-to-text recall for an image that cannot be told from the others.
+    """
     own = scores[text_to_item, torch.arange(len(text_to_item))]
-    item_rank = (scores.T > own[:, None]).sum(1)
+    item_rank = (scores.T >= own[:, None]).sum(1) - 1  # less the own item, which always ties with itself
     is_own = text_to_item[None, :] == torch.arange(len(scores))[:, None]
     best_own = scores.masked_fill(~is_own, float("-inf")).max(1).values
-    text_rank = (scores > best_own[:, None]).sum(1)
+    text_rank = ((scores >= best_own[:, None]) & ~is_own).sum(1)
     return item_rank, text_rank
+
+
+@torch.no_grad()
+def encode_texts(model, tokenize, texts: list[str], batch_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L2-normalised features of each distinct text, index of each text's row): every copy of a caption
+    gets the very same features, so its ties are exact, not subject to batch-dependent rounding."""
+    distinct = list(dict.fromkeys(texts))
+    row = {text: i for i, text in enumerate(distinct)}
+    features = []
+    for start in range(0, len(distinct), batch_size):
+        tokens = tokenize(distinct[start : start + batch_size])
+        features.append(model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device)).float().cpu())
+    return F.normalize(torch.cat(features), dim=-1), torch.tensor([row[t] for t in texts])
 
 
 def recall_metrics(image_features: torch.Tensor, text_features: torch.Tensor, text_to_image: torch.Tensor) -> dict:
@@ -75,7 +98,7 @@ def zeroshot_retrieval(model, tokenize, transform, path: str | os.PathLike, batc
     texts = [normalize_text(t) if normalize_text else t for group in captions for t in group]
     text_to_image = torch.tensor([i for i, group in enumerate(captions) for _ in group])
     dtype = next(model.parameters()).dtype
-    image_features, text_features = [], []
+    image_features = []
     for start in range(0, len(images), batch_size):
         batch = []
         for file in images[start : start + batch_size]:
@@ -84,8 +107,5 @@ def zeroshot_retrieval(model, tokenize, transform, path: str | os.PathLike, batc
             except Exception as exc:
                 raise DataError(f"retrieval image {file} cannot be read: {exc}") from None
         image_features.append(model.encode_image(torch.stack(batch).to(device=device, dtype=dtype)).cpu())
-    for start in range(0, len(texts), batch_size):
-        tokens = tokenize(texts[start : start + batch_size])
-        text_features.append(model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device)).cpu())
-    return recall_metrics(F.normalize(torch.cat(image_features).float(), dim=-1),
-                          F.normalize(torch.cat(text_features).float(), dim=-1), text_to_image)
+    text_features, rows = encode_texts(model, tokenize, texts, batch_size, device)
+    return recall_metrics(F.normalize(torch.cat(image_features).float(), dim=-1), text_features[rows], text_to_image)

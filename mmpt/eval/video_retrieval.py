@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mmpt.data.shards import DataError
-from mmpt.eval.retrieval import load_retrieval_set, retrieval_ranks
+from mmpt.eval.retrieval import encode_texts, load_retrieval_set, retrieval_ranks
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".avi")
 
@@ -90,7 +90,7 @@ def video_retrieval(model, tokenize: Callable, decode_video: Callable[[bytes], t
     texts = [t for group in captions for t in group]
     text_to_video = torch.tensor([i for i, group in enumerate(captions) for _ in group])
     dtype = next(model.parameters()).dtype
-    video_features, text_features = [], []
+    video_features = []
     for start in range(0, len(videos), batch_size):
         clips = []
         for file in videos[start : start + batch_size]:
@@ -102,9 +102,5 @@ def video_retrieval(model, tokenize: Callable, decode_video: Callable[[bytes], t
         if clips.is_floating_point():  # normalised frames or features; uint8 frames are normalised by the model
             clips = clips.to(dtype)
         video_features.append(model.encode_video(clips).float().cpu())
-    for start in range(0, len(texts), batch_size):
-        tokens = tokenize(texts[start : start + batch_size])
-        features = model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
-        text_features.append(features.float().cpu())
-    return video_rank_metrics(F.normalize(torch.cat(video_features), dim=-1),
-                              F.normalize(torch.cat(text_features), dim=-1), text_to_video)
+    text_features, rows = encode_texts(model, tokenize, texts, batch_size, device)
+    return video_rank_metrics(F.normalize(torch.cat(video_features), dim=-1), text_features[rows], text_to_video)

@@ -99,8 +99,13 @@ def copy_tokenizer(cfg: Config, run_dir: Path, name: str) -> None:
 
 def write_eval_record(run_dir: Path, dataset: str, task: str, language: str, metrics: dict[str, Any],
                       stem: str) -> dict[str, Any]:
-    """A CLIP_benchmark-style result, saved as `eval/<task>_<stem>_<language>.json` in the run directory."""
+    """A CLIP_benchmark-style result, saved as `eval/<task>_<stem>_<language>.json` in the run directory;
+    retrieval results say how their ranks treat ties."""
+    from mmpt.eval.retrieval import RANK_TIES
+
     result = {"dataset": dataset, "model": str(run_dir), "task": task, "language": language, "metrics": metrics}
+    if "retrieval" in task:
+        result["rank_ties"] = RANK_TIES
     (run_dir / "eval").mkdir(exist_ok=True)
     (run_dir / "eval" / f"{task}_{stem}_{language}.json").write_text(json.dumps(result, indent=2))
     return result
