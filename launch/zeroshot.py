@@ -1,7 +1,7 @@
 """Zero-shot evaluation of a finished run, written as CLIP_benchmark-style JSON.
 
     python launch/zeroshot.py --model runs/clip-demo --dataset digits \
-        --task zeroshot_classification --language zh --output out.json
+        --task zeroshot_classification --language zh --output results/
 
 --dataset is, for classification, a CLIP_benchmark webdataset folder, an ImageFolder or a demo corpus
 name (digits); for retrieval, a jsonl of {"image": path, "caption": [...]} lines, or for a video model
@@ -23,21 +23,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--task", default="zeroshot_classification", choices=["zeroshot_classification", "zeroshot_retrieval"])
     parser.add_argument("--language", default="en")
-    parser.add_argument("--output", default=None, help="JSON file to write (default: print only)")
+    parser.add_argument("--output", default=".", help="JSON file (*.json) or folder to write the result to "
+                        "(default: the current folder, as <task>_<dataset>_<hash of its path>_<language>.json); "
+                        "the evaluated run's folder is never written")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     args = parser.parse_args(argv)
 
     from mmpt.hub import load_run
+    from mmpt.methods.base import save_eval_record
 
     cfg, method, model = load_run(args.model, device=args.device)
     if not hasattr(method, "zeroshot"):
-        parser.error(f"method '{cfg.method_name}' has no zero-shot classification")
+        parser.error(f"method '{cfg.method_name}' has no zero-shot evaluation")
     result = method.zeroshot(model, cfg, Path(args.model), args.dataset, args.language, task=args.task)
-    text = json.dumps(result, indent=2, ensure_ascii=False)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
-    print(text)
+    print(json.dumps(result, indent=2, ensure_ascii=False))
+    output = Path(args.output)
+    if output.suffix == ".json":
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    else:
+        output = save_eval_record(result, output)
+    print(f"written to {output}", file=sys.stderr)
     return 0
 
 

@@ -14,10 +14,14 @@ pytestmark = pytest.mark.distributed
 
 
 def zeroshot_cli(cwd, run, task, dataset, language, out):
+    """The CLI's result, written into `out` (a folder); the evaluated run's folder stays as it was."""
+    before = sorted((Path(cwd) / run).rglob("*"))
     subprocess.run([sys.executable, str(REPO / "launch/zeroshot.py"), "--model", run, "--dataset", dataset,
                     "--task", task, "--language", language, "--output", str(out)],
                    cwd=cwd, env=launcher_env(), check=True, capture_output=True, timeout=300)
-    return json.loads(out.read_text())
+    assert sorted((Path(cwd) / run).rglob("*")) == before
+    (written,) = Path(out).glob(f"{task}_{Path(dataset).stem}_*_{language}.json")
+    return json.loads(written.read_text())
 
 
 @pytest.mark.parametrize("config, run, threshold", [
@@ -34,13 +38,13 @@ def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshol
     final = read_metrics(tmp_path / run)[-1]
     for language in ("en", "zh"):
         assert final[f"zeroshot/{language}/acc1"] >= threshold, final
-        record = zeroshot_cli(tmp_path, run, "zeroshot_classification", "digits", language, tmp_path / f"{language}.json")
+        record = zeroshot_cli(tmp_path, run, "zeroshot_classification", "digits", language, tmp_path / "results")
         assert record["dataset"] == "digits" and record["language"] == language
         for key in ("acc1", "acc5", "mean_per_class_recall"):
             assert record["metrics"][key] == pytest.approx(final[f"zeroshot/{language}/{key}"], abs=1e-6)
     if "m2_encoder" in config:
         jsonl = "demo_data/digits/zeroshot/retrieval_zh.jsonl"
-        record = zeroshot_cli(tmp_path, run, "zeroshot_retrieval", jsonl, "zh", tmp_path / "retrieval.json")
+        record = zeroshot_cli(tmp_path, run, "zeroshot_retrieval", jsonl, "zh", tmp_path / "results")
         metrics = record["metrics"]
         recalls = [v for k, v in metrics.items() if k != "mean_recall"]
         assert len(recalls) == 6 and metrics["mean_recall"] == pytest.approx(sum(recalls) / 6)

@@ -99,3 +99,38 @@ def test_msrvtt_csv_and_video_jsonl_layouts(tmp_path):
         load_video_retrieval_set(tmp_path / "bad.csv")
     (tmp_path / "r.jsonl").write_text(json.dumps({"video": "videos/video7.mp4", "caption": "a man sings"}) + "\n")
     assert load_video_retrieval_set(tmp_path / "r.jsonl") == ([tmp_path / "videos/video7.mp4"], [["a man sings"]])
+
+
+def test_clip_benchmark_per_language_folders_and_missing_templates(tmp_path, digits_root, caplog):
+    import shutil
+
+    from mmpt.eval.zeroshot import load_classification_set
+
+    source = digits_root / "zeroshot"
+    folder = tmp_path / "digits_cb"
+    shutil.copytree(source / "test", folder / "test")
+    for language, suffix in (("en", ""), ("zh", "_zh")):
+        (folder / language).mkdir()
+        shutil.copy(source / f"classnames{suffix}.txt", folder / language / "classnames.txt")
+    shutil.copy(source / "zeroshot_classification_templates.txt", folder / "en" / "zeroshot_classification_templates.txt")
+    english = load_classification_set(folder, "en")
+    assert english.templates_from == str(folder / "en" / "zeroshot_classification_templates.txt")
+    chinese = load_classification_set(folder, "zh")  # class names in zh/, no zh templates: mmpt's, said so
+    assert chinese.classnames == (source / "classnames_zh.txt").read_text(encoding="utf-8").split()
+    assert chinese.templates == DEFAULT_TEMPLATES["zh"] and "mmpt default 'zh' templates" in chinese.templates_from
+    assert "no 'zh' prompt templates (looked for zh/zeroshot_classification_templates.txt" in caplog.text
+    suffixed = load_classification_set(source, "zh")  # the suffixed layout still reads
+    assert suffixed.templates_from.endswith("zeroshot_classification_templates_zh.txt")
+    assert [n for _, n, _ in english.samples()] == [n for _, n, _ in suffixed.samples()]
+    (folder / "zh" / "classnames.txt").unlink()
+    with pytest.raises(DataError, match=r"no 'zh' class names \(looked for .*zh/classnames.txt"):
+        load_classification_set(folder, "zh")
+
+
+def test_results_of_datasets_with_the_same_folder_name_do_not_overwrite(tmp_path):
+    from mmpt.methods.base import eval_record, save_eval_record
+
+    first = save_eval_record(eval_record(tmp_path, "a/cifar10", "zeroshot_classification", "en", {"acc1": 0.1}), tmp_path)
+    second = save_eval_record(eval_record(tmp_path, "b/cifar10", "zeroshot_classification", "en", {"acc1": 0.2}), tmp_path)
+    assert first != second and json.loads(first.read_text())["metrics"]["acc1"] == 0.1
+    assert json.loads(second.read_text())["dataset"] == "b/cifar10"

@@ -2,13 +2,15 @@
 
 Datasets: the CLIP_benchmark webdataset layout (a folder with `classnames.txt`,
 `zeroshot_classification_templates.txt` and `test/*.tar` of images + `cls`), or an ImageFolder
-(one sub-folder per class). For language `xx` other than English, `classnames_xx.txt` and
-`zeroshot_classification_templates_xx.txt` are used.
+(one sub-folder per class). A language's class names and templates are read from CLIP_benchmark's
+per-language folders (`zh/classnames.txt`) or suffixed files (`classnames_zh.txt`); a dataset without
+templates is evaluated with mmpt's defaults for the language, with a warning and a note in the result.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ from mmpt.data.shards import DataError
 from mmpt.data.stream import read_shard
 from mmpt.eval.templates import DEFAULT_TEMPLATES
 
+log = logging.getLogger(__name__)
+
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 
 
@@ -31,32 +35,57 @@ class ClassificationSet:
     classnames: list[str]
     templates: list[str]
     samples: Callable[[], Iterator[tuple[bytes, int, str]]]  # (image bytes, label, sample id)
+    templates_from: str = ""  # the file the prompts came from, or which defaults stood in for it
 
 
 def _lines(path: Path) -> list[str]:
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def _language_file(folder: Path, stem: str, language: str) -> Path:
-    return folder / (f"{stem}.txt" if language == "en" else f"{stem}_{language}.txt")
+def _language_files(folder: Path, stem: str, language: str) -> list[Path]:
+    """Where a language's file may be, in order: CLIP_benchmark's per-language folder (`zh/classnames.txt`),
+    for English the plain file (`classnames.txt`), then the suffixed file (`classnames_zh.txt`)."""
+    return [folder / language / f"{stem}.txt", *([folder / f"{stem}.txt"] if language == "en" else []),
+            folder / f"{stem}_{language}.txt"]
+
+
+def _first_existing(paths: list[Path]) -> Path | None:
+    return next((path for path in paths if path.exists()), None)
+
+
+def load_templates(folder: Path, language: str) -> tuple[list[str], str]:
+    """(prompt templates, where they came from); mmpt's defaults for the language, with a warning, when
+    the dataset has none."""
+    looked = _language_files(folder, "zeroshot_classification_templates", language)
+    found = _first_existing(looked)
+    if found is None:
+        templates = DEFAULT_TEMPLATES.get(language)
+        if not templates:
+            raise DataError(f"{folder}: no '{language}' prompt templates (looked for {', '.join(map(str, looked))}) "
+                            f"and mmpt has no default '{language}' templates")
+        source = f"mmpt default '{language}' templates ({len(templates)} prompts; the dataset has none)"
+        log.warning("%s: no '%s' prompt templates (looked for %s); using %s", folder, language,
+                    ", ".join(str(p.relative_to(folder)) for p in looked), source)
+        return templates, source
+    templates = _lines(found)
+    if any("{c}" not in t for t in templates):
+        raise DataError(f"{found}: every template needs a '{{c}}' placeholder")
+    return templates, str(found)
 
 
 def load_classification_set(path: str | os.PathLike, language: str = "en") -> ClassificationSet:
     folder = Path(path)
     if not folder.is_dir():
         raise DataError(f"zero-shot dataset {str(path)!r} is not a directory (expected a CLIP_benchmark folder or an ImageFolder)")
-    names_file = _language_file(folder, "classnames", language)
-    templates_file = _language_file(folder, "zeroshot_classification_templates", language)
-    templates = _lines(templates_file) if templates_file.exists() else DEFAULT_TEMPLATES.get(language)
-    if not templates:
-        raise DataError(f"{templates_file} is missing and there are no default '{language}' templates")
-    if any("{c}" not in t for t in templates):
-        raise DataError(f"{templates_file}: every template needs a '{{c}}' placeholder")
+    names_candidates = _language_files(folder, "classnames", language)
+    names_file = _first_existing(names_candidates)
+    templates, templates_from = load_templates(folder, language)
 
     shards = sorted(glob.glob(str(folder / "test" / "*.tar")))
     if shards:
-        if not names_file.exists():
-            raise DataError(f"{names_file} is missing: the webdataset layout needs class names for language '{language}'")
+        if names_file is None:
+            raise DataError(f"{folder}: no '{language}' class names (looked for "
+                            f"{', '.join(map(str, names_candidates))}); the webdataset layout needs them")
 
         def wds_samples() -> Iterator[tuple[bytes, int, str]]:
             for shard in shards:
@@ -65,12 +94,13 @@ def load_classification_set(path: str | os.PathLike, language: str = "en") -> Cl
                     label = int(decode_text(pick_field(sample, ("cls",), "class label")))
                     yield pick_field(sample, IMAGE_FIELDS, "image"), label, f"{shard}:{sample['__key__']}"
 
-        return ClassificationSet(folder.name, _lines(names_file), templates, wds_samples)
+        return ClassificationSet(folder.name, _lines(names_file), templates, wds_samples, templates_from)
 
-    class_dirs = sorted(d for d in folder.iterdir() if d.is_dir())
+    # sub-folders are classes, except per-language folders of class names and templates
+    class_dirs = sorted(d for d in folder.iterdir() if d.is_dir() and not (d / "classnames.txt").exists())
     if not class_dirs:
         raise DataError(f"{folder}: neither test/*.tar shards nor class sub-folders found")
-    classnames = _lines(names_file) if names_file.exists() else [d.name.replace("_", " ") for d in class_dirs]
+    classnames = _lines(names_file) if names_file is not None else [d.name.replace("_", " ") for d in class_dirs]
     if len(classnames) != len(class_dirs):
         raise DataError(f"{names_file} lists {len(classnames)} classes but {folder} has {len(class_dirs)} class folders")
 
@@ -80,7 +110,7 @@ def load_classification_set(path: str | os.PathLike, language: str = "en") -> Cl
                 if file.suffix.lower() in IMAGE_SUFFIXES:
                     yield file.read_bytes(), label, str(file)
 
-    return ClassificationSet(folder.name, classnames, templates, folder_samples)
+    return ClassificationSet(folder.name, classnames, templates, folder_samples, templates_from)
 
 
 @torch.no_grad()

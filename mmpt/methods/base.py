@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,18 +99,27 @@ def copy_tokenizer(cfg: Config, run_dir: Path, name: str) -> None:
         shutil.copyfile(source, target)
 
 
-def write_eval_record(run_dir: Path, dataset: str, task: str, language: str, metrics: dict[str, Any],
-                      stem: str) -> dict[str, Any]:
-    """A CLIP_benchmark-style result, saved as `eval/<task>_<stem>_<language>.json` in the run directory;
-    retrieval results say how their ranks treat ties."""
+def eval_record(run_dir: Path, dataset: str, task: str, language: str, metrics: dict[str, Any],
+                **details: Any) -> dict[str, Any]:
+    """A CLIP_benchmark-style result; retrieval results say how their ranks treat ties."""
     from mmpt.eval.retrieval import RANK_TIES
 
-    result = {"dataset": dataset, "model": str(run_dir), "task": task, "language": language, "metrics": metrics}
+    result = {"dataset": dataset, "model": str(run_dir), "task": task, "language": language, "metrics": metrics,
+              **details}
     if "retrieval" in task:
         result["rank_ties"] = RANK_TIES
-    (run_dir / "eval").mkdir(exist_ok=True)
-    (run_dir / "eval" / f"{task}_{stem}_{language}.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def save_eval_record(record: dict[str, Any], folder: Path) -> Path:
+    """Write `record` as `<task>_<dataset name>_<hash of its path>_<language>.json` in `folder`: two
+    datasets whose folders have the same name get different files."""
+    dataset = str(record["dataset"])
+    tag = hashlib.sha1(os.path.abspath(dataset).encode()).hexdigest()[:6]
+    path = Path(folder) / f"{record['task']}_{Path(dataset).stem}_{tag}_{record['language']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
 
 
 def stream_spec(cfg: Config, *, rank: int, world_size: int) -> StreamSpec:

@@ -16,7 +16,7 @@ from mmpt.data.loader import BatchStream
 from mmpt.eval import resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
-from mmpt.methods.base import Method, copy_tokenizer, stream_spec, write_eval_record
+from mmpt.methods.base import Method, copy_tokenizer, eval_record, save_eval_record, stream_spec
 
 
 class ZeroShotConfig(Section):
@@ -71,27 +71,29 @@ class ImageTextMethod(Method):
         zs = cfg.method.zeroshot
         if zs.dataset is None:
             return {}
-        return {
-            f"zeroshot/{language}/{key}": value
-            for language in zs.languages
-            for key, value in self.zeroshot(model, cfg, run_dir, zs.dataset, language)["metrics"].items()
-        }
+        results = {}
+        for language in zs.languages:
+            record = self.zeroshot(model, cfg, run_dir, zs.dataset, language)
+            save_eval_record(record, run_dir / "eval")
+            results.update({f"zeroshot/{language}/{key}": value for key, value in record["metrics"].items()})
+        return results
 
     caption_normalization = None  # applied to retrieval captions, as the method's official evaluation does
     uses_attention_mask = True  # False: training batches carry no attention mask (the model does not read it)
 
     def zeroshot(self, model: nn.Module, cfg: Config, run_dir: Path, dataset: str, language: str,
                  task: str = "zeroshot_classification") -> dict[str, Any]:
-        """One zero-shot run (classification, or retrieval over a jsonl) as a CLIP_benchmark-style record."""
+        """One zero-shot run (classification, or retrieval over a jsonl) as a CLIP_benchmark-style record
+        (not saved: the caller decides where)."""
         device = next(model.parameters()).device
         common = dict(batch_size=cfg.method.zeroshot.batch_size, device=device)
         tokenizer, transform = self.tokenizer(cfg, run_dir), self.image_transform(cfg, train=False)
         if task == "zeroshot_retrieval":
             metrics = zeroshot_retrieval(model, tokenizer, transform, dataset,
                                          normalize_text=self.caption_normalization, **common)
-        elif task == "zeroshot_classification":
+            return eval_record(run_dir, dataset, task, language, metrics)
+        if task == "zeroshot_classification":
             data = load_classification_set(resolve_dataset(dataset, cfg.data.root), language)
             metrics = zeroshot_classification(model, tokenizer, transform, data, **common)
-        else:
-            raise ValueError(f"unknown zero-shot task {task!r}")
-        return write_eval_record(run_dir, dataset, task, language, metrics, Path(dataset).stem)
+            return eval_record(run_dir, dataset, task, language, metrics, templates=data.templates_from)
+        raise ValueError(f"unknown zero-shot task {task!r}")

@@ -40,7 +40,7 @@ from mmpt.losses.victor import (
     permute_sentences,
     random_permutations,
 )
-from mmpt.methods.base import Method, MethodConfig, copy_tokenizer, stream_spec, write_eval_record
+from mmpt.methods.base import Method, MethodConfig, copy_tokenizer, eval_record, save_eval_record, stream_spec
 from mmpt.models.clip import TextTowerConfig
 from mmpt.models.victor import VictorModel, VideoTowerConfig, load_backbone_weights
 
@@ -215,10 +215,13 @@ class VictorMethod(Method):
         ev = cfg.method.retrieval
         if ev.dataset is None:
             return {}
-        return {f"retrieval/{language}/{key}": value
-                for language in ev.languages
-                for key, value in self.zeroshot(model, cfg, run_dir, ev.dataset, language)["metrics"].items()
-                if "recall@" in key or "rank" in key}
+        results = {}
+        for language in ev.languages:
+            record = self.zeroshot(model, cfg, run_dir, ev.dataset, language)
+            save_eval_record(record, run_dir / "eval")
+            results.update({f"retrieval/{language}/{key}": value for key, value in record["metrics"].items()
+                            if "recall@" in key or "rank" in key})
+        return results
 
     def zeroshot(self, model: VictorModel, cfg: Config, run_dir: Path, dataset: str, language: str,
                  task: str = "zeroshot_retrieval") -> dict[str, Any]:
@@ -234,7 +237,7 @@ class VictorMethod(Method):
         metrics = video_retrieval(model, self.tokenizer(cfg, run_dir), self.video_decoder(cfg, run_dir, train=False).decode_video,
                                   path, batch_size=ev.batch_size, device=next(model.parameters()).device,
                                   video_root=ev.video_root)
-        return write_eval_record(run_dir, dataset, task, language, metrics, path.stem)
+        return eval_record(run_dir, dataset, task, language, metrics)
 
 
 METHOD = VictorMethod()
