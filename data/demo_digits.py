@@ -2,7 +2,7 @@
 
 Training shards hold one caption per sample, English (`train/en-*.tar`) and Chinese (`train/zh-*.tar`)
 as two sources to mix. A stratified held-out split is written in the CLIP_benchmark webdataset layout
-(`zeroshot/test/*.tar` with `png` + `cls`, `classnames.txt`, `zeroshot_classification_templates.txt`,
+(`zeroshot/test/{0..N-1}.tar` with `png` + `cls`, `nshards.txt`, `classnames.txt`, `zeroshot_classification_templates.txt`,
 and `_zh` variants of both) for zero-shot classification, and as image files with
 `zeroshot/retrieval_{en,zh}.jsonl` (`{"image", "caption": [...]}` lines) for retrieval. A WordPiece tokenizer trained on the text
 is saved as `tokenizer.json`. Nothing is downloaded: the scans ship inside scikit-learn.
@@ -70,6 +70,16 @@ def caption(language: str, label: int, template: str) -> str:
     return template.format(w=NAMES[language][label], n=str(label))
 
 
+def name_shards_as_clip_benchmark(folder: Path, sizes: dict[str, int]) -> None:
+    """CLIP_benchmark reads `<split>/0.tar ... <N-1>.tar` and `nshards.txt`: rename the written shards so."""
+    renamed = {}
+    for number, name in enumerate(sorted(sizes)):
+        (folder / name).rename(folder / f"{number}.tar")
+        renamed[f"{number}.tar"] = sizes[name]
+    (folder / "sizes.json").write_text(json.dumps(renamed, indent=1, sort_keys=True))
+    (folder / "nshards.txt").write_text(str(len(renamed)))
+
+
 def build_digits(
     root: str | os.PathLike,
     *,
@@ -116,7 +126,7 @@ def build_digits(
                                                       ensure_ascii=False))
     for language, lines in retrieval.items():  # the official M2-Encoder retrieval layout
         (zeroshot / f"retrieval_{language}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    (zeroshot / "test" / "nshards.txt").write_text(str(len(writer.sizes)))
+    name_shards_as_clip_benchmark(zeroshot / "test", writer.sizes)
     for language in LANGUAGES:
         suffix = "" if language == "en" else f"_{language}"
         (zeroshot / f"classnames{suffix}.txt").write_text("\n".join(NAMES[language]) + "\n")

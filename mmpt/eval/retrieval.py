@@ -1,7 +1,7 @@
 """Zero-shot image-text retrieval over the official M²-Encoder jsonl layout.
 
 Each line: `{"image": path, "caption": [text, ...]}` (image paths relative to the jsonl's folder
-unless absolute). Reports recall@1/5/10 in both directions and their mean, CLIP_benchmark style:
+unless absolute), or a CLIP_benchmark webdataset retrieval folder. Reports recall@1/5/10 in both directions and their mean, CLIP_benchmark style:
 `text_retrieval_recall@k` (image -> text), `image_retrieval_recall@k` (text -> image), `mean_recall`.
 Ranks count ties against the query (`RANK_TIES`), and the results say so.
 """
@@ -10,18 +10,39 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from mmpt.data.image_text import decode_image
+from mmpt.data.image_text import IMAGE_FIELDS, decode_image, decode_text, pick_field
 from mmpt.data.shards import DataError
+from mmpt.data.stream import read_shard
 
 
-def load_retrieval_set(path: str | os.PathLike, media: str = "image") -> tuple[list[Path], list[list[str]]]:
-    """(files, captions of each) from `{"<media>": path, "caption": [...]}` lines; relative paths from the file's folder."""
+@dataclass(frozen=True)
+class ShardImage:
+    """An image read from a shard, with what `Path` offers the evaluation: its bytes and a name."""
+
+    data: bytes
+    name: str
+
+    def read_bytes(self) -> bytes:
+        return self.data
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def load_retrieval_set(path: str | os.PathLike, media: str = "image") -> tuple[list[Any], list[list[str]]]:
+    """(images, captions of each): from `{"<media>": path, "caption": [...]}` lines (relative paths from the
+    file's folder), or from a CLIP_benchmark retrieval folder (`dataset_type.txt`, `test/*.tar` of an
+    image and a `txt` of one caption per line)."""
     path = Path(path)
+    if path.is_dir():
+        return _load_wds_retrieval(path)
     files, captions = [], []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -39,6 +60,26 @@ def load_retrieval_set(path: str | os.PathLike, media: str = "image") -> tuple[l
     if not files:
         raise DataError(f"{path}: no records")
     return files, captions
+
+
+def _load_wds_retrieval(folder: Path, split: str = "test") -> tuple[list[ShardImage], list[list[str]]]:
+    kind = folder / "dataset_type.txt"
+    if not kind.exists() or kind.read_text().strip().lower() != "retrieval":
+        raise DataError(f"{folder}: a retrieval folder needs dataset_type.txt saying 'retrieval' (CLIP_benchmark's layout)")
+    shards = sorted((folder / split).glob("*.tar"), key=lambda p: (len(p.stem), p.stem))  # 0, 1, ..., 10
+    if not shards:
+        raise DataError(f"{folder}: no {split}/*.tar shards")
+    images, captions = [], []
+    for shard in shards:
+        for _, sample in read_shard(str(shard)):
+            sample["__shard__"] = shard
+            name = f"{shard}:{sample['__key__']}"
+            texts = [t.strip() for t in decode_text(pick_field(sample, ("txt",), "caption")).splitlines() if t.strip()]
+            if not texts:
+                raise DataError(f"retrieval sample {name}: no captions")
+            images.append(ShardImage(pick_field(sample, IMAGE_FIELDS, "image"), name))
+            captions.append(texts)
+    return images, captions
 
 
 def official_caption_normalization(text: str) -> str:
