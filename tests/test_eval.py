@@ -1,10 +1,12 @@
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from mmpt.data.shards import DataError
-from mmpt.eval.retrieval import load_retrieval_set, official_caption_normalization, recall_metrics, retrieval_ranks
+from mmpt.eval.retrieval import official_caption_normalization, recall_metrics, retrieval_ranks
+from mmpt.eval.retrieval_formats import load_retrieval_set
 from mmpt.eval.templates import DEFAULT_TEMPLATES
 from mmpt.eval.video_retrieval import load_video_retrieval_set, video_rank_metrics
 
@@ -134,3 +136,113 @@ def test_results_of_datasets_with_the_same_folder_name_do_not_overwrite(tmp_path
     second = save_eval_record(eval_record(tmp_path, "b/cifar10", "zeroshot_classification", "en", {"acc1": 0.2}), tmp_path)
     assert first != second and json.loads(first.read_text())["metrics"]["acc1"] == 0.1
     assert json.loads(second.read_text())["dataset"] == "b/cifar10"
+
+
+COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "grey": (128, 128, 128)}
+
+
+class ColourModel(torch.nn.Module):
+    """Images encode as their mean colour, texts as the colour they name: retrieval of known outcome."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def encode_image(self, images):
+        return images.mean((2, 3)) * self.scale
+
+    def encode_text(self, input_ids, attention_mask):
+        return torch.stack([torch.tensor(COLOURS[list(COLOURS)[i]], dtype=torch.float32) for i in input_ids[:, 0]])
+
+
+def colour_tokenize(texts):
+    ids = torch.tensor([[next(i for i, name in enumerate(COLOURS) if name in t)] for t in texts])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def colour_png(name: str) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4), COLOURS[name]).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# four images; the grey one has no caption (a distractor only); "a red or blue thing" matches two images
+IMAGES = ["red", "green", "blue", "grey"]
+CAPTIONS = {"red": ["a red square", "red"], "green": ["a green square"], "blue": ["blue tile"]}
+
+
+def write_layouts(folder):
+    """The same set in every layout the retrieval reader knows, as each project writes it."""
+    import base64
+
+    (folder / "images" / "val2014").mkdir(parents=True)
+    for name in IMAGES:
+        (folder / "images" / "val2014" / f"{name}.png").write_bytes(colour_png(name))
+    captioned = [n for n in IMAGES if n in CAPTIONS]
+    layouts = {}
+    layouts["jsonl"] = folder / "m2.jsonl"
+    layouts["jsonl"].write_text("".join(json.dumps({"image": f"images/val2014/{n}.png", "caption": CAPTIONS[n]}) + "\n"
+                                        for n in captioned))
+    layouts["albef"] = folder / "coco_karpathy_test.json"
+    layouts["albef"].write_text(json.dumps([{"image": f"images/val2014/{n}.png", "caption": CAPTIONS[n]} for n in captioned]))
+    layouts["karpathy"] = folder / "images" / "dataset_coco.json"
+    layouts["karpathy"].write_text(json.dumps({"dataset": "coco", "images": [
+        {"filepath": "val2014", "filename": f"{n}.png", "split": "test", "cocoid": i,
+         "sentences": [{"raw": c, "tokens": c.split()} for c in CAPTIONS[n]]} for i, n in enumerate(captioned)] + [
+        {"filepath": "val2014", "filename": "grey.png", "split": "train", "sentences": [{"raw": "grey"}]}]}))
+    (folder / "cn").mkdir()
+    layouts["chinese_clip"] = folder / "cn" / "valid_texts.jsonl"
+    texts = [(c, [IMAGES.index(n)]) for n in captioned for c in CAPTIONS[n]]
+    layouts["chinese_clip"].write_text("".join(
+        json.dumps({"text_id": t, "text": text, "image_ids": [1000 + i for i in ids]}, ensure_ascii=False) + "\n"
+        for t, (text, ids) in enumerate(texts)))
+    (folder / "cn" / "valid_imgs.tsv").write_text("".join(
+        f"{1000 + i}\t{base64.b64encode(colour_png(n)).decode()}\n" for i, n in enumerate(IMAGES)))
+    return layouts
+
+
+def test_every_retrieval_layout_reads_the_same_set(tmp_path):
+    from mmpt.eval.retrieval import zeroshot_retrieval
+    from mmpt.eval.retrieval_formats import read_retrieval_set
+
+    layouts = write_layouts(tmp_path)
+    for name, path in layouts.items():
+        data = read_retrieval_set(path)
+        assert sorted(data.texts) == sorted(c for group in CAPTIONS.values() for c in group), name
+        assert data.matches.sum() == len(data.texts) and data.matches.any(0).all(), name
+    assert len(read_retrieval_set(layouts["chinese_clip"]).images) == 4  # the tsv's distractor stays a candidate
+    assert len(read_retrieval_set(layouts["karpathy"]).images) == 3  # the train split's image is not in the test
+    def transform(image):
+        return torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1)
+
+    results = {name: zeroshot_retrieval(ColourModel(), colour_tokenize, transform, path, batch_size=2)
+               for name, path in layouts.items()}
+    for name, metrics in results.items():
+        assert metrics["image_retrieval_recall@1"] == 1.0, name  # every caption finds its colour first
+        assert metrics == results["jsonl"], name
+
+
+def test_a_text_matching_several_images_and_an_image_without_text(tmp_path):
+    from mmpt.eval.retrieval_formats import read_retrieval_set
+
+    folder = tmp_path / "muge"
+    folder.mkdir()
+    import base64
+
+    (folder / "valid_imgs.tsv").write_text("".join(f"{i}\t{base64.b64encode(colour_png(n)).decode()}\n"
+                                                   for i, n in enumerate(IMAGES)))
+    (folder / "valid_texts.jsonl").write_text(json.dumps({"text_id": 0, "text": "红色或蓝色", "image_ids": [0, 2]},
+                                                         ensure_ascii=False) + "\n")
+    data = read_retrieval_set(folder / "valid_texts.jsonl")
+    assert data.matches[:, 0].tolist() == [True, False, True, False]
+    scores = torch.tensor([[0.2], [0.9], [0.5], [0.1]])  # green scores highest, then blue (a match), then red
+    item_rank, text_rank = retrieval_ranks(scores, data.matches)
+    assert item_rank.tolist() == [1]  # the best match (blue) has one non-match (green) above it
+    assert text_rank.tolist() == [0, 0]  # only the two matched images are image -> text queries
+    (folder / "valid_texts.jsonl").write_text(json.dumps({"text_id": 0, "text": "x", "image_ids": [7]}) + "\n")
+    with pytest.raises(DataError, match=r"valid_texts.jsonl:1: expected .* with ids of valid_imgs.tsv \(KeyError: '7'\)"):
+        read_retrieval_set(folder / "valid_texts.jsonl")

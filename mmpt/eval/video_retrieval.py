@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from mmpt.data.shards import DataError
-from mmpt.eval.retrieval import encode_texts, load_retrieval_set, retrieval_ranks
+from mmpt.eval.retrieval import encode_texts, retrieval_ranks
+from mmpt.eval.retrieval_formats import load_retrieval_set
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".avi")
 
