@@ -4,9 +4,12 @@
         --task zeroshot_classification --language zh --output results/
 
 --dataset is, for classification, a CLIP_benchmark webdataset folder, an ImageFolder or a demo corpus
-name (digits); for retrieval, a jsonl of {"image": path, "caption": [...]} lines, or for a video model
-(victor) a jsonl of {"video": path, "caption": [...]} lines, an MSR-VTT-style csv (video_id,sentence;
-clips in videos/ beside it) or the demo's held-out clips (moving_digits).
+name (digits), or for a video model (victor) a folder of class-named clip folders; for retrieval,
+any layout of mmpt/eval/retrieval_formats.py (M²-Encoder jsonl, Karpathy or ALBEF/BLIP json,
+Chinese-CLIP texts jsonl + imgs tsv, CLIP_benchmark folder), or for a video model a jsonl of
+{"video": path, "caption": [...]} lines, an MSR-VTT csv (video_id,sentence, e.g. the 1k-A JSFusion
+list; clips in videos/ beside it), DiDeMo's json (paragraph-to-video) or the demo's held-out clips
+(moving_digits).
 """
 
 from __future__ import annotations

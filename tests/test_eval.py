@@ -101,6 +101,18 @@ def test_msrvtt_csv_and_video_jsonl_layouts(tmp_path):
         load_video_retrieval_set(tmp_path / "bad.csv")
     (tmp_path / "r.jsonl").write_text(json.dumps({"video": "videos/video7.mp4", "caption": "a man sings"}) + "\n")
     assert load_video_retrieval_set(tmp_path / "r.jsonl") == ([tmp_path / "videos/video7.mp4"], [["a man sings"]])
+    # the MSR-VTT 1k-A list as JSFusion distributes it
+    (tmp_path / "MSRVTT_JSFUSION_test.csv").write_text(
+        "key,vid_key,video_id,sentence\nret0,msr7,video7,a man sings\nret1,msr9,video9,a cat plays\n")
+    assert load_video_retrieval_set(tmp_path / "MSRVTT_JSFUSION_test.csv") == (
+        [videos / "video7.mp4", videos / "video9.webm"], [["a man sings"], ["a cat plays"]])
+    # DiDeMo's annotation list: each video's moment descriptions joined into one paragraph query
+    (tmp_path / "test_data.json").write_text(json.dumps([
+        {"annotation_id": 1, "video": "video7.mov", "description": "a man walks in. ", "times": [[0, 1]]},
+        {"annotation_id": 2, "video": "video9.webm", "description": "a cat jumps", "times": [[2, 2]]},
+        {"annotation_id": 3, "video": "video7.mov", "description": "he starts to sing", "times": [[3, 4]]}]))
+    assert load_video_retrieval_set(tmp_path / "test_data.json") == (
+        [videos / "video7.mp4", videos / "video9.webm"], [["a man walks in. he starts to sing"], ["a cat jumps"]])
 
 
 def test_clip_benchmark_per_language_folders_and_missing_templates(tmp_path, digits_root, caplog):
@@ -246,3 +258,30 @@ def test_a_text_matching_several_images_and_an_image_without_text(tmp_path):
     (folder / "valid_texts.jsonl").write_text(json.dumps({"text_id": 0, "text": "x", "image_ids": [7]}) + "\n")
     with pytest.raises(DataError, match=r"valid_texts.jsonl:1: expected .* with ids of valid_imgs.tsv \(KeyError: '7'\)"):
         read_retrieval_set(folder / "valid_texts.jsonl")
+
+
+class ColourVideoModel(ColourModel):
+    def encode_video(self, clips):  # [B, T, C, H, W] frames in [0, 1]
+        return clips.mean((1, 3, 4)) * self.scale
+
+
+def test_zeroshot_video_classification_over_class_folders(tmp_path, caplog):
+    from mmpt.data.demo_moving_digits import encode_mp4
+    from mmpt.data.video import VideoTextDecoder
+    from mmpt.eval.video_classification import load_video_classification_set, video_classification
+
+    def clip(name):
+        return encode_mp4(np.tile(np.array(COLOURS[name], dtype=np.uint8), (4, 32, 32, 1)))
+
+    placed = {"red": ["red", "red"], "green": ["green", "green"], "blue": ["blue", "blue", "red"]}  # one mislabelled
+    for folder, colours in placed.items():
+        (tmp_path / "k" / folder).mkdir(parents=True)
+        for i, colour in enumerate(colours):
+            (tmp_path / "k" / folder / f"{i}.mp4").write_bytes(clip(colour))
+    data = load_video_classification_set(tmp_path / "k", "en")
+    assert data.classnames == ["blue", "green", "red"] and "mmpt default 'en' templates" in data.templates_from
+    assert "no 'en' prompt templates" in caplog.text
+    decode = VideoTextDecoder(2, None, lambda texts: {}, train=False).decode_video
+    metrics = video_classification(ColourVideoModel(), colour_tokenize, decode, data, batch_size=3)
+    assert metrics["acc1"] == pytest.approx(6 / 7) and metrics["acc5"] == 1.0
+    assert metrics["mean_per_class_recall"] == pytest.approx((2 / 3 + 1 + 1) / 3)

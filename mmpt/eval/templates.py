@@ -34,3 +34,25 @@ CHINESE = [
 ]
 
 DEFAULT_TEMPLATES = {"en": ENGLISH, "zh": CHINESE}
+
+
+# Zero-shot video classification (actions, Kinetics-style class names): our own prompts.
+VIDEO_TEMPLATES = {
+    "en": [
+        "a video of {c}.",
+        "a video of a person {c}.",
+        "a clip of {c}.",
+        "a short video showing {c}.",
+        "a person is {c}.",
+        "footage of {c}.",
+        "{c}.",
+    ],
+    "zh": [
+        "一段{c}的视频。",
+        "一段有人在{c}的视频。",
+        "{c}的视频片段。",
+        "一段展示{c}的短视频。",
+        "有人在{c}。",
+        "{c}。",
+    ],
+}

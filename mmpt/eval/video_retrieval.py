@@ -2,9 +2,11 @@
 
 Annotation files:
 - jsonl, one clip per line: `{"video": path, "caption": [text, ...]}` (paths relative to the file's folder);
-- csv with a header `video_id,sentence` (MSR-VTT style, e.g. the 1k-A test list), one row per caption;
+- csv with a header naming `video_id` and `sentence` (MSR-VTT style: the 1k-A test list of JSFusion,
+  `MSRVTT_JSFUSION_test.csv` with `key,vid_key,video_id,sentence`), one row per caption;
   clip `<video_id>` is looked up as `<video_root>/<video_id>.{mp4,webm,avi}` (default root: `videos/`
-  beside the csv).
+  beside the file);
+- json: DiDeMo's annotation list, as paragraph-to-video retrieval (each video's descriptions joined).
 
 Metrics (MSR-VTT protocol: every text query ranks all clips): `video_retrieval_recall@{1,5,10}`,
 `video_retrieval_median_rank`, `video_retrieval_mean_rank` (text -> video), the same with `text_`
@@ -14,6 +16,7 @@ Metrics (MSR-VTT protocol: every text query ranks all clips): `video_retrieval_r
 from __future__ import annotations
 
 import csv
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -49,12 +52,28 @@ def _csv(path: Path, video_root: Path | None) -> tuple[list[Path], list[list[str
     return [_find_video(root, video_id) for video_id in grouped], list(grouped.values())
 
 
+def _didemo(path: Path, root: Path) -> tuple[list[Path], list[list[str]]]:
+    """DiDeMo's annotation list (`{"video", "description", ...}` per moment), read as paragraph-to-video
+    retrieval: a video's descriptions joined in file order into one query, as the field evaluates it."""
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+        grouped: dict[str, list[str]] = {}
+        for record in records:
+            grouped.setdefault(record["video"], []).append(record["description"].strip())
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise DataError(f"{path}: expected DiDeMo's list of {{\"video\", \"description\"}} ({type(exc).__name__}: {exc})") from None
+    videos = [root / name if (root / name).is_file() else _find_video(root, Path(name).stem) for name in grouped]
+    return videos, [[" ".join(sentences)] for sentences in grouped.values()]
+
+
 def load_video_retrieval_set(path: str | os.PathLike, video_root: str | os.PathLike | None = None,
                              ) -> tuple[list[Path], list[list[str]]]:
     """(video files, captions of each) from a jsonl or an MSR-VTT-style csv."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"retrieval annotation file {path} does not exist")
+    if path.suffix == ".json":
+        return _didemo(path, Path(video_root) if video_root else path.parent / "videos")
     if path.suffix != ".csv":
         return load_retrieval_set(path, media="video")
     videos, captions = _csv(path, Path(video_root) if video_root else None)

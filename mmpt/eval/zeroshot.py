@@ -42,24 +42,25 @@ def _lines(path: Path) -> list[str]:
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def _language_files(folder: Path, stem: str, language: str) -> list[Path]:
+def language_files(folder: Path, stem: str, language: str) -> list[Path]:
     """Where a language's file may be, in order: CLIP_benchmark's per-language folder (`zh/classnames.txt`),
     for English the plain file (`classnames.txt`), then the suffixed file (`classnames_zh.txt`)."""
     return [folder / language / f"{stem}.txt", *([folder / f"{stem}.txt"] if language == "en" else []),
             folder / f"{stem}_{language}.txt"]
 
 
-def _first_existing(paths: list[Path]) -> Path | None:
+def first_existing(paths: list[Path]) -> Path | None:
     return next((path for path in paths if path.exists()), None)
 
 
-def load_templates(folder: Path, language: str) -> tuple[list[str], str]:
+def load_templates(folder: Path, language: str, defaults: dict[str, list[str]] = DEFAULT_TEMPLATES,
+                   ) -> tuple[list[str], str]:
     """(prompt templates, where they came from); mmpt's defaults for the language, with a warning, when
     the dataset has none."""
-    looked = _language_files(folder, "zeroshot_classification_templates", language)
-    found = _first_existing(looked)
+    looked = language_files(folder, "zeroshot_classification_templates", language)
+    found = first_existing(looked)
     if found is None:
-        templates = DEFAULT_TEMPLATES.get(language)
+        templates = defaults.get(language)
         if not templates:
             raise DataError(f"{folder}: no '{language}' prompt templates (looked for {', '.join(map(str, looked))}) "
                             f"and mmpt has no default '{language}' templates")
@@ -77,8 +78,8 @@ def load_classification_set(path: str | os.PathLike, language: str = "en") -> Cl
     folder = Path(path)
     if not folder.is_dir():
         raise DataError(f"zero-shot dataset {str(path)!r} is not a directory (expected a CLIP_benchmark folder or an ImageFolder)")
-    names_candidates = _language_files(folder, "classnames", language)
-    names_file = _first_existing(names_candidates)
+    names_candidates = language_files(folder, "classnames", language)
+    names_file = first_existing(names_candidates)
     templates, templates_from = load_templates(folder, language)
 
     shards = sorted(glob.glob(str(folder / "test" / "*.tar")))
@@ -125,38 +126,38 @@ def build_classifier(model, tokenize, classnames: list[str], templates: list[str
 
 
 @torch.no_grad()
-def zeroshot_classification(
-    model, tokenize, transform, dataset: ClassificationSet, batch_size: int = 256, device: str | torch.device = "cpu"
-) -> dict[str, float]:
-    """acc1, acc5 and mean per-class recall of `model` on `dataset` (undecodable images are errors here)."""
-    model.eval()
-    classifier = build_classifier(model, tokenize, dataset.classnames, dataset.templates, device)
-    dtype = next(model.parameters()).dtype
+def classify(encode: Callable[[torch.Tensor], torch.Tensor], prepare: Callable[[bytes], torch.Tensor],
+             classifier: torch.Tensor, dataset: ClassificationSet, batch_size: int, what: str = "image") -> dict[str, float]:
+    """acc1, acc5 and mean per-class recall: `prepare` turns each sample's bytes into a model input,
+    `encode` a stacked batch of them into features (an undecodable sample is an error here: an
+    evaluation set is fixed, skipping would change it)."""
     predictions, labels = [], []
 
-    def flush(images: list[torch.Tensor]) -> None:
-        features = model.encode_image(torch.stack(images).to(device=device, dtype=dtype))
-        logits = F.normalize(features, dim=-1).float() @ classifier.float()
+    def flush(inputs: list[torch.Tensor]) -> None:
+        logits = F.normalize(encode(torch.stack(inputs)), dim=-1).float() @ classifier.float()
         predictions.append(logits.topk(min(5, logits.shape[1]), dim=1).indices.cpu())
 
-    images: list[torch.Tensor] = []
+    inputs: list[torch.Tensor] = []
     for data, label, sample_id in dataset.samples():
         try:
-            images.append(transform(decode_image(data)))
+            inputs.append(prepare(data))
         except Exception as exc:
-            raise DataError(f"zero-shot image {sample_id} cannot be decoded: {exc}") from None
+            raise DataError(f"zero-shot {what} {sample_id} cannot be decoded: {exc}") from None
         if not 0 <= label < len(dataset.classnames):
-            raise DataError(f"zero-shot image {sample_id} has label {label}, but there are {len(dataset.classnames)} class names")
+            raise DataError(f"zero-shot {what} {sample_id} has label {label}, but there are {len(dataset.classnames)} class names")
         labels.append(label)
-        if len(images) == batch_size:
-            flush(images)
-            images = []
-    if images:
-        flush(images)
+        if len(inputs) == batch_size:
+            flush(inputs)
+            inputs = []
+    if inputs:
+        flush(inputs)
     if not labels:
-        raise DataError(f"zero-shot dataset {dataset.name!r} has no images")
-    top = torch.cat(predictions)
-    target = torch.tensor(labels)
+        raise DataError(f"zero-shot dataset {dataset.name!r} has no {what}s")
+    return classification_metrics(torch.cat(predictions), torch.tensor(labels))
+
+
+def classification_metrics(top: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+    """From each sample's top-5 predicted classes [n, <=5] and its label [n]."""
     correct = top == target[:, None]
     recalls = [correct[target == c, 0].float().mean().item() for c in target.unique()]
     return {
@@ -164,3 +165,15 @@ def zeroshot_classification(
         "acc5": correct.any(dim=1).float().mean().item(),
         "mean_per_class_recall": sum(recalls) / len(recalls),
     }
+
+
+@torch.no_grad()
+def zeroshot_classification(
+    model, tokenize, transform, dataset: ClassificationSet, batch_size: int = 256, device: str | torch.device = "cpu"
+) -> dict[str, float]:
+    """acc1, acc5 and mean per-class recall of an image-text `model` on `dataset`."""
+    model.eval()
+    classifier = build_classifier(model, tokenize, dataset.classnames, dataset.templates, device)
+    dtype = next(model.parameters()).dtype
+    return classify(lambda images: model.encode_image(images.to(device=device, dtype=dtype)),
+                    lambda data: transform(decode_image(data)), classifier, dataset, batch_size)

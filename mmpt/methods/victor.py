@@ -225,15 +225,24 @@ class VictorMethod(Method):
 
     def zeroshot(self, model: VictorModel, cfg: Config, run_dir: Path, dataset: str, language: str,
                  task: str = "zeroshot_retrieval") -> dict[str, Any]:
-        """Text-to-video and video-to-text retrieval on an annotation file (or the demo's held-out split)."""
+        """Text-to-video and video-to-text retrieval on an annotation file (or the demo's held-out split),
+        or zero-shot classification over a folder of class-named clips."""
+        ev = cfg.method.retrieval
+        if task == "zeroshot_classification":
+            from mmpt.eval.video_classification import load_video_classification_set, video_classification
+
+            data = load_video_classification_set(dataset, language)
+            metrics = video_classification(model, self.tokenizer(cfg, run_dir),
+                                           self.video_decoder(cfg, run_dir, train=False).decode_video, data,
+                                           batch_size=ev.batch_size, device=next(model.parameters()).device)
+            return eval_record(run_dir, dataset, task, language, metrics, templates=data.templates_from)
         if task != "zeroshot_retrieval":
-            raise ValueError(f"the victor method evaluates zeroshot_retrieval, not {task!r}")
+            raise ValueError(f"the victor method evaluates zeroshot_retrieval or zeroshot_classification, not {task!r}")
         from mmpt.eval.video_retrieval import video_retrieval
 
         path = Path(dataset)
         if dataset == "moving_digits":
             path = Path(cfg.data.root) / "moving_digits" / "test" / f"retrieval_{language}.jsonl"
-        ev = cfg.method.retrieval
         metrics = video_retrieval(model, self.tokenizer(cfg, run_dir), self.video_decoder(cfg, run_dir, train=False).decode_video,
                                   path, batch_size=ev.batch_size, device=next(model.parameters()).device,
                                   video_root=ev.video_root)

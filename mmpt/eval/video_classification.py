@@ -1,0 +1,60 @@
+"""Zero-shot video classification over a folder of class-named clips (the Kinetics layout).
+
+`<folder>/<class name>/<clip>.{mp4,webm,avi}`; class names are the folder names (`_` read as a
+space) unless the language's `classnames.txt` lists them (CLIP_benchmark's per-language folders
+or suffixed files, as for images). Prompts: the folder's templates, else mmpt's video prompts
+(`mmpt.eval.templates.VIDEO_TEMPLATES`), with a warning. Reports acc1, acc5, mean per-class recall.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from mmpt.data.shards import DataError
+from mmpt.eval.templates import VIDEO_TEMPLATES
+from mmpt.eval.video_retrieval import VIDEO_SUFFIXES
+from mmpt.eval.zeroshot import ClassificationSet, build_classifier, classify, first_existing, language_files, load_templates
+
+
+def load_video_classification_set(path: str | os.PathLike, language: str = "en") -> ClassificationSet:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise DataError(f"video classification dataset {folder} is not a directory of class folders")
+    class_dirs = sorted(d for d in folder.iterdir() if d.is_dir() and not (d / "classnames.txt").exists())
+    if not class_dirs:
+        raise DataError(f"{folder}: no class folders (expected <class name>/<clip>.mp4)")
+    names_file = first_existing(language_files(folder, "classnames", language))
+    classnames = ([line.strip() for line in names_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+                  if names_file else [d.name.replace("_", " ") for d in class_dirs])
+    if len(classnames) != len(class_dirs):
+        raise DataError(f"{names_file} lists {len(classnames)} classes but {folder} has {len(class_dirs)} class folders")
+    templates, templates_from = load_templates(folder, language, VIDEO_TEMPLATES)
+
+    def clips() -> Iterator[tuple[bytes, int, str]]:
+        for label, class_dir in enumerate(class_dirs):
+            for file in sorted(class_dir.iterdir()):
+                if file.suffix.lower() in VIDEO_SUFFIXES:
+                    yield file.read_bytes(), label, str(file)
+
+    return ClassificationSet(folder.name, classnames, templates, clips, templates_from)
+
+
+@torch.no_grad()
+def video_classification(model, tokenize, decode_video: Callable[[bytes], torch.Tensor], dataset: ClassificationSet,
+                         batch_size: int = 32, device: str | torch.device = "cpu") -> dict[str, float]:
+    """acc1, acc5 and mean per-class recall of a video-text `model` (`encode_video`, `encode_text`)."""
+    model.eval()
+    classifier = build_classifier(model, tokenize, dataset.classnames, dataset.templates, device)
+    dtype = next(model.parameters()).dtype
+
+    def encode(clips: torch.Tensor) -> torch.Tensor:
+        clips = clips.to(device)
+        if clips.is_floating_point():  # normalised frames or features; uint8 frames are normalised by the model
+            clips = clips.to(dtype)
+        return model.encode_video(clips).float()
+
+    return classify(encode, decode_video, classifier, dataset, batch_size, what="video")
