@@ -51,6 +51,8 @@ class IntentEvalConfig(Section):
     shots: list[int] = Field(default_factory=lambda: [10], description="k-shot settings (k examples per intent)")
     full: bool = Field(True, description="also train the head on all training examples")
     seeds: int = Field(3, gt=0, description="k-shot draws (and head seeds) averaged")
+    finetune_epochs: int = Field(0, ge=0, description="also fine-tune the whole encoder per setting for this many "
+                                 "epochs (the SPACE-2/DialoGLUE protocol); 0: linear probe only")
     batch_size: int = Field(64, gt=0)
 
 
@@ -159,11 +161,12 @@ class Space2Method(Method):
         ev = cfg.method.intent_eval
         if ev.dataset is None:
             return {}
-        from mmpt.eval.intent import intent_classification, resolve_intent_dataset
+        from mmpt.eval.intent import FineTuning, intent_classification, resolve_intent_dataset
 
         encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg), with_mlm=False)
         result = intent_classification(model, encoder, resolve_intent_dataset(ev.dataset, cfg.data.root),
-                                       shots=ev.shots, full=ev.full, seeds=ev.seeds, batch_size=ev.batch_size)
+                                       shots=ev.shots, full=ev.full, seeds=ev.seeds, batch_size=ev.batch_size,
+                                       finetune=FineTuning(epochs=ev.finetune_epochs) if ev.finetune_epochs else None)
         (run_dir / "eval").mkdir(exist_ok=True)
         (run_dir / "eval" / "intent_classification.json").write_text(json.dumps(result, indent=2))
         return {f"intent/{k}": v for k, v in result["metrics"].items()}
