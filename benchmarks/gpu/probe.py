@@ -1,0 +1,121 @@
+"""Run a training entry point in this process and record what its own logs lack.
+
+    python benchmarks/gpu/probe.py RESULT.json [--mmpt] -- SCRIPT [ARGS...]
+
+SCRIPT runs as `__main__` (launch/train.py, benchmarks/open_clip_main.py: the entry points as users
+start them). RESULT.json gets: status (ok, oom, error), the error line, the peak device memory
+(torch.cuda.max_memory_allocated / max_memory_reserved; null on CPU) and the wall time.
+
+`--mmpt` benchmarks an mmpt run: the steps are what is measured, so the run's final checkpoint
+(several GB of optimizer state for a 0.4B model) and the consolidation of its weights are skipped
+by replacing `mmpt.engine.checkpoint.save` and `mmpt.engine.trainer.finish`; the peak is read where
+`finish` would start, right after the last step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def device_memory() -> dict[str, float | None]:
+    """Peak allocated and reserved device memory of this process in MiB (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {"peak_allocated_mib": None, "peak_reserved_mib": None}
+    return {"peak_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
+            "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20}
+
+
+def reset_device_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+@contextmanager
+def steps_only(record: dict[str, Any]) -> Iterator[None]:
+    """mmpt without its final checkpoint and weight consolidation; the peak is recorded after the last step."""
+    from mmpt.engine import checkpoint, trainer
+
+    for module, name in ((checkpoint, "save"), (trainer, "finish")):
+        if not callable(getattr(module, name, None)):
+            raise RuntimeError(f"{module.__name__}.{name} is gone: update benchmarks/gpu/probe.py to the engine")
+    saved = checkpoint.save, trainer.finish
+
+    def finish(*args: Any, **kwargs: Any) -> dict:
+        record.update(device_memory())
+        return {}
+
+    checkpoint.save, trainer.finish = (lambda *args, **kwargs: None), finish
+    try:
+        yield
+    finally:
+        checkpoint.save, trainer.finish = saved
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or any(m in str(exc) for m in OOM_MARKERS)
+
+
+def run_entry(script: str, args: list[str], mmpt: bool = False) -> dict[str, Any]:
+    """Run `script` as __main__ with `args`; never raises (the outcome is in the returned record)."""
+    record: dict[str, Any] = {"status": "ok", "error": None}
+    if mmpt:
+        os.environ["MMPT_DEBUG"] = "1"  # launch/train.py re-raises instead of turning errors into exit lines
+    reset_device_memory()
+    started = time.perf_counter()
+    argv = sys.argv
+    sys.argv = [script, *args]
+    try:
+        with steps_only(record) if mmpt else _nothing():
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            record.update(status="error", error=f"{Path(script).name} exited with {exc.code}")
+    except BaseException as exc:  # reported in the record: the caller decides what a failure means
+        traceback.print_exc()
+        status = "oom" if is_oom(exc) else "error"
+        record.update(status=status, error=" ".join(f"{type(exc).__name__}: {exc}".split())[:600])
+    finally:
+        sys.argv = argv
+    record["wall_s"] = time.perf_counter() - started
+    if record.get("peak_allocated_mib") is None:
+        record.update(device_memory())
+    return record
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def main(argv: list[str]) -> int:
+    if "--" not in argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    options, (script, *args) = argv[:split], argv[split + 1:]
+    result = Path(options[0])
+    record = run_entry(script, args, mmpt="--mmpt" in options)
+    result.write_text(json.dumps(record, indent=1))
+    return {"ok": 0, "oom": 3}.get(record["status"], 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,575 @@
+"""The suite's stages. Each takes a `Context` and returns its raw figures; an `errors` list in the result
+marks the stage failed while keeping what it measured. Nothing here writes a report.
+
+Every figure is measured: step times come from the trainers' own logs, memory from
+torch.cuda.max_memory_allocated in the measured process, FLOPs from FlopCounterMode, the bf16 peak
+from a matrix product timed here. The only number not measured is the nominal dense bf16 peak of
+the H100/H200 SXM (989 TFLOP/s), reported beside the measured one.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import corpora
+from training import REPO, Runner, deep_update, mmpt_run, open_clip_run
+
+if str(REPO) not in sys.path:  # the other benchmarks (benchmarks.train_throughput, ...) as modules
+    sys.path.append(str(REPO))
+
+NOMINAL_NOTE = "nominal dense bf16 peak of the H100/H200 SXM data sheet"
+WORLD_ONE_NOTE = "world 1 only: multi-rank NCCL needs a multi-GPU machine"
+SKIPPED_ON_GLOO = "skipped: NCCL only"
+# VICTOR base names bert-base-chinese's tokenizer; the suite tokenizes with the corpus' own WordPiece
+# (ids below 1000) but keeps the text tower at bert-base-chinese's vocabulary size.
+BERT_BASE_CHINESE_VOCAB = 21128
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes of one kind of run: the GPU suite, or the CPU dry run that checks it end to end in a minute."""
+    dry_run: bool
+    device: str
+    precision: str
+    workers: int
+    steps: int  # of a throughput run
+    warmup: int  # first steps not timed
+    search_steps: int  # of a batch-size trial
+    clip_model: str
+    clip_batch: int
+    matmul_size: int
+    m2_batch: int
+    m2_batch_cap: int
+    m2_tile: int
+    loss_batch: int
+    loss_batch_cap: int
+    victor_batch: int | None  # None: the config's
+    space2_batch: int | None
+    m2_overrides: dict = field(default_factory=dict)
+    victor_overrides: dict = field(default_factory=dict)
+    space2_overrides: dict = field(default_factory=dict)
+
+
+GPU = Profile(dry_run=False, device="cuda", precision="bf16", workers=12, steps=15, warmup=5, search_steps=3,
+              clip_model="ViT-B-16", clip_batch=256, matmul_size=8192, m2_batch=256, m2_batch_cap=4096, m2_tile=1024,
+              loss_batch=4096, loss_batch_cap=2**22, victor_batch=None, space2_batch=None,
+              victor_overrides={"method": {"text": {"vocab_size": BERT_BASE_CHINESE_VOCAB}}})
+
+DRY = Profile(
+    dry_run=True, device="cpu", precision="bf16", workers=0, steps=2, warmup=1, search_steps=1,
+    clip_model=str(REPO / "benchmarks/configs/bench-vit-tiny.json"), clip_batch=4, matmul_size=256,
+    m2_batch=2, m2_batch_cap=4, m2_tile=6, loss_batch=64, loss_batch_cap=128, victor_batch=2, space2_batch=4,
+    # The shapes of tests/test_config_matrix.py's shrunk configs: the same code paths, tiny.
+    m2_overrides={"method": {"arch": {"vocab_size": None, "width": 32, "heads": 2, "lower_layers": 1,
+                                      "shared_layers": 1, "output_dim": 16, "image_size": 32, "patch_size": 8,
+                                      "text_positions": 32, "context_length": 24, "position_init_std": 0.02},
+                             "augment": {"randaugment": False}}},
+    victor_overrides={"method": {"video": {"backbone": "resnet10t", "image_size": 32, "num_frames": 4, "width": 32,
+                                        "layers": 1, "heads": 2},
+                              "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 24},
+                              "embed_dim": 16, "cross_layers": 1, "queue_size": 16, "frame_queue_size": 32}},
+    space2_overrides={"method": {"max_len": 64, "max_turns": 4, "max_utt_len": 16}},
+)
+
+
+@dataclass
+class Context:
+    profile: Profile
+    work: Path
+    deadline: float  # time.monotonic() by which the stage must be done
+    runner: Runner
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    @property
+    def data(self) -> Path:
+        return self.work / "data"
+
+
+# ----------------------------------------------------------------------------- shared measurements
+
+
+def search_batch(trial: Callable[[int], dict], start: int, cap: int, deadline: float, growth: float = 2.0,
+                 known_fit: int | None = None, clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    """The largest batch that fits: halve from `start` while trials run out of memory, double while they fit,
+    up to `cap`, stopping when the next trial (estimated at `growth` x the last one's wall time) would
+    pass `deadline`. `known_fit`: a smaller batch already seen to fit (no halving below `start` then).
+    `trial(batch)` returns a probe record: status ok, oom, timeout or error."""
+    trials: list[dict] = []
+    fits, fails, batch, stop = known_fit, None, start, "cap"
+    while batch <= cap:
+        if trials and clock() + growth * trials[-1].get("wall_s", 0.0) > deadline:
+            stop = "time"
+            break
+        result = {"batch": batch, **trial(batch)}
+        trials.append(result)
+        if result["status"] == "ok":
+            fits = max(fits or 0, batch)
+        elif result["status"] == "oom":
+            fails = min(fails or batch, batch)
+        else:
+            stop = "time" if result["status"] == "timeout" else "error"
+            break
+        if fits and fails:
+            stop = "oom"
+            break
+        if not fits:
+            batch //= 2
+            if batch < 1:
+                stop = "nothing fits"
+                break
+        else:
+            batch *= 2
+    return {"largest_fit": fits, "first_oom": fails, "stopped_by": stop, "trials": trials}
+
+
+def matmul_peak(device: str, size: int, repeats: int = 50) -> dict[str, Any]:
+    """Dense bf16 matrix product throughput measured here (random data, after the clocks ramp up on warm-up
+    products): the denominator of the measured MFU."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(10):
+        a @ b
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    synchronize(device)
+    seconds = (time.perf_counter() - started) / repeats
+    return {"size": size, "dtype": "bfloat16", "repeats": repeats, "seconds": seconds,
+            "tflops": 2 * size**3 / seconds / 1e12}
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def count_step_flops(model_name: str, batch: int, device: str) -> int:
+    """FLOPs of one training step's forward + backward (model and loss; the optimizer's are negligible)
+    on mmpt's open_clip model in bf16 autocast, counted by torch.utils.flop_counter.FlopCounterMode."""
+    import open_clip
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mmpt.losses import ContrastiveLoss
+    from mmpt.models.open_clip_model import OpenClipModel, register_model_config
+
+    config = open_clip.get_model_config(register_model_config(model_name))
+    size, text = config["vision_cfg"]["image_size"], config["text_cfg"]
+    model = OpenClipModel(model_name).to(device)
+    images = torch.randn(batch, 3, size, size, device=device)
+    tokens = torch.randint(1, text.get("vocab_size", 49408), (batch, text.get("context_length", 77)), device=device)
+    with FlopCounterMode(display=False) as counter:
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            image_features, text_features, scale = model(images, tokens)
+            loss = ContrastiveLoss()(image_features.float(), text_features.float(), scale)
+        loss.backward()
+    del model, images, tokens, loss
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return counter.get_total_flops()
+
+
+def nominal_peak_tflops(device_name: str) -> float | None:
+    from benchmarks.gpu_step import PEAK_BF16_TFLOPS
+
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in ("H100", "H200") and k in device_name), None)
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+
+
+def failures(records: list[dict]) -> list[str]:
+    return [f"{r['name']}: {r['status']}: {r.get('error')}" for r in records if r["status"] != "ok"]
+
+
+def run_share(ctx: Context, runs_left: int) -> float:
+    """This run's time: an equal share of what is left of the stage."""
+    return max(1.0, ctx.left() / max(1, runs_left))
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def clip_vitb16(ctx: Context) -> dict[str, Any]:
+    """open_clip ViT-B/16 in bf16 on one GPU: mmpt at ZeRO-0 and ZeRO-2 against open_clip's trainer on the same
+    shards, batch and precision; step-time breakdown, peak memory and MFU."""
+    p = ctx.profile
+    digits = corpora.digits(ctx.data, p.dry_run)
+    runs = [mmpt_run(f"mmpt ZeRO-{zero}", ctx.work, clip_config(p, digits, zero), p.steps, p.clip_batch,
+                     trainer="mmpt", zero_stage=zero) for zero in (0, 2)]
+    runs.append(open_clip_run("open_clip_train", ctx.work, open_clip_args(p, digits), p.clip_batch,
+                              trainer="open_clip_train", zero_stage=None))
+    records = []
+    for index, run in enumerate(runs):
+        records.append(ctx.runner.run(run, run_share(ctx, len(runs) - index + 1), p.warmup))
+    flops = count_step_flops(p.clip_model, p.clip_batch, p.device)
+    peak = matmul_peak(p.device, p.matmul_size)
+    name = device_name(p.device)
+    nominal = nominal_peak_tflops(name)
+    for record in records:
+        if record.get("step_s"):
+            achieved = flops / record["step_s"] / 1e12
+            record.update(achieved_tflops=achieved, mfu_measured_peak=achieved / peak["tflops"],
+                          mfu_nominal_peak=None if nominal is None else achieved / nominal)
+    return {"model": Path(p.clip_model).stem, "batch": p.clip_batch, "precision": p.precision,
+            "open_clip_precision": "amp_bf16", "steps": p.steps, "warmup_steps": p.warmup,
+            "loader_workers": p.workers, "flops_per_step": flops, "matmul": peak, "nominal_peak_tflops": nominal,
+            "nominal_note": NOMINAL_NOTE, "runs": records, "errors": failures(records)}
+
+
+def clip_config(p: Profile, digits: Path, zero: int) -> dict:
+    """mmpt's `open_clip` method with benchmarks/train_throughput.py's recipe (no clipping, its AdamW settings)."""
+    from benchmarks.train_throughput import LR, WARMUP_LR_STEPS, WD
+
+    return {
+        "method": {"name": "open_clip", "model": p.clip_model, "zeroshot": {"dataset": None}},
+        "data": {"train": {"sources": [{"shards": str(digits / "train/en-*.tar")}], "mode": "resampled",
+                           "batch_size": p.clip_batch, "num_workers": p.workers, "shuffle_buffer": 1000}},
+        "optim": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.98], "eps": 1e-6, "warmup_steps": WARMUP_LR_STEPS},
+        "train": {"grad_clip": 0.0, "precision": p.precision, "zero_stage": zero, "seed": 0},
+    }
+
+
+def open_clip_args(p: Profile, digits: Path) -> list[str]:
+    """open_clip's trainer as benchmarks/train_throughput.py drives it, in bf16 autocast (its mixed precision)."""
+    from benchmarks.train_throughput import LR, WARMUP_LR_STEPS, WD
+
+    shards = sorted((digits / "train").glob("en-*.tar"))
+    pattern = f"{digits / 'train'}/en-{{{shards[0].stem[3:]}..{shards[-1].stem[3:]}}}.tar"
+    return ["--train-data", pattern, "--dataset-type", "webdataset", "--dataset-resampled",
+            "--train-num-samples", str(p.steps * p.clip_batch), "--epochs", "1", "--batch-size", str(p.clip_batch),
+            "--workers", str(p.workers), "--model", Path(p.clip_model).stem, "--lr", str(LR), "--wd", str(WD),
+            "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6", "--warmup", str(WARMUP_LR_STEPS),
+            "--precision", "amp_bf16", "--device", p.device, "--local-loss", "--gather-with-grad",
+            "--log-every-n-steps", "1", "--save-frequency", "0", "--report-to", "", "--seed", "0"]
+
+
+def m2_encoder(ctx: Context) -> dict[str, Any]:
+    """M²-Encoder 0.4B with tiled GBA-ITC at ZeRO-2 and ZeRO-3, grad_accum 1 and 4: samples/s and peak memory at
+    a fixed micro-batch, then the largest micro-batch that fits (doubling until out of memory, within the time)."""
+    p = ctx.profile
+    digits = corpora.digits(ctx.data, p.dry_run)
+    settings = [(zero, accum) for zero in (2, 3) for accum in (1, 4)]
+    results, errors = [], []
+    for index, (zero, accum) in enumerate(settings):
+        share_end = time.monotonic() + ctx.left() / (len(settings) - index)
+
+        def trial(batch: int, search: bool, zero: int = zero, accum: int = accum) -> dict:
+            steps = p.search_steps if search else p.steps
+            config = m2_config(p, digits, batch, zero, accum, search)
+            run = mmpt_run(f"m2 ZeRO-{zero} accum{accum} b{batch}{' search' if search else ''}", ctx.work, config,
+                           steps, batch * accum, zero_stage=zero, grad_accum=accum)
+            return ctx.runner.run(run, max(1.0, share_end - time.monotonic()), p.warmup)
+
+        measured = search_batch(lambda b: trial(b, search=False), p.m2_batch, p.m2_batch, share_end)
+        fit = measured["largest_fit"]
+        throughput = next((t for t in measured["trials"] if t["batch"] == fit), None)
+        search = (search_batch(lambda b: trial(b, search=True), 2 * fit, p.m2_batch_cap, share_end, known_fit=fit)
+                  if fit else {"largest_fit": None, "first_oom": None, "stopped_by": "nothing fits", "trials": []})
+        results.append({"zero_stage": zero, "grad_accum": accum, "throughput": throughput,
+                        "throughput_trials": measured["trials"], "largest_fit": search["largest_fit"],
+                        "first_oom": search["first_oom"] or measured["first_oom"],
+                        "stopped_by": search["stopped_by"] if fit else measured["stopped_by"],
+                        "search_trials": search["trials"]})
+        errors += [f"ZeRO-{zero} accum {accum}: {t['status']}: {t.get('error')}"
+                   for t in measured["trials"] + search["trials"] if t["status"] == "error"]
+        if throughput is None:
+            errors.append(f"ZeRO-{zero} accum {accum}: no throughput run completed ({measured['stopped_by']})")
+    return {"config": "configs/m2_encoder/0.4b.yaml", "precision": p.precision, "loss": "gba_itc",
+            "tile_size": p.m2_tile, "steps": p.steps, "warmup_steps": p.warmup, "search_steps": p.search_steps,
+            "batch_cap": p.m2_batch_cap, "loader_workers": p.workers, "settings": results, "errors": errors}
+
+
+def m2_config(p: Profile, digits: Path, batch: int, zero: int, accum: int, search: bool) -> dict:
+    """The shipped 0.4B config on the digits shards; batch-size trials leave RandAugment out (memory only)."""
+    config = {
+        "extends": str(REPO / "configs/m2_encoder/0.4b.yaml"),
+        "method": {"tokenizer": str(digits / "tokenizer.json"), "init_from": None, "zeroshot": {"dataset": None},
+                   "loss": {"accumulation_steps": None, "tile_size": p.m2_tile}},
+        "data": {"train": {"sources": [{"shards": str(digits / f"train/{lang}-*.tar")} for lang in ("en", "zh")],
+                           "batch_size": batch, "num_workers": p.workers, "shuffle_buffer": 1000}},
+        "train": {"zero_stage": zero, "grad_accum": accum, "precision": p.precision},
+    }
+    deep_update(config, p.m2_overrides)
+    if search:
+        deep_update(config, {"method": {"augment": {"randaugment": False}}})
+    return config
+
+
+def training_configs(p: Profile, data: Path) -> dict[str, dict]:
+    """Every config a profile trains (whether or not its corpora exist yet), by run name: for checking them."""
+    digits = data / "digits"
+    configs = {f"clip ZeRO-{zero}": clip_config(p, digits, zero) for zero in (0, 2)}
+    configs.update({f"m2 ZeRO-{zero} accum{accum}{' search' if search else ''}":
+                    m2_config(p, digits, p.m2_batch, zero, accum, search)
+                    for zero in (2, 3) for accum in (1, 4) for search in (False, True)})
+    configs["victor"] = victor_config(p, data / "moving_digits", "pyav")
+    configs["space2"] = space2_config(p, data / "dialogs", data / "bert")
+    return configs
+
+
+def loss_memory(ctx: Context) -> dict[str, Any]:
+    """Peak memory and time of the loss's forward + backward alone, given embeddings (D = 512, fp32), world 1:
+    GBA-ITC untiled and tiled against open_clip's ClipLoss, the batch doubling until out of memory."""
+
+    from benchmarks.contrastive_loss import DIM, variants
+
+    p = ctx.profile
+    ensure_process_group(p.device)
+    losses = variants(1, p.loss_batch)
+    results = []
+    for index, (name, _, loss) in enumerate(losses):
+        loss_trial(loss, 8, p.device)  # warm the kernels once
+        share_end = time.monotonic() + ctx.left() / (len(losses) - index)
+        found = search_batch(lambda rows, loss=loss: loss_trial(loss, rows, p.device), p.loss_batch, p.loss_batch_cap,
+                             share_end, growth=4.0)  # time grows with b^2
+        results.append({"variant": name, **found})
+    if p.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    errors = [f"{r['variant']} b={t['batch']}: {t.get('error')}" for r in results for t in r["trials"]
+              if t["status"] == "error"]
+    return {"dim": DIM, "dtype": "float32", "tile_size": tile_of(losses), "world_size": 1,
+            "memory": "torch.cuda.max_memory_allocated above the features" if p.device.startswith("cuda")
+            else "resident set above the features (CPU)", "variants": results, "errors": errors}
+
+
+def tile_of(losses: list) -> int | None:
+    return next((getattr(loss, "tile_size", 0) for _, _, loss in losses if getattr(loss, "tile_size", 0)), None)
+
+
+def loss_trial(loss, rows: int, device: str) -> dict[str, Any]:
+    """One forward + backward of `loss` on random unit features: its time and peak memory above the features."""
+    from benchmarks.contrastive_loss import DIM, PeakMemory
+    from probe import is_oom
+
+    image = text = scale = None
+    try:
+        image = F.normalize(torch.randn(rows, DIM, device=device), dim=-1).requires_grad_()
+        text = F.normalize(torch.randn(rows, DIM, device=device), dim=-1).requires_grad_()
+        scale = torch.tensor([14.0], device=device, requires_grad=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            started = time.perf_counter()
+            loss(image, text, scale).backward()
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        else:
+            with PeakMemory() as memory:
+                started = time.perf_counter()
+                loss(image, text, scale).backward()
+                seconds = time.perf_counter() - started
+            peak = memory.extra_mb
+        return {"status": "ok", "peak_mib": peak, "wall_s": seconds}
+    except RuntimeError as exc:  # torch.OutOfMemoryError, or cuBLAS failing to allocate its workspace
+        if not is_oom(exc):
+            raise
+        return {"status": "oom", "error": " ".join(str(exc).split())[:300], "wall_s": 0.0}
+    finally:
+        del image, text, scale
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def victor(ctx: Context) -> dict[str, Any]:
+    """VICTOR base (configs/victor/base.yaml) in bf16, a few steps: samples/s and peak memory at the config's
+    batch, halved while it does not fit."""
+    p = ctx.profile
+    clips = corpora.moving_digits(ctx.data, p.dry_run)
+    backend = video_backend()
+    return {**one_method(ctx, "victor", victor_config(p, clips, backend), p.victor_batch),
+            "config": "configs/victor/base.yaml", "video_backend": backend}
+
+
+def victor_config(p: Profile, clips: Path, backend: str) -> dict:
+    config = {
+        "extends": str(REPO / "configs/victor/base.yaml"),
+        "method": {"tokenizer": str(clips / "tokenizer.json"), "video": {"backbone_weights": None},
+                   "retrieval": {"dataset": None}, "backend": backend},
+        "data": {"train": {"sources": [{"shards": str(clips / f"train/{lang}-*.tar")} for lang in ("en", "zh")],
+                           "num_workers": p.workers, "shuffle_buffer": 200}},
+        "train": {"precision": p.precision},
+    }
+    return deep_update(config, p.victor_overrides)
+
+
+def video_backend() -> str:
+    """decord where it is installed (VICTOR's default on x86_64), else PyAV (on the GPU unless decord is carried)."""
+    from mmpt.data.video import default_backend
+
+    return default_backend()
+
+
+def space2(ctx: Context) -> dict[str, Any]:
+    """SPACE-2 base (configs/space2/base.yaml: a BERT-base encoder) in bf16, a few steps: samples/s and peak memory."""
+    p = ctx.profile
+    dialogs = corpora.dialogs(ctx.data)
+    encoder = corpora.bert_checkpoint(ctx.data / ("bert-tiny" if p.dry_run else "bert-base"), dialogs, p.dry_run)
+    return {**one_method(ctx, "space2", space2_config(p, dialogs, encoder), p.space2_batch),
+            "config": "configs/space2/base.yaml",
+            "encoder": "random BERT, bert-base shape" if not p.dry_run else "random BERT, 2 x 32"}
+
+
+def space2_config(p: Profile, dialogs: Path, encoder: Path) -> dict:
+    config = {
+        "extends": str(REPO / "configs/space2/base.yaml"),
+        "method": {"encoder": str(encoder), "intent_eval": {"dataset": None}},
+        "data": {"train": {"sources": [{"name": kind, "shards": str(dialogs / f"shards/{kind}-*.tar")}
+                                       for kind in ("labelled", "unlabelled")],
+                           "num_workers": p.workers, "shuffle_buffer": 1000}},
+        "train": {"precision": p.precision},
+    }
+    return deep_update(config, p.space2_overrides)
+
+
+def one_method(ctx: Context, name: str, config: dict, batch: int | None) -> dict[str, Any]:
+    """A few steps of a config at its batch (or `batch`), halving the batch while it runs out of memory."""
+    from mmpt.config import load_config
+
+    p = ctx.profile
+    config_batch = load_config(config["extends"]).data.train.batch_size  # validating reads no data
+    start = batch or config_batch
+
+    def trial(b: int) -> dict:
+        sized = deep_update(copy.deepcopy(config), {"data": {"train": {"batch_size": b}}})  # config stays as given
+        return ctx.runner.run(mmpt_run(f"{name} b{b}", ctx.work, sized, p.steps, b), max(1.0, ctx.left()), p.warmup)
+
+    found = search_batch(trial, start, start, ctx.deadline)
+    measured = next((t for t in found["trials"] if t["batch"] == found["largest_fit"]), None)
+    errors = [f"b={t['batch']}: {t['status']}: {t.get('error')}" for t in found["trials"] if t["status"] == "error"]
+    if measured is None:
+        errors.append(f"no run completed ({found['stopped_by']})")
+    return {"precision": p.precision, "config_batch": config_batch, "start_batch": start,
+            "batch": found["largest_fit"], "steps": p.steps, "warmup_steps": p.warmup, "loader_workers": p.workers,
+            "run": measured, "trials": found["trials"], "errors": errors}
+
+
+def ensure_process_group(device: str) -> str:
+    """A process group of one (NCCL on the GPU, gloo on CPU), or the one this process already has."""
+    from mmpt import distributed as mdist
+
+    if not dist.is_initialized():
+        mdist.ensure_rendezvous_env()
+        if device.startswith("cuda"):
+            torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1)
+    return dist.get_backend()
+
+
+def nccl(ctx: Context) -> dict[str, Any]:
+    """Every collective the losses, mmpt.distributed and ZeRO call, once each on a world of one, results checked."""
+    from mmpt import distributed as mdist
+
+    device = ctx.profile.device
+    backend = ensure_process_group(device)
+    x = torch.arange(12, dtype=torch.float32, device=device).reshape(4, 3)
+
+    def gather_with_grad() -> bool:
+        # mmpt.distributed.all_gather_with_grad returns its input on one rank: call its autograd Function directly,
+        # so the all_gather forward and the reduce-scatter backward both run.
+        leaf = x.clone().requires_grad_()
+        out = mdist._GatherWithGrad.apply(leaf, None)
+        out.backward(torch.ones_like(out))
+        return torch.equal(out, x) and torch.equal(leaf.grad, torch.ones_like(x))
+
+    def all_gather() -> bool:
+        parts = [torch.empty_like(x)]
+        dist.all_gather(parts, x)
+        return torch.equal(parts[0], x)
+
+    def all_gather_into_tensor() -> bool:
+        out = torch.empty_like(x)
+        dist.all_gather_into_tensor(out, x)
+        return torch.equal(out, x)
+
+    def reduce_scatter_tensor() -> bool:
+        out = torch.empty_like(x)
+        dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM)
+        return torch.equal(out, x)
+
+    def all_reduce() -> bool:
+        y = x.clone()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        return torch.equal(y, x)
+
+    def broadcast() -> bool:
+        y = x.clone()
+        dist.broadcast(y, src=0)
+        return torch.equal(y, x)
+
+    def all_gather_object() -> bool:  # variable-size payloads: SPACE-2's labels
+        labels = [{"DEFAULT_DOMAIN": {"intent": {"slot": ["value"] * 3}}}, {}]
+        parts: list = [None]
+        dist.all_gather_object(parts, labels)
+        return parts[0] == labels
+
+    def subgroup_all_gather() -> bool:  # GBA-ITC's gathering groups
+        group = dist.new_group([0])
+        parts = [torch.empty_like(x)]
+        dist.all_gather(parts, x, group=group)
+        return torch.equal(parts[0], x)
+
+    def reduce_scatter_rows() -> bool:
+        return torch.equal(mdist.reduce_scatter_rows(x.clone(), None), x)
+
+    def barrier() -> bool:
+        dist.barrier()
+        return True
+
+    checks = {"all_gather_with_grad (all_gather + reduce-scatter backward)": gather_with_grad,
+              "all_gather": all_gather, "all_gather_into_tensor": all_gather_into_tensor,
+              "reduce_scatter_tensor": reduce_scatter_tensor, "reduce_scatter_rows": reduce_scatter_rows,
+              "all_reduce (sum)": all_reduce, "broadcast": broadcast,
+              "all_gather_object (variable size)": all_gather_object, "new_group + all_gather": subgroup_all_gather,
+              "barrier": barrier}
+    nccl_only = {"reduce_scatter_tensor"}  # gloo has none; mmpt emulates it there with scatters
+    statuses: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    for name, check in checks.items():
+        if backend != "nccl" and name in nccl_only:
+            statuses[name] = SKIPPED_ON_GLOO
+            continue
+        try:
+            started = time.perf_counter()
+            ok = check()
+            synchronize(device)
+            seconds[name] = time.perf_counter() - started
+            statuses[name] = "ok" if ok else "wrong result"
+        except Exception as exc:  # reported per collective
+            statuses[name] = f"error: {type(exc).__name__}: {exc}"[:300]
+    errors = [f"{k}: {v}" for k, v in statuses.items() if v not in ("ok", SKIPPED_ON_GLOO)]
+    return {"backend": backend, "nccl_version": nccl_version() if backend == "nccl" else None,
+            "world_size": dist.get_world_size(), "note": WORLD_ONE_NOTE, "collectives": statuses,
+            "seconds": seconds, "errors": errors}
+
+
+def nccl_version() -> str | None:
+    """torch's NCCL version as a string (torch reports a tuple, older releases an int)."""
+    if not torch.cuda.is_available():
+        return None
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "clip_vitb16": clip_vitb16, "m2_encoder": m2_encoder, "loss_memory": loss_memory, "victor": victor,
+    "space2": space2, "nccl": nccl,
+}
+# Seconds each stage may take on the GPU (corpus building included); together 21.5 minutes.
+GPU_CAPS = {"clip_vitb16": 300, "m2_encoder": 540, "loss_memory": 120, "victor": 150, "space2": 120, "nccl": 60}
+
