@@ -87,5 +87,7 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path, caplog):
     (root / "step_000000008" / "rank_1.pt").unlink()  # a rank's part missing: incomplete too
     assert find_resume(tmp_path, "auto") == root / "step_000000004"
     assert find_resume(tmp_path, "none") is None
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    from mmpt.config import ConfigError
+
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):  # a one-line config stop, exit 2
         find_resume(tmp_path, str(root / "step_000000012"))
