@@ -122,8 +122,9 @@ class MetricLogger:
             summary = {"stragglers": {str(rank): round(ratio, 2) for rank, ratio in sorted(self.stragglers.items())},
                        "data": self.data_counts}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-            for group, counts in self.data_counts.items():
-                print(f"data ({'all sources' if group == 'all' else group}): {describe(counts)}", flush=True)
         for handle in (self._bar, self._writer, self._jsonl):
             if handle is not None:
                 handle.close()
+        for group, counts in self.data_counts.items():  # after the progress bar, on lines of their own
+            if self.rank == 0:
+                print(f"data ({'all sources' if group == 'all' else group}): {describe(counts)}", flush=True)
