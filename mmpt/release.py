@@ -92,6 +92,10 @@ def save_release(directory: str | os.PathLike, cfg: Config, state_dict: dict[str
         else:
             raise ReleaseError(f"{source} is missing: the '{cfg.method_name}' model needs it besides its weights")
     save_torch_state_dict(state_dict, directory, max_shard_size=max_shard_size)
+    from mmpt.engine.checkpoint import shareable
+
+    for written in directory.glob("model*.safetensors*"):
+        shareable(written)
     record = {"format": FORMAT, "version": 1, "method": cfg.method_name, "config": cfg.to_dict()}
     (directory / RELEASE_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
     return directory

@@ -97,6 +97,10 @@ def test_export_from_a_two_rank_zero3_run_equals_the_trained_model(tmp_path, dig
     run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
     subprocess.run([sys.executable, str(REPO / "launch/export.py"), "--run", str(run_dir), "--checkpoint", "latest",
                     "--out", str(tmp_path / "release")], check=True, env=launcher_env(), capture_output=True)
+    mask = os.umask(0)
+    os.umask(mask)
+    for weights in [run_dir / "model.safetensors", *(tmp_path / "release").glob("model*.safetensors*")]:
+        assert weights.stat().st_mode & 0o777 == 0o666 & ~mask, weights  # readable by others, as the umask allows
     trained, exported = mmpt.load(run_dir), mmpt.load(tmp_path / "release")
     for before, after in zip(image_text_embeddings(trained), image_text_embeddings(exported)):
         torch.testing.assert_close(before, after, atol=1e-6, rtol=0)

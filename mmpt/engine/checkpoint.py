@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import subprocess
@@ -240,3 +241,12 @@ def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
 
 def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
     save_file(state_dict, str(path))
+    shareable(path)
+
+
+def shareable(path: Path) -> None:
+    """Give a written file the permissions the umask allows (safetensors writes 0600 through a temporary
+    file): weights are handed to other users, jobs and hubs."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
