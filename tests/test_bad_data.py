@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, deepspeed_command, launcher_env, run_deepspeed, tiny_config, write_config
+from conftest import REPO, deepspeed_command, launcher_env, read_metrics, run_deepspeed, tiny_config, write_config
 from PIL import Image
 
 from mmpt.data import ShardSetWriter
@@ -164,11 +164,7 @@ def test_damaged_web_shards_train_through_with_exact_counts(tmp_path, digits_roo
             expected["missing_field"], expected["undecodable"]), name
         assert expected["lost"] and expected["missing_field"] and expected["undecodable"]  # every damage was met
     assert 1 in epochs  # the readers went past a whole epoch of damaged shards
-    assert torch.isfinite(torch.tensor([r["loss/total"] for r in _metrics(run_dir) if "loss/total" in r])).all()
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert torch.isfinite(torch.tensor([r["loss/total"] for r in read_metrics(run_dir) if "loss/total" in r])).all()
 
 
 @pytest.mark.distributed

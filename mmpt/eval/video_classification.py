@@ -9,7 +9,7 @@ or suffixed files, as for images). Prompts: the folder's templates, else mmpt's 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,30 +17,18 @@ import torch
 from mmpt.data.shards import DataError
 from mmpt.eval.templates import VIDEO_TEMPLATES
 from mmpt.eval.video_retrieval import VIDEO_SUFFIXES
-from mmpt.eval.zeroshot import ClassificationSet, build_classifier, classify, first_existing, language_files, load_templates
+from mmpt.eval.zeroshot import (ClassificationSet, build_classifier, class_folder_set, classify, first_existing,
+                                language_files, load_templates)
 
 
 def load_video_classification_set(path: str | os.PathLike, language: str = "en") -> ClassificationSet:
     folder = Path(path)
     if not folder.is_dir():
         raise DataError(f"video classification dataset {folder} is not a directory of class folders")
-    class_dirs = sorted(d for d in folder.iterdir() if d.is_dir() and not (d / "classnames.txt").exists())
-    if not class_dirs:
-        raise DataError(f"{folder}: no class folders (expected <class name>/<clip>.mp4)")
     names_file = first_existing(language_files(folder, "classnames", language))
-    classnames = ([line.strip() for line in names_file.read_text(encoding="utf-8").splitlines() if line.strip()]
-                  if names_file else [d.name.replace("_", " ") for d in class_dirs])
-    if len(classnames) != len(class_dirs):
-        raise DataError(f"{names_file} lists {len(classnames)} classes but {folder} has {len(class_dirs)} class folders")
     templates, templates_from = load_templates(folder, language, VIDEO_TEMPLATES)
-
-    def clips() -> Iterator[tuple[bytes, int, str]]:
-        for label, class_dir in enumerate(class_dirs):
-            for file in sorted(class_dir.iterdir()):
-                if file.suffix.lower() in VIDEO_SUFFIXES:
-                    yield file.read_bytes(), label, str(file)
-
-    return ClassificationSet(folder.name, classnames, templates, clips, templates_from)
+    return class_folder_set(folder, names_file, templates, templates_from, VIDEO_SUFFIXES,
+                            "no class folders (expected <class name>/<clip>.mp4)")
 
 
 @torch.no_grad()

@@ -97,10 +97,17 @@ def load_classification_set(path: str | os.PathLike, language: str = "en") -> Cl
 
         return ClassificationSet(folder.name, _lines(names_file), templates, wds_samples, templates_from)
 
+    return class_folder_set(folder, names_file, templates, templates_from, IMAGE_SUFFIXES,
+                            "neither test/*.tar shards nor class sub-folders found")
+
+
+def class_folder_set(folder: Path, names_file: Path | None, templates: list[str], templates_from: str,
+                     suffixes: set[str] | tuple[str, ...], none_found: str) -> ClassificationSet:
+    """One sub-folder per class (files with `suffixes`), named by `names_file` or by the folders' names."""
     # sub-folders are classes, except per-language folders of class names and templates
     class_dirs = sorted(d for d in folder.iterdir() if d.is_dir() and not (d / "classnames.txt").exists())
     if not class_dirs:
-        raise DataError(f"{folder}: neither test/*.tar shards nor class sub-folders found")
+        raise DataError(f"{folder}: {none_found}")
     classnames = _lines(names_file) if names_file is not None else [d.name.replace("_", " ") for d in class_dirs]
     if len(classnames) != len(class_dirs):
         raise DataError(f"{names_file} lists {len(classnames)} classes but {folder} has {len(class_dirs)} class folders")
@@ -108,7 +115,7 @@ def load_classification_set(path: str | os.PathLike, language: str = "en") -> Cl
     def folder_samples() -> Iterator[tuple[bytes, int, str]]:
         for label, class_dir in enumerate(class_dirs):
             for file in sorted(class_dir.iterdir()):
-                if file.suffix.lower() in IMAGE_SUFFIXES:
+                if file.suffix.lower() in suffixes:
                     yield file.read_bytes(), label, str(file)
 
     return ClassificationSet(folder.name, classnames, templates, folder_samples, templates_from)
