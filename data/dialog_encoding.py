@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mmpt.data.dialog import Turn, words
+from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, encode_labels
 
 ROLE_TOKENS = {"sos_u": "[unused12]", "eos_u": "[unused6]", "sos_r": "[unused13]", "eos_r": "[unused7]"}
 INPUT_FIELDS = ("input_ids", "positions", "turns", "roles", "mlm_input_ids", "mlm_labels")
@@ -61,6 +62,7 @@ class DialogInputSpec:
     max_turns: int = 16
     max_len: int = 256
     mlm_probability: float = 0.15
+    max_label_elements: int = MAX_LABEL_ELEMENTS  # per tree view, in the label's tensor form
 
 
 class DialogEncoder:
@@ -146,7 +148,13 @@ class DialogEncoder:
             return collate_dialogs([self.encode(dialog) for dialog in sample])
         raw = sample["json"]
         example = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
-        return {**self.encode(example["turns"]), "label": example["label"], "id": example["id"]}
+        try:
+            codes = encode_labels([example["label"]], self.spec.max_label_elements)
+        except ValueError as exc:
+            # skipped and counted like any sample that cannot be decoded, with the key to change
+            raise ValueError(f"dialog {example['id']!r}: {exc}; raise method.max_label_elements") from None
+        return {**self.encode(example["turns"]), "label": example["label"], "id": example["id"],
+                "label_views": codes.views[0], "label_frame": codes.frames[0]}
 
 
 def collate_dialogs(examples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -161,5 +169,8 @@ def collate_dialogs(examples: list[dict[str, Any]]) -> dict[str, Any]:
             batch[name] = padded
     batch["attention_mask"] = batch["input_ids"] != 0
     batch["label"] = [e.get("label", {}) for e in examples]
+    if "label_views" in examples[0]:  # what the loss scores on the device (`tree_score.LabelCodes`)
+        batch["label_views"] = torch.stack([e["label_views"] for e in examples])
+        batch["label_frame"] = torch.stack([e["label_frame"] for e in examples])
     batch["id"] = [e.get("id", "") for e in examples]
     return batch

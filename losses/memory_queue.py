@@ -4,6 +4,9 @@ Each push gathers the keys of all ranks (rank order) and writes them after the n
 overwriting the oldest once the queue is full. The entries, write position and fill count are
 buffers: they are saved with the training checkpoint and restored on resume. Until the queue has
 filled, only the entries written so far are negatives.
+
+The write position and fill count are also kept as Python ints, so a step never reads them back from
+the device; the buffers are written from them (host to device) and read once after a state load.
 """
 
 from __future__ import annotations
@@ -25,6 +28,17 @@ class MemoryQueue(nn.Module):
         # Shape [1], not 0-D: DeepSpeed's buffer broadcast flattens tensors.
         self.register_buffer("position", torch.zeros(1, dtype=torch.long))  # where the next entry goes
         self.register_buffer("count", torch.zeros(1, dtype=torch.long))  # entries written, at most size
+        self._pointers: tuple[int, int] | None = (0, 0)  # (position, count); None: read from the buffers
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._pointers = None
+
+    def pointers(self) -> tuple[int, int]:
+        """(write position, fill count); read from the buffers only once after a state load."""
+        if self._pointers is None:
+            self._pointers = (int(self.position), int(self.count))
+        return self._pointers
 
     @property
     def size(self) -> int:
@@ -32,7 +46,7 @@ class MemoryQueue(nn.Module):
 
     def contents(self) -> torch.Tensor:
         """The valid entries [n, dim] (no gradient), oldest-first order not guaranteed."""
-        return self.entries[: int(self.count)].detach().clone()
+        return self.entries[: self.pointers()[1]].detach().clone()
 
     @torch.no_grad()
     def push(self, keys: torch.Tensor) -> None:
@@ -41,8 +55,9 @@ class MemoryQueue(nn.Module):
         if keys.shape[0] > self.size:
             keys = keys[-self.size:]
         rows = keys.shape[0]
-        start = int(self.position)
+        start, count = self.pointers()
         slots = (torch.arange(rows, device=keys.device) + start) % self.size
         self.entries[slots] = keys
-        self.position.fill_((start + rows) % self.size)
-        self.count.fill_(min(int(self.count) + rows, self.size))
+        self._pointers = ((start + rows) % self.size, min(count + rows, self.size))
+        self.position.fill_(self._pointers[0])
+        self.count.fill_(self._pointers[1])

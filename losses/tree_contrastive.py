@@ -9,7 +9,8 @@ and the loss is the score-weighted mean of log-softmax over all other copies, sc
 Distributed, as our design: each rank scores its own anchors against every rank's copies (gathered
 with gradient) using scores of its labels against all gathered labels, and takes the mean over its
 anchors; averaging over ranks (the engine's gradient mean) gives the loss of the global batch. The
-official code computes the loss per GPU only.
+official code computes the loss per GPU only. Labels travel as tensors (`tree_score.LabelCodes`, made
+by the data pipeline) and are scored on the device, so the step gathers no Python objects.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmpt.distributed import all_gather_objects, all_gather_with_grad, get_rank
-from mmpt.losses.tree_score import combined_score_matrix, view_score_matrices
+from mmpt.distributed import all_gather_with_grad, get_rank
+from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, LabelCodes, code_score_matrices, encode_labels
 
 
 def soft_supcon(anchors: torch.Tensor, candidates: torch.Tensor, weights: torch.Tensor, row_offset: int,
@@ -62,23 +63,21 @@ class TreeContrastiveLoss(nn.Module):
         self.views, self.combined = list(views), combined
         self.temperature, self.base_temperature = temperature, base_temperature
 
-    def scores(self, labels: list[dict]) -> tuple[torch.Tensor, int]:
-        """Scores of this rank's labels against every rank's, and where this rank's rows start."""
-        everyone = all_gather_objects(labels)
-        offset = sum(len(part) for part in everyone[: get_rank()])
-        columns = [label for part in everyone for label in part]
-        if self.combined:
-            return combined_score_matrix(labels, columns, row_offset=offset)[None], offset
-        return view_score_matrices(labels, columns, row_offset=offset, views=self.views), offset
+    def scores(self, labels: LabelCodes) -> tuple[torch.Tensor, int]:
+        """Scores [K, n, N] of this rank's labels against every rank's, and where this rank's rows start."""
+        everyone = LabelCodes(all_gather_with_grad(labels.views), all_gather_with_grad(labels.frames))
+        offset = get_rank() * labels.frames.shape[0]
+        return code_score_matrices(labels, everyone, offset, self.views, combined=self.combined), offset
 
-    def forward(self, features: torch.Tensor, labels: list[dict]) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, labels: LabelCodes | list[dict]) -> torch.Tensor:
+        """`labels`: the batch's encoded labels, or the label dicts themselves (encoded here)."""
         n, copies, views, dim = features.shape
         if copies != 2 or views != len(self.views):
             raise ValueError(f"features must be [n, 2, {len(self.views)}, d], got {list(features.shape)}")
+        if not isinstance(labels, LabelCodes):
+            labels = encode_labels(labels, MAX_LABEL_ELEMENTS)
         features = F.normalize(features.float(), dim=-1)  # the loss in fp32 whatever the training precision
         gathered = all_gather_with_grad(features.reshape(n, -1)).view(-1, copies, views, dim)
-        weights, offset = self.scores(labels)
-        if gathered.shape[0] != weights.shape[2]:
-            raise ValueError("every rank must contribute the same number of examples")
-        return soft_supcon(features.permute(2, 0, 1, 3), gathered.permute(2, 0, 1, 3), weights.to(features.device),
+        weights, offset = self.scores(LabelCodes(labels.views.to(features.device), labels.frames.to(features.device)))
+        return soft_supcon(features.permute(2, 0, 1, 3), gathered.permute(2, 0, 1, 3), weights,
                            offset, self.temperature, self.base_temperature)

@@ -18,7 +18,9 @@ before dividing by the number of present views, as the Python code does.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -267,3 +269,93 @@ def combined_score_matrix(row_labels: list[dict], col_labels: list[dict], row_of
         raise ZeroDivisionError(_no_view_message(row_labels[i], col_labels[j]))
     full[diag, diag + row_offset] = 1.0
     return full
+
+
+# ----------------------------------------------------------------------------- labels as tensors
+#
+# Training scores labels inside the step, against every rank's labels. Gathering Python objects there would
+# pickle them and read them back to the host each step, so a label becomes fixed-shape integers when it is
+# read from the shards: each view's elements as 64-bit hashes (0 pads), and one hash of the whole cleaned
+# frame (0 for an empty frame). The scores below are computed from those on the device and equal the
+# matrices above (a collision of two 64-bit hashes among one batch's elements is the only way they differ).
+
+
+MAX_LABEL_ELEMENTS = 32  # elements per view a label encoding holds by default (`method.max_label_elements`)
+
+
+@dataclass(frozen=True)
+class LabelCodes:
+    """Labels of n examples: `views` [n, 10, E] element hashes (0 = padding), `frames` [n] frame hashes (0 = empty)."""
+
+    views: torch.Tensor
+    frames: torch.Tensor
+
+
+def _hash(text: str) -> int:
+    value = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+    return value or 1  # 0 is the padding
+
+
+def _canonical(cleaned: dict) -> str:
+    """Equal for two cleaned frames exactly when they are equal as dicts (key order aside, value order kept)."""
+    return repr(sorted((d, sorted((i, sorted((s, tuple(vs)) for s, vs in slots.items())) for i, slots in intents.items()))
+                       for d, intents in cleaned.items()))
+
+
+def encode_labels(labels: Sequence[dict], max_elements: int) -> LabelCodes:
+    """Labels to tensors; ValueError naming the example and view when one has more than `max_elements` elements."""
+    views = torch.zeros(len(labels), len(VIEWS), max_elements, dtype=torch.long)
+    frames = torch.zeros(len(labels), dtype=torch.long)
+    for row, label in enumerate(labels):
+        if not label:
+            continue
+        cleaned = clean_frame(label)
+        frames[row] = _hash(_canonical(cleaned))
+        for k, elements in enumerate(_views_of_clean(cleaned)):
+            if len(elements) > max_elements:
+                raise ValueError(f"label of example {row} has {len(elements)} elements in view {VIEWS[k]}, more than "
+                                 f"the {max_elements} its encoding holds")
+            views[row, k, : len(elements)] = torch.tensor([_hash(e) for e in sorted(elements)], dtype=torch.long)
+    return LabelCodes(views, frames)
+
+
+def _code_counts(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """|A ∩ B| and |A ∪ B| (float64) for element-hash sets rows [n, E] x cols [N, E]: every row element is looked
+    up in every column's sorted set (searchsorted), so memory is N x n x E, not N x n x E x E."""
+    n, width = rows.shape
+    total = cols.shape[0]
+    sorted_cols = cols.sort(dim=1).values
+    queries = rows.reshape(1, n * width).expand(total, -1).contiguous()
+    where = torch.searchsorted(sorted_cols, queries).clamp(max=width - 1)
+    found = (sorted_cols.gather(1, where) == queries) & (queries != 0)
+    inter = found.view(total, n, width).sum(-1).T.double()
+    union = (rows != 0).sum(1, dtype=torch.float64)[:, None] + (cols != 0).sum(1, dtype=torch.float64)[None] - inter
+    return inter, union
+
+
+def code_score_matrices(rows: LabelCodes, cols: LabelCodes, row_offset: int, views: Sequence[int],
+                        combined: bool = False) -> torch.Tensor:
+    """[K, n, N] float32 on the codes' device: `view_score_matrices` (or `combined_score_matrix` as [1, n, N]) of
+    the encoded labels, with no host read.
+
+    One difference from `combined_score_matrix`, ours: a pair of different non-empty frames with no view present
+    scores 0, where the official code divides by zero (the step cannot stop on a value it does not read).
+    """
+    n, total = rows.frames.shape[0], cols.frames.shape[0]
+    _check_offset(n, total, row_offset)
+    if combined:
+        summed = torch.zeros(n, total, dtype=torch.float64, device=rows.views.device)
+        present = torch.zeros(n, total, dtype=torch.float64, device=rows.views.device)
+        for k in range(len(VIEWS)):  # k = 0..9 in order, as `combined_score_matrix` sums
+            inter, union = _code_counts(rows.views[:, k], cols.views[:, k])
+            summed += _jaccards(inter, union)
+            present += union > 0
+        mean = summed / present.clamp(min=1)
+        empty = (rows.frames[:, None] == 0) | (cols.frames[None] == 0)
+        equal = rows.frames[:, None] == cols.frames[None]
+        out = torch.where(empty, 0.0, torch.where(equal, 1.0, mean)).float()[None]
+    else:
+        out = torch.stack([_jaccards(*_code_counts(rows.views[:, k], cols.views[:, k])) for k in views]).float()
+    diag = torch.arange(n, device=out.device)
+    out[:, diag, diag + row_offset] = 1.0
+    return out

@@ -21,6 +21,7 @@ Losses (each an independent formula, see tests/test_victor_losses.py):
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -43,10 +44,16 @@ def random_permutations(batch: int, device: torch.device | str = "cpu") -> torch
     return torch.randint(len(PERMUTATIONS), (batch,), device=device)
 
 
+@functools.lru_cache(maxsize=None)
+def _table(steps: int | None, device: torch.device) -> torch.Tensor:
+    """On `device`, made once: the 6 permutations [6, 3] (steps None) or their frame orders [6, steps]."""
+    rows = PERMUTATIONS if steps is None else [segment_order(steps, p) for p in PERMUTATIONS]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
 def permute_frames(frames: torch.Tensor, permutation_ids: torch.Tensor) -> torch.Tensor:
     """frames [B, T, ...] with each clip's T steps reordered by its permutation."""
-    steps = frames.shape[1]
-    order = torch.tensor([segment_order(steps, p) for p in PERMUTATIONS], device=frames.device)[permutation_ids]
+    order = _table(frames.shape[1], frames.device)[permutation_ids]
     index = order.view(*order.shape, *([1] * (frames.ndim - 2))).expand_as(frames)
     return frames.gather(1, index)
 
@@ -56,16 +63,25 @@ def permute_sentences(input_ids: torch.Tensor, attention_mask: torch.Tensor, per
     """Reorder the real tokens of each row (positions 1 .. n-2, between [CLS] and [SEP]) by its permutation.
 
     `aligned` tensors of the same shape (e.g. MLM labels) get the same reordering. Returns the
-    reordered input_ids followed by the reordered aligned tensors.
+    reordered input_ids followed by the reordered aligned tensors. Rows have different lengths, so the
+    source of every position is computed with tensor ops on the device (no per-row loop, no host read):
+    output position j of the inner tokens lies in the o-th placed segment, which is original segment
+    perm[o], at the same offset from its start.
     """
     rows, width = input_ids.shape
-    lengths = attention_mask.sum(1).tolist()
-    index = torch.arange(width).repeat(rows, 1)
-    for row, (length, perm) in enumerate(zip(lengths, permutation_ids.tolist())):
-        inner = int(length) - 2
-        if inner > 0:
-            index[row, 1 : 1 + inner] = 1 + torch.tensor(segment_order(inner, PERMUTATIONS[perm]))
-    index = index.to(input_ids.device)
+    inner = (attention_mask.sum(1, keepdim=True) - 2).clamp(min=0)  # [B, 1] tokens between [CLS] and [SEP]
+    cuts = torch.cat([inner * i // 3 for i in range(4)], dim=1)  # [B, 4] bounds of the original segments
+    sizes = cuts[:, 1:] - cuts[:, :-1]
+    placed = _table(None, input_ids.device)[permutation_ids]  # [B, 3] original segment shown 1st, 2nd, 3rd
+    placed_ends = sizes.gather(1, placed).cumsum(1)  # [B, 3] where each placed segment ends in the output
+    position = torch.arange(width, device=input_ids.device).expand(rows, width)
+    j = position - 1  # index among the inner tokens
+    o = (j >= placed_ends[:, :1]).long() + (j >= placed_ends[:, 1:2]).long()
+    o = o.clamp(max=2)
+    source_segment = placed.gather(1, o)
+    offset = j - (placed_ends.gather(1, o) - sizes.gather(1, source_segment))
+    source = 1 + cuts.gather(1, source_segment) + offset
+    index = torch.where((j >= 0) & (j < inner), source, position)
     return tuple(t.gather(1, index) for t in (input_ids, *aligned))
 
 

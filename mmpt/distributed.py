@@ -8,13 +8,17 @@ with scatters on gloo, which has no reduce-scatter).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from mmpt.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,10 +66,11 @@ def barrier() -> None:
 
 
 class GatherClock:
-    """Seconds this process spent inside forward gathers: time spent waiting for other ranks,
-    which the engine subtracts to see how long a rank itself takes (straggler detection)."""
+    """Where forward gathers report their span ("gather"): mostly waiting for other ranks, which the engine
+    subtracts from its forward time to see how long a rank itself takes (straggler detection). The engine
+    sets `spans` (an `mmpt.engine.timing.Spans`); None (the default) times nothing."""
 
-    seconds = 0.0
+    spans = None
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -75,9 +80,12 @@ class _GatherWithGrad(torch.autograd.Function):
         ctx.rank = dist.get_rank(group)
         ctx.rows = tensor.shape[0]
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        started = time.perf_counter()
+        spans = GatherClock.spans
+        if spans is not None:
+            spans.start("gather")
         dist.all_gather(parts, tensor.contiguous(), group=group)
-        GatherClock.seconds += time.perf_counter() - started
+        if spans is not None:
+            spans.stop("gather")
         return torch.cat(parts, dim=0)
 
     @staticmethod
@@ -115,9 +123,14 @@ def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
 def contiguous_group(group_size: int | None) -> dist.ProcessGroup | None:
     """This rank's group when ranks are split into contiguous groups of `group_size` (None: all ranks).
 
-    Every rank must call it (group creation is collective), in the same order.
+    Every rank must call it (group creation is collective), in the same order. A size from
+    `local_world_size()` means "one group per node", which is checked against where ranks really run.
     """
     world = get_world_size()
+    if isinstance(group_size, RanksPerNode) and is_initialized():
+        layout = check_node_major(all_gather_objects((node_identity(), int(group_size))))
+        if get_rank() == 0:
+            log.info("one group per node: %s", layout)
     if group_size is None or group_size == world or not is_initialized():
         return None
     if group_size < 1 or world % group_size:
@@ -130,12 +143,68 @@ def contiguous_group(group_size: int | None) -> dist.ProcessGroup | None:
     return mine
 
 
-def local_world_size() -> int:
+class RanksPerNode(int):
+    """A group size that stands for "the ranks of one node", so that `contiguous_group` verifies the
+    node layout for it (and not for a size the user chose, whose groups may span nodes on purpose)."""
+
+
+def local_world_size() -> RanksPerNode:
     """Ranks on this node, from the launcher's environment (torchrun, deepspeed) or all ranks."""
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         if name in os.environ:
-            return int(os.environ[name])
-    return get_world_size()
+            return RanksPerNode(os.environ[name])
+    return RanksPerNode(get_world_size())
+
+
+def node_identity() -> str:
+    """Which node this process runs on: the host name, plus the launcher's node rank (torchrun's
+    GROUP_RANK, the deepspeed launcher's CROSS_RANK), which tells apart "nodes" sharing one host."""
+    node_rank = os.environ.get("GROUP_RANK", os.environ.get("CROSS_RANK"))
+    host = socket.gethostname()
+    return host if node_rank is None else f"{host}/node{node_rank}"
+
+
+class NodeLayoutError(ConfigError):
+    """Per-node groups would not match the nodes, so a loss would silently gather across them.
+    A config error: every rank finds it alike, and restarting the same launch cannot help."""
+
+
+def check_node_major(ranks: list[tuple[str, int]]) -> str:
+    """The layout in a line, or an error unless rank r runs on node r // L for every rank, L the ranks
+    per node that all ranks report.
+
+    `ranks[r]` is rank r's (node identity, ranks per node). Launchers number ranks node-major
+    (node n holds ranks n*L .. n*L+L-1); a launcher that interleaves nodes, or a ranks-per-node
+    variable that is missing or wrong, would make "per-node" groups span nodes.
+    """
+    sizes = sorted({size for _, size in ranks})
+    by_node: dict[str, list[int]] = {}
+    for rank, (node, _) in enumerate(ranks):
+        by_node.setdefault(node, []).append(rank)
+    layout = "; ".join(f"{node}: ranks {_spans(members)}" for node, members in by_node.items())
+    if len(sizes) > 1:
+        raise NodeLayoutError(f"group_size auto (one group per node) needs the same number of ranks on every node, "
+                              f"but ranks report {sizes} ranks on their node; the ranks run as {layout}")
+    per_node = sizes[0]
+    expected = [list(range(start, start + per_node)) for start in range(0, len(ranks), per_node)]
+    if sorted(by_node.values()) != expected:
+        raise NodeLayoutError(
+            f"group_size auto (one group per node, {per_node} ranks each by LOCAL_WORLD_SIZE or LOCAL_SIZE) needs "
+            f"ranks numbered node after node, node n holding ranks n*{per_node}..n*{per_node}+{per_node - 1}, but "
+            f"the {len(ranks)} ranks run as {layout}; launch them node-major or set method.loss.group_size to a "
+            f"number or world")
+    return layout
+
+
+def _spans(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5': a node's ranks in a line that stays short on large jobs."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def all_gather_with_grad(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ from torch import nn
 from conftest import tiny_config, write_config
 from mmpt.config import ConfigError, load_config
 from mmpt.engine.deepspeed_config import deepspeed_config
-from mmpt.engine.optim import param_groups, warmup_cosine
+from mmpt.engine.optim import SkippingAdamW, param_groups, warmup_cosine
 from mmpt.engine.trainer import to_device
 
 
@@ -17,6 +17,50 @@ def test_warmup_then_cosine_to_floor():
     assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert factor(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert factor(14) == pytest.approx(0.1) and factor(100) == pytest.approx(0.1)
+
+
+def test_schedule_steps_through_open_clip_and_transformers_rates():
+    """Warmup and cosine as open_clip_train's `cosine_lr`; after warmup, with a floor, transformers' min-lr cosine."""
+    from open_clip_train.scheduler import cosine_lr
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+    open_clip_lr = cosine_lr(optimizer, 0.5, 7, 40)
+    ours = warmup_cosine(7, 40)
+    assert [0.5 * ours(s) for s in range(40)] == pytest.approx([open_clip_lr(s) for s in range(40)], rel=1e-12)
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(optimizer, 7, 40, min_lr_rate=0.2)
+    rates = []
+    for _ in range(40):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        theirs.step()
+    ours = warmup_cosine(7, 40, min_ratio=0.2)
+    assert [ours(s) for s in range(7, 40)] == pytest.approx(rates[7:], rel=1e-12)
+    assert rates[0] == 0.0 and ours(0) == pytest.approx(1 / 7)  # the one difference: no step without learning
+
+
+def test_skipping_adamw_skips_non_finite_steps_on_the_device():
+    torch.manual_seed(0)
+    weights = nn.Parameter(torch.randn(5))
+    reference = torch.optim.AdamW([nn.Parameter(weights.detach().clone())], lr=0.1, fused=True)
+    optimizer = SkippingAdamW([weights], lr=0.1, fused=True)
+    for step, bad in enumerate([False, True, False]):
+        gradient = torch.randn(5)
+        weights.grad = gradient.clone()
+        if bad:
+            weights.grad[2] = float("nan")
+        before = weights.detach().clone()
+        optimizer.step()
+        assert float(optimizer.skipped) == float(bad)
+        if bad:
+            assert torch.equal(weights, before)
+            continue
+        reference.param_groups[0]["params"][0].grad = gradient
+        reference.step()
+        assert torch.equal(weights, reference.param_groups[0]["params"][0])  # moments and step count untouched too
+    assert int(optimizer.state[weights]["step"]) == 2
 
 
 def test_weight_decay_groups():
@@ -84,10 +128,38 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path, caplog):
     assert "step_000000012" in caplog.text
     (root / "latest").write_text("step_000000012")  # a pointer to an incomplete one is not trusted
     assert find_resume(tmp_path, "auto") == root / "step_000000008"
-    (root / "step_000000008" / "rank_1.pt").unlink()  # a rank's part missing: incomplete too
+    (root / "step_000000008" / "complete.json").write_text("{")  # a marker cut short: incomplete too
     assert find_resume(tmp_path, "auto") == root / "step_000000004"
     assert find_resume(tmp_path, "none") is None
     from mmpt.config import ConfigError
 
     with pytest.raises(ConfigError, match="not a complete checkpoint"):  # a one-line config stop, exit 2
         find_resume(tmp_path, str(root / "step_000000012"))
+
+
+def test_streamed_weights_are_a_safetensors_file_of_the_full_state(tmp_path):
+    from safetensors.torch import load_file
+
+    from mmpt.engine.checkpoint import write_weights
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 7), nn.BatchNorm1d(7))
+    model[1].weight = model[0].weight  # tied: saved under both names
+    model.scale = nn.Parameter(torch.tensor(2.5))  # 0-D
+    model.register_buffer("nothing", torch.zeros(0, 4))
+    path = tmp_path / "model.safetensors"
+    write_weights(model, path)
+    loaded = load_file(str(path))
+    expected = model.state_dict()
+    assert set(loaded) == set(expected)
+    for name, value in expected.items():
+        assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], value.float()), name
+    assert path.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -57,6 +57,21 @@ def test_killed_run_restarts_and_ends_with_the_uninterrupted_weights(tmp_path, d
         assert torch.equal(final[key], value), key
 
 
+def test_a_rank_that_cannot_write_its_checkpoint_stops_every_rank(tmp_path, digits_root):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=STEPS))
+    env = dict(launcher_env(), MMPT_INJECT_FAULT="fail@save:after_engine,step=8,rank=1")
+    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 5, result.stderr[-3000:]  # the documented exit code of a checkpoint stop
+    lines = sorted(line for line in (result.stderr + result.stdout).splitlines() if line.startswith("mmpt: "))
+    assert len(lines) == 2 and "Traceback" not in result.stderr + result.stdout, lines
+    assert lines[0].startswith("mmpt: checkpoint error: ") and "rank(s) [1] could not write their files" in lines[0]
+    assert lines[1].startswith("mmpt: rank 1: checkpoint error: ") and "OSError: injected write failure" in lines[1]
+    checkpoints = run_dir / "checkpoints"
+    assert not (checkpoints / "step_000000008" / "complete.json").exists()
+    assert (checkpoints / "latest").read_text() == "step_000000004"
+
+
 def test_watchdog_names_the_sleeping_rank_and_exits(tmp_path, digits_root):
     config = write_config(tmp_path / "cfg.yaml", tiny_config(
         digits_root, tmp_path / "run", train={**STEPS, "watchdog_timeout": 5, "save_every": 0}))
@@ -137,7 +152,7 @@ def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(tmp_path, digits_root,
     assert result.returncode == 0, result.stderr[-3000:]
     records = {r["step"]: r for r in read_metrics(run_dir) if "loss/total" in r}
     assert [records[s]["skipped_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]
-    assert "step 3 skipped: non-finite loss or gradients (1 in a row" in result.stderr + result.stdout
+    assert "1 step(s) skipped up to step 3: non-finite loss or gradients (1 in a row" in result.stderr + result.stdout
     assert all(torch.isfinite(value).all() for value in load_file(str(run_dir / "model.safetensors")).values())
 
 

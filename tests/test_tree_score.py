@@ -10,7 +10,9 @@ import torch
 from mmpt.losses.tree_score import (
     VIEWS,
     clean_frame,
+    code_score_matrices,
     combined_score_matrix,
+    encode_labels,
     fix_label,
     frame_views,
     tree_score,
@@ -315,6 +317,39 @@ def test_batch_matrices_equal_scalar_functions(seed):
     else:
         got = combined_score_matrix(rows, cols, row_offset=offset)
         assert got.dtype == torch.float32 and torch.equal(got, combined)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_scores_of_encoded_labels_equal_the_scalar_functions(seed):
+    """The training step's tensor path (`encode_labels` + `code_score_matrices`) against the per-pair functions;
+    where the official code divides by zero, the tensor path scores 0 (and nothing else differs)."""
+    rng = random.Random(2000 + seed)
+    cols = random_labels(100 + seed, 40)
+    if seed % 2:
+        cols = [fix_label(label) for label in cols]
+    n_rows = rng.randint(1, 12)
+    offset = rng.randint(0, len(cols) - n_rows)
+    rows = cols[offset : offset + n_rows]
+    views = rng.sample(range(10), rng.randint(1, 10))
+    per_view, _ = expected_matrices(rows, cols, offset, views)
+    row_codes, col_codes = encode_labels(rows, 8), encode_labels(cols, 8)
+    assert torch.equal(code_score_matrices(row_codes, col_codes, offset, views), per_view)
+    combined = torch.tensor([[tree_score_or_zero(a, b) for b in cols] for a in rows], dtype=torch.float64).float()
+    combined[torch.arange(n_rows), offset + torch.arange(n_rows)] = 1.0
+    assert torch.equal(code_score_matrices(row_codes, col_codes, offset, [0], combined=True)[0], combined)
+
+
+def tree_score_or_zero(a, b):
+    try:
+        return tree_score(a, b)
+    except ZeroDivisionError:
+        return 0.0
+
+
+def test_label_encoding_says_which_example_overflows():
+    crowded = {"hotel": {"inform": {f"slot{i}": [v("x")] for i in range(5)}}}
+    with pytest.raises(ValueError, match="example 1 has 5 elements in view S, more than the 4"):
+        encode_labels([{}, crowded], 4)
 
 
 def test_batch_diagonal_is_one_for_empty_labels():

@@ -21,6 +21,7 @@ from mmpt.losses.victor import (
     order_loss,
     permute_frames,
     permute_sentences,
+    segment_order,
     queue_nce,
 )
 from torch import nn
@@ -127,6 +128,21 @@ def test_sentence_permutation_keeps_cls_sep_and_padding_and_moves_labels_along()
     assert torch.equal(moved[moved != IGNORE], shuffled[moved != IGNORE] + 1000)
 
 
+def test_sentence_permutation_equals_a_per_row_reordering():
+    """Every length (no inner token up to a full row) and permutation, against `segment_order` row by row."""
+    width = 12
+    lengths = torch.arange(0, width + 1).repeat_interleave(len(PERMUTATIONS))
+    perms = torch.arange(len(PERMUTATIONS)).repeat(width + 1)
+    mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    ids = torch.arange(width).repeat(len(lengths), 1) * mask
+    shuffled, = permute_sentences(ids, mask, perms)
+    for row, (length, perm) in enumerate(zip(lengths.tolist(), perms.tolist())):
+        inner = max(0, length - 2)
+        expected = list(range(width))
+        expected[1 : 1 + inner] = [1 + i for i in segment_order(inner, PERMUTATIONS[perm])]
+        assert shuffled[row].tolist() == [ids[row, i].item() for i in expected], (length, perm)
+
+
 def test_token_masking_follows_bert_proportions_and_spares_special_tokens():
     torch.manual_seed(0)
     ids = torch.randint(5, 1000, (400, 64))
@@ -162,6 +178,17 @@ def test_queue_is_fifo_and_wraps():
     assert sorted(queue.contents()[:, 0].tolist()) == [4, 5, 6, 7, 8]
     queue.push(torch.arange(100, 107).float()[:, None].repeat(1, 2))  # more than the queue holds
     assert sorted(queue.entries[:, 0].tolist()) == [102, 103, 104, 105, 106]
+
+
+def test_queue_pointers_come_back_with_its_state():
+    saved = MemoryQueue(5, 2)
+    saved.push(torch.ones(3, 2))
+    restored = MemoryQueue(5, 2)
+    restored.push(torch.zeros(1, 2))
+    restored.load_state_dict(saved.state_dict())  # as a checkpoint load does
+    restored.push(torch.full((3, 2), 2.0))  # continues after the saved entries: slots 3, 4, 0
+    assert restored.entries[:, 0].tolist() == [2, 1, 1, 2, 2]
+    assert int(restored.count) == 5 and int(restored.position) == 1
 
 
 def queue_on_ranks(rank, size):

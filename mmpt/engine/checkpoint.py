@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import shutil
+import struct
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from mmpt import distributed as mdist
@@ -34,6 +37,11 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 COMPLETE = "complete.json"
+
+
+class CheckpointError(RuntimeError):
+    """A rank could not write its part of a checkpoint (a full disk, permissions): every rank stops, and the
+    previous complete checkpoint is the one to resume from."""
 
 
 def tag_for(step: int) -> str:
@@ -74,22 +82,35 @@ def _numpy_state_from_plain(state: list) -> tuple:
 
 
 def save(engine, run_dir: Path, step: int, rank_state: dict[str, Any], keep_last: int) -> Path:
-    """Every rank calls this. A checkpoint counts only once `complete.json` is in it, which rank 0
-    writes after every rank has finished; `latest` moves after that. A kill at any moment leaves the
-    previous complete checkpoint as the one to resume from."""
+    """Every rank calls this. Each rank writes and fsyncs its files, then all ranks agree, through one
+    collective, that every rank's files are down; only then does rank 0 write `complete.json` (a checkpoint
+    counts only with it) and move `latest`. A kill at any moment leaves the previous complete checkpoint
+    as the one to resume from; a rank that cannot write stops every rank, naming itself."""
     root = run_dir / CHECKPOINTS
     tag = tag_for(step)
     rank = mdist.get_rank()
     if rank == 0:
         (root / tag / COMPLETE).unlink(missing_ok=True)  # re-saving a step: it is incomplete until done
     mdist.barrier()
-    # `universal_checkpoint_info` lets DeepSpeed convert this checkpoint for another number of ranks.
-    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step, "universal_checkpoint_info": {}},
-                           save_latest=False)
-    faults.inject("save:after_engine", step, rank)
-    _atomic_torch_save(rank_state, root / tag / f"rank_{rank}.pt")
-    faults.inject("save:after_rank_state", step, rank)
-    mdist.barrier()
+    failure = None
+    try:
+        with _fsynced_writes(engine):
+            # `universal_checkpoint_info` lets DeepSpeed convert this checkpoint for another number of ranks.
+            engine.save_checkpoint(str(root), tag=tag, client_state={"step": step, "universal_checkpoint_info": {}},
+                                   save_latest=False)
+        faults.inject("save:after_engine", step, rank)
+        _atomic_torch_save(rank_state, root / tag / f"rank_{rank}.pt")
+        faults.inject("save:after_rank_state", step, rank)
+    except Exception as exc:  # reported to every rank below, then raised here
+        failure = exc
+    done = mdist.all_gather_floats([0.0 if failure else 1.0])
+    failed = [r for r, (ok,) in enumerate(done) if not ok]
+    if failure is not None:
+        raise CheckpointError(f"{root / tag}: rank {rank} could not write its files: "
+                              f"{type(failure).__name__}: {failure}") from failure
+    if failed:
+        raise CheckpointError(f"{root / tag}: rank(s) {failed} could not write their files (their own line says "
+                              "why); the previous complete checkpoint is the one to resume from")
     if rank == 0:
         _atomic_write(root / tag / COMPLETE, json.dumps({"step": step, "world_size": mdist.get_world_size()}))
         faults.inject("save:before_latest", step, rank)
@@ -100,27 +121,59 @@ def save(engine, run_dir: Path, step: int, rank_state: dict[str, Any], keep_last
     return root / tag
 
 
+@contextmanager
+def _fsynced_writes(engine):
+    """Every file DeepSpeed writes for `engine` (through its checkpoint engine) is fsynced by the rank that
+    wrote it, before that rank reports its part done: a crash of the machine after `complete.json` cannot
+    leave a checkpoint whose parts are still in a page cache."""
+    writer = engine.checkpoint_engine
+    save = writer.save
+
+    def save_and_sync(state_dict, path, *args, **kwargs):
+        result = save(state_dict, path, *args, **kwargs)
+        _fsync(Path(path))
+        return result
+
+    writer.save = save_and_sync
+    try:
+        yield
+    finally:
+        writer.save = save
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or a directory's entries) to stable storage."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def _atomic_write(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text(text)
+    _fsync(temporary)
     temporary.replace(path)
+    _fsync(path.parent)
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
     torch.save(obj, temporary)
+    _fsync(temporary)
     temporary.replace(path)
+    _fsync(path.parent)
 
 
 def is_complete(checkpoint: Path) -> bool:
-    marker = checkpoint / COMPLETE
-    if not marker.is_file():
-        return False
+    """A checkpoint is complete when its `complete.json` is there and readable: rank 0 writes it only after
+    every rank reported its files written and synced (no per-rank file is looked at, which on a large job
+    would be thousands of metadata reads on a shared filesystem from every rank)."""
     try:
-        world_size = json.loads(marker.read_text())["world_size"]
-    except (ValueError, KeyError):
+        return int(json.loads((checkpoint / COMPLETE).read_text())["world_size"]) > 0
+    except (OSError, ValueError, KeyError, TypeError):
         return False
-    return all((checkpoint / f"rank_{r}.pt").is_file() for r in range(world_size))
 
 
 def _prune(root: Path, step: int, keep_last: int) -> None:
@@ -220,28 +273,70 @@ def rank_states(checkpoint: Path) -> list[dict[str, Any]]:
     return [torch.load(checkpoint / f"rank_{r}.pt", weights_only=True) for r in range(saved_world_size(checkpoint))]
 
 
-def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """Full fp32 weights on rank 0 (None elsewhere); every rank calls it.
+def _full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(name, full fp32 tensor on the CPU of rank 0, None elsewhere) of every state-dict entry, one at a time;
+    every rank iterates (a parameter partitioned by ZeRO-3 is gathered as it comes).
 
-    Parameters come from the optimizer's fp32 master copy where one exists (bf16/fp16, any ZeRO
-    stage), gathered one at a time so no rank ever holds two full copies of the model.
+    Parameters come from the optimizer's fp32 master copy where one exists (bf16/fp16, any ZeRO stage),
+    so no rank ever holds more than one full parameter besides its own shard.
     """
     from deepspeed.utils import safe_get_full_fp32_param
 
     params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
-    full: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict(keep_vars=True).items():
         tensor = safe_get_full_fp32_param(params[name]) if name in params else None
         if tensor is None:
             tensor = value  # a buffer, or a parameter without a master copy (fp32 at ZeRO 0)
-        if mdist.get_rank() == 0:
-            full[name] = tensor.detach().float().cpu().clone().contiguous()
+        yield name, tensor.detach().float().cpu().contiguous() if mdist.get_rank() == 0 else None
+
+
+def _full_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every state-dict entry's full shape, known without gathering (ZeRO-3 keeps it in `ds_shape`)."""
+    return {name: tuple(getattr(value, "ds_shape", value.shape)) for name, value in model.state_dict(keep_vars=True).items()}
+
+
+def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Full fp32 weights on rank 0 (None elsewhere); every rank calls it."""
+    full = {name: tensor.clone() for name, tensor in _full_weights(model) if tensor is not None}
     return full if mdist.get_rank() == 0 else None
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
-    save_file(state_dict, str(path))
-    shareable(path)
+def write_weights(model: nn.Module, path: Path) -> None:
+    """Consolidated fp32 weights as safetensors, streamed: rank 0 writes each tensor as it is gathered, so
+    neither the accelerator nor the host ever holds a second full model. Every rank calls it.
+
+    The safetensors layout is written directly: an 8-byte little-endian header length, a JSON header naming
+    every tensor's dtype, shape and byte range (known up front from the shapes), then the bytes in that order.
+    """
+    shapes = _full_shapes(model)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    handle = None
+    if mdist.get_rank() == 0:
+        temporary = path.with_name(f".{path.name}.tmp")
+        handle = open(temporary, "wb")
+    try:
+        if handle is not None:
+            handle.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, tensor in _full_weights(model):
+            if handle is None:
+                continue
+            if tuple(tensor.shape) != shapes[name]:
+                raise RuntimeError(f"{name}: gathered shape {tuple(tensor.shape)} differs from {shapes[name]}")
+            handle.write(tensor.reshape(-1).numpy().view(np.uint8))
+    finally:
+        if handle is not None:
+            handle.close()
+    if handle is not None:
+        _fsync(temporary)
+        temporary.replace(path)
+        shareable(path)
 
 
 def shareable(path: Path) -> None:

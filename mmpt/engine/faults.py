@@ -3,6 +3,7 @@
     MMPT_INJECT_FAULT="kill@save:after_engine,step=4,rank=1"     SIGKILL this rank at that point
     MMPT_INJECT_FAULT="sleep=30@forward,step=3,rank=1"           sleep there (a hung or slow rank)
     MMPT_INJECT_FAULT="nan@loss,step=3,rank=0"                   make the loss NaN there
+    MMPT_INJECT_FAULT="fail@save:after_engine,step=4,rank=1"     raise OSError there (e.g. a full disk)
 
 Several faults are separated by `;`. A fault without `step`/`rank` fires at every step / on every rank;
 `once=PATH` makes it fire only while PATH does not exist (it is created first), so a restarted run
@@ -53,6 +54,8 @@ def inject(point: str, step: int, rank: int) -> str | None:
             open(fault.once, "w").close()
         if fault.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault.action == "fail":
+            raise OSError(f"injected write failure at {point}, step {step}")
         if fault.action.startswith("sleep="):
             time.sleep(float(fault.action.split("=", 1)[1]))
         return fault.action

@@ -1,7 +1,8 @@
 """Training metrics: per-step loss terms averaged over ranks, throughput, per-rank step time.
 
 Rank 0 writes `metrics.jsonl` (one line per logged step), TensorBoard scalars and a progress bar.
-`log` is a collective: every rank calls it at the same steps.
+`log` is a collective: every rank calls it at the same steps. Loss terms are summed on the device
+and read only there, so steps between logging steps never wait for the host.
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ class MetricLogger:
         self.stragglers: dict[int, float] = {}  # rank -> worst step time / median seen while named
         self.global_batch = global_batch
         self.data_counts: dict[str, dict[str, int]] = {}  # the latest reduced sample counts, for the summary
-        self._sums: dict[str, float] = defaultdict(float)
+        self._sums: dict[str, torch.Tensor] = {}
         self._count = 0
-        self._step_time = self._data_time = self._forward_time = 0.0
         self._window_start = time.perf_counter()
         self._jsonl = self._writer = self._bar = None
         if self.rank == 0:
@@ -45,39 +45,48 @@ class MetricLogger:
             if progress_bar:
                 self._bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True, mininterval=1.0)
 
-    def update(self, losses: dict[str, float], step_time: float, data_time: float, forward_time: float = 0.0) -> None:
+    def update(self, losses: dict[str, torch.Tensor]) -> None:
+        """Add one step's loss terms (device tensors; nothing is read back here)."""
         for name, value in losses.items():
-            self._sums[name] += value
+            value = value.detach().double()
+            self._sums[name] = self._sums[name] + value if name in self._sums else value
         self._count += 1
-        self._step_time += step_time
-        self._data_time += data_time
-        self._forward_time += forward_time
         if self._bar is not None:
             self._bar.update(1)
 
-    def log(self, step: int, lr: float, extra: dict[str, float] | None = None) -> dict[str, float]:
-        """Reduce the window over ranks and emit it; returns the record (on every rank)."""
+    def reduce(self, step: int, lr: float, times: dict[str, float], extra: dict[str, float] | None = None) -> dict:
+        """The window reduced over ranks, as a record (on every rank); `write` emits it.
+
+        `times`: this rank's seconds in the window's "data" and "forward" spans ("gather" waits taken out),
+        read after the window's work has finished, so the window's wall time is the work's time too.
+        """
         names = sorted(self._sums)
         count = max(1, self._count)
-        means = mdist.all_reduce_mean(torch.tensor([self._sums[n] / count for n in names], dtype=torch.float64))
-        per_rank = mdist.all_gather_floats([self._step_time / count, self._data_time / count, self._forward_time / count])
+        local = torch.stack([self._sums[n] for n in names]) / count if names else torch.zeros(0, dtype=torch.float64)
+        means = mdist.all_reduce_mean(local).tolist()
         elapsed = time.perf_counter() - self._window_start
-        record: dict = {"step": step, "lr": lr, **{f"loss/{n}": v for n, v in zip(names, means.tolist())}}
+        forward = times.get("forward", 0.0) - times.get("gather", 0.0)
+        per_rank = mdist.all_gather_floats([elapsed / count, times.get("data", 0.0) / count, forward / count])
+        record: dict = {"step": step, "lr": lr, **{f"loss/{n}": v for n, v in zip(names, means)}}
         record["samples_per_s"] = self._count * self.global_batch / max(elapsed, 1e-9)
         record["step_time_per_rank"] = [round(t, 5) for t, _, _ in per_rank]
         record["data_time_per_rank"] = [round(d, 5) for _, d, _ in per_rank]
         record["forward_time_per_rank"] = [round(f, 5) for _, _, f in per_rank]
         record.update(extra or {})
-        if self.rank == 0:
-            # Waiting in a collective makes every rank's step as slow as the slowest, so a straggler
-            # shows in the time it works on its own: data + forward (less the loss's gather waits).
-            self._watch_stragglers(step, [d + f for _, d, f in per_rank])
-            self._emit(step, record)
         self._sums.clear()
         self._count = 0
-        self._step_time = self._data_time = self._forward_time = 0.0
         self._window_start = time.perf_counter()
         return record
+
+    def write(self, step: int, record: dict) -> None:
+        """Rank 0: check for stragglers, then write the record (jsonl, TensorBoard, console)."""
+        if self.rank != 0:
+            return
+        # Waiting in a collective makes every rank's step as slow as the slowest, so a straggler
+        # shows in the time it works on its own: data + forward (less the loss's gather waits).
+        self._watch_stragglers(step, [d + f for d, f in zip(record["data_time_per_rank"],
+                                                             record["forward_time_per_rank"])])
+        self._emit(step, record)
 
     def _watch_stragglers(self, step: int, busy_times: list[float]) -> None:
         """Name a rank slower than the median by `straggler_factor` for `straggler_windows` windows in a row."""

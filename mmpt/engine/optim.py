@@ -1,4 +1,4 @@
-"""Optimizer with weight-decay groups and the warmup + cosine learning-rate schedule."""
+"""Optimizer with weight-decay groups and the warmup + cosine (or linear) learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -25,19 +25,28 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> 
 
 
 class SkippingAdamW(torch.optim.AdamW):
-    """AdamW that skips a step whose gradients are not all finite, and says so through `overflow`,
-    which DeepSpeed reads to count the step as skipped. For ZeRO stage 0, where DeepSpeed steps the
-    optimizer as given; stages 1-3 detect non-finite gradient norms themselves."""
+    """AdamW that skips a step whose gradients are not all finite, without reading anything back to the host.
 
-    overflow = False
+    For ZeRO stage 0, where DeepSpeed steps the optimizer as given (stages 1-3 detect non-finite gradient
+    norms themselves). The finiteness flag stays on the device: the fused kernel takes it as `found_inf`
+    (the hook torch's GradScaler uses) and then leaves weights, moments and step counts untouched.
+    DeepSpeed therefore sees every step as applied; `skipped` (1.0 after a skipped step, else 0.0) is
+    what the engine's non-finite guard accumulates and reads once per logging window.
+    """
+
+    overflow = False  # what DeepSpeed reads; the real answer is the device tensor `skipped`
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skipped: torch.Tensor | None = None
 
     @torch.no_grad()
     def step(self, closure=None):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        # One (foreach) norm over all gradients: non-finite exactly when some entry is inf or nan.
-        self.overflow = bool(grads) and not torch.isfinite(torch.nn.utils.get_total_norm(grads)).item()
-        if self.overflow:
-            return None
+        if grads:
+            # One (foreach) norm over all gradients: non-finite exactly when some entry is inf or nan.
+            self.found_inf = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
+            self.skipped = self.found_inf
         return super().step(closure)
 
 
@@ -51,7 +60,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0) -> 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.0,
                   decay: str = "cosine") -> Callable[[int], float]:
-    """LR multiplier: linear from 1/warmup to 1 over `warmup_steps`, then `decay` (cosine or linear) to `min_ratio`."""
+    """LR multiplier: linear from 1/warmup to 1 over `warmup_steps`, then `decay` (cosine or linear) to `min_ratio`.
+
+    Kept rather than taken from transformers because the warmup is open_clip's (`(step + 1) / warmup`:
+    the first step already learns, where transformers' schedules start at 0), so a run steps through the
+    same learning rates as `open_clip_train`'s `cosine_lr`; after warmup it is transformers'
+    `get_cosine_with_min_lr_schedule_with_warmup` (cosine) or a linear decay with the same floor, which
+    transformers' linear schedule lacks. tests/test_engine.py checks both equalities.
+    """
 
     def factor(step: int) -> float:
         if step < warmup_steps:

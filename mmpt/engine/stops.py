@@ -7,10 +7,12 @@
 | 2 | config error: a key, value or combination that cannot work (every rank finds it alike) |
 | 3 | data error: missing shards, a source without a needed field, too many unusable samples |
 | 4 | non-finite training: too many optimizer steps in a row with a NaN/Inf loss or gradient |
+| 5 | checkpoint error: a rank could not write its part of a checkpoint (the previous one stands) |
 | 75 | watchdog: a rank made no progress (`mmpt.engine.watchdog`), restart to resume |
 
 A stop that every rank finds alike (config, non-finite) is said in full by rank 0; the others say
-one short line. A data error belongs to one rank's readers, so each rank that has one says it.
+one short line. A data or checkpoint error belongs to one rank's readers or files, so each rank that
+has one says it (for a checkpoint, the others say which ranks failed).
 A rank that loses its peers because one of them stopped says so in one line. `MMPT_DEBUG=1` shows
 the traceback of every stop instead.
 """
@@ -22,9 +24,10 @@ from dataclasses import dataclass
 
 from mmpt.config import ConfigError
 from mmpt.data.shards import DataError
+from mmpt.engine.checkpoint import CheckpointError
 from mmpt.engine.guards import NonFiniteError
 
-EXIT_UNEXPECTED, EXIT_CONFIG, EXIT_DATA, EXIT_NON_FINITE, EXIT_HANG = 1, 2, 3, 4, 75
+EXIT_UNEXPECTED, EXIT_CONFIG, EXIT_DATA, EXIT_NON_FINITE, EXIT_CHECKPOINT, EXIT_HANG = 1, 2, 3, 4, 5, 75
 # Errors a surviving rank gets from its collective library when a peer process is gone.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
              "NCCL communicator was aborted", "Socket Timeout")
@@ -41,6 +44,7 @@ STOPS: dict[type[Exception], Stop] = {
     ConfigError: Stop("config error", EXIT_CONFIG, True),
     DataError: Stop("data error", EXIT_DATA, False),
     NonFiniteError: Stop("non-finite training", EXIT_NON_FINITE, True),
+    CheckpointError: Stop("checkpoint error", EXIT_CHECKPOINT, False),
 }
 
 

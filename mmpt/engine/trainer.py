@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,8 @@ from mmpt.engine import checkpoint, faults
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.metrics import MetricLogger
-from mmpt.engine.optim import build_optimizer, optimizer_state_bytes, warmup_cosine
+from mmpt.engine.timing import Spans
+from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
 from mmpt.engine.watchdog import Watchdog
 from mmpt.engine.zero3_guard import partitioned_parameter_guard
 from mmpt.hub import WEIGHTS, load_run
@@ -163,38 +164,45 @@ def train(cfg: Config) -> dict[str, Any]:
         watchdog.beat(at_step, phase)
         return faults.inject(phase, at_step, rank)  # no-op unless a test injects a fault here
 
-    guard = NonFiniteGuard(cfg.train.max_bad_steps)
+    guard = NonFiniteGuard(cfg.train.max_bad_steps, engine.device)
+    spans = mdist.GatherClock.spans = Spans(cuda=engine.device.type == "cuda")
     first_step = step
     try:
         while step < cfg.train.max_steps:
-            started = time.perf_counter()
             reached("data", step + 1)
+            spans.start("data")
             micro_batches = [to_device(next(batches), engine.device, float_dtype) for _ in range(cfg.train.grad_accum)]
-            data_time = time.perf_counter() - started
+            spans.stop("data")
             # Under ZeRO-3 the first step of a process is checked for parameters used while partitioned.
             check = step == first_step and cfg.train.zero_stage == 3
             with partitioned_parameter_guard(engine.module, f"step {step + 1}", active=check):
-                losses, forward_time = optimizer_step(engine, method, micro_batches, lambda phase, at=step + 1: reached(phase, at))
+                losses = optimizer_step(engine, method, micro_batches, lambda phase, at=step + 1: reached(phase, at), spans)
                 if engine.was_step_applied():
                     after_optimizer_step(engine.module, cfg.train.zero_stage)
             step += 1
-            guard.check(step, engine.was_step_applied(), losses)
-            metrics.update(losses, time.perf_counter() - started, data_time, forward_time)
+            guard.update(step_skipped(engine))
+            metrics.update(losses)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
                 reached("log", step)
+                times = spans.take()  # waits for the window's work: the one host sync of a logging window
                 metrics.data_counts = reduced_data_counts(loader)
                 state_mib = mdist.all_gather_floats([optimizer_state_bytes(engine.optimizer, engine.module) / 2**20])
-                metrics.log(step, engine.get_lr()[0], {**data_counts.metrics(metrics.data_counts),
-                                                       "skipped_steps": engine.skipped_steps,
-                                                       "optimizer_state_mib_per_rank": [round(m[0], 1) for m in state_mib]})
+                record = metrics.reduce(step, engine.get_lr()[0], times, {
+                    **data_counts.metrics(metrics.data_counts), "skipped_steps": guard.read(),
+                    "optimizer_state_mib_per_rank": [round(m[0], 1) for m in state_mib]})
+                metrics.write(step, record)
+                guard.check(step, {k.removeprefix("loss/"): v for k, v in record.items() if k.startswith("loss/")})
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
                 reached("checkpoint", step)
                 state = {"data": loader.state_dict(), "rng": checkpoint.rng_state()}
                 checkpoint.save(engine, run_dir, step, state, cfg.train.keep_last)
     finally:
+        mdist.GatherClock.spans = None
         watchdog.close()
         metrics.close()
-    return finish(cfg, method, engine, run_dir, step)
+    handoff = [engine]  # finish() takes the only reference, to free the engine before evaluating
+    del engine
+    return finish(cfg, method, handoff, run_dir, step)
 
 
 def reduced_data_counts(loader: StatefulLoader) -> dict[str, dict[str, int]]:
@@ -293,25 +301,35 @@ def resume(cfg: Config, engine, loader: StatefulLoader, checkpoint_dir: Path | N
     return step, batches
 
 
+def step_skipped(engine) -> torch.Tensor | bool:
+    """Whether the optimizer step just taken was skipped for non-finite values: at ZeRO 0 a device tensor
+    `SkippingAdamW` left (not read here), at ZeRO 1-3 DeepSpeed's answer (it has read its overflow flag)."""
+    if isinstance(engine.optimizer, SkippingAdamW):
+        return engine.optimizer.skipped if engine.optimizer.skipped is not None else False
+    return not engine.was_step_applied()
+
+
 def optimizer_step(engine, method: Method, micro_batches: list[dict[str, Any]],
-                   phase: Callable[[str], str | None] = lambda name: None) -> tuple[dict[str, float], float]:
-    """Forward/backward every micro-batch and step: (each loss term averaged over them, forward seconds
-    not counting waits for other ranks in the loss's gathers).
+                   phase: Callable[[str], str | None] = lambda name: None,
+                   spans: Spans | None = None) -> dict[str, torch.Tensor]:
+    """Forward/backward every micro-batch and step: each loss term averaged over them, as device tensors
+    (nothing is read back to the host). `spans` times each forward ("forward"; the loss's gathers time
+    themselves as "gather").
 
     `phase(name)` is told where the step is (forward, backward, step), for the watchdog.
     """
+    spans = spans or Spans(cuda=False)
     pool = None
     if method.pooled_accumulation and len(micro_batches) > 1:
         phase("forward")
         with torch.no_grad():
             pool = engine(micro_batches, pool_pass=True)
-    sums: dict[str, float] = {}
-    forward_time = 0.0
+    sums: dict[str, torch.Tensor] = {}
     for index, batch in enumerate(micro_batches):
         phase("forward")
-        started, waited = time.perf_counter(), mdist.GatherClock.seconds
+        spans.start("forward")
         losses = engine(batch, pool, index)
-        forward_time += time.perf_counter() - started - (mdist.GatherClock.seconds - waited)
+        spans.stop("forward")
         total = sum(losses.values())
         if phase("backward") == "nan":  # an injected fault
             total = total * float("nan")
@@ -320,22 +338,38 @@ def optimizer_step(engine, method: Method, micro_batches: list[dict[str, Any]],
         phase("step")
         engine.step()
         for name, value in losses.items():
-            sums[name] = sums.get(name, 0.0) + value.item() / len(micro_batches)
+            share = value.detach() / len(micro_batches)
+            sums[name] = sums[name] + share if name in sums else share
     sums["total"] = sum(sums.values())
-    return sums, forward_time
+    return sums
 
 
-def finish(cfg: Config, method: Method, engine, run_dir: Path, step: int) -> dict[str, Any]:
-    """Consolidated fp32 weights, then the method's evaluation on a model loaded back from them."""
-    weights = checkpoint.gathered_state_dict(engine.module.model)
-    if mdist.get_rank() == 0:
-        checkpoint.save_weights(weights, run_dir / WEIGHTS)
+def finish(cfg: Config, method: Method, handoff: list, run_dir: Path, step: int) -> dict[str, Any]:
+    """Consolidated fp32 weights, then the method's evaluation on a model loaded back from them.
+
+    `handoff` holds the only reference to the engine: once the weights are written it is dropped, so the
+    evaluation model does not sit in accelerator memory beside the training one.
+    """
+    engine = handoff.pop()
+    checkpoint.write_weights(engine.module.model, run_dir / WEIGHTS)
+    device = engine.device
+    release(engine)
+    del engine
     mdist.barrier()
     if mdist.get_rank() != 0:
         return {}
-    model = load_run(run_dir, device=engine.device)[2]
+    model = load_run(run_dir, device=device)[2]
     results = method.evaluate(model, cfg, run_dir)
     if results:
         MetricLogger.append_summary(run_dir, {"step": step, **results})
         print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items()), flush=True)
     return results
+
+
+def release(engine) -> None:
+    """Free what the engine holds (DeepSpeed's buffers, the optimizer state); the caller drops the last reference."""
+    engine.destroy()
+    engine.optimizer = engine.lr_scheduler = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,9 +1,12 @@
 """Hang watchdog: every rank reports its progress; one that makes none for `timeout` seconds says
 where every rank is and ends the run with EXIT_HANG, so the launcher or scheduler can restart it.
 
-Progress is a (step, phase) pair written to `<run_dir>/heartbeats/rank_<r>.json` at every phase
-change (phases: data, forward, backward, step, log, checkpoint; the collectives of a step happen in
-backward and step). The lagging ranks are those furthest behind, or, when all are at the same point,
+Progress is a (step, phase) pair (phases: data, forward, backward, step, log, checkpoint; the
+collectives of a step happen in backward and step). The training loop only notes it in memory; the
+watchdog's thread writes the newest one to `<run_dir>/heartbeats/rank_<r>.json` when it checks (once a
+second; more often only for timeouts under 10 s), with the time it was noted, so the step does no file
+I/O and a shared filesystem sees at most one small write per rank and second. A rank stuck in a phase
+has written that phase within a second of entering it. The lagging ranks are those furthest behind, or, when all are at the same point,
 those silent longest: a rank stuck in a collective waits for exactly those.
 
 Rank 0 says the diagnosis: the other ranks wait `grace` seconds longer before they act, so a hang
@@ -33,21 +36,37 @@ class Watchdog:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.patience = timeout if rank == 0 else timeout + max(10.0, timeout / 2)
-        self.step, self.phase, self._last = 0, "start", time.monotonic()
+        self._progress, self._last = (0, "start", time.time()), time.monotonic()
+        self._written: tuple | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="mmpt-watchdog", daemon=True)
         if timeout > 0:
-            self.beat(0, "start")
+            self._write()
             self._thread.start()
 
     def beat(self, step: int, phase: str) -> None:
-        self.step, self.phase, self._last = step, phase, time.monotonic()
-        if self.timeout <= 0:
+        """Note progress (in memory only: the watchdog's thread writes it out)."""
+        self._progress = (step, phase, time.time())  # one assignment: the thread never sees half of it
+        self._last = time.monotonic()
+
+    @property
+    def step(self) -> int:
+        return self._progress[0]
+
+    @property
+    def phase(self) -> str:
+        return self._progress[1]
+
+    def _write(self) -> None:
+        """The newest progress to this rank's heartbeat file, if it changed since the last write."""
+        report = self._progress
+        if report == self._written:
             return
         path = self.folder / f"rank_{self.rank}.json"
         temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(json.dumps({"rank": self.rank, "step": step, "phase": phase, "time": time.time()}))
+        temporary.write_text(json.dumps({"rank": self.rank, "step": report[0], "phase": report[1], "time": report[2]}))
         temporary.replace(path)
+        self._written = report
 
     def close(self) -> None:
         self._stop.set()
@@ -56,6 +75,7 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout / 10)):
+            self._write()
             silent = time.monotonic() - self._last
             if silent > self.patience:
                 say(self.diagnosis(silent))

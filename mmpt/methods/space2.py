@@ -25,12 +25,13 @@ from mmpt.data.dialog_encoding import DialogEncoder, DialogInputSpec, collate_di
 from mmpt.data.loader import BatchStream
 from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.tree_contrastive import TreeContrastiveLoss
-from mmpt.losses.tree_score import VIEWS
+from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, VIEWS, LabelCodes
 from mmpt.methods.base import Method, MethodConfig, stream_spec
 from mmpt.models.space2 import Space2Encoder
 
 BACKBONE_DIR = "encoder"  # the backbone's config and tokenizer files inside a run directory
 BACKBONE_FILES = ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+ENCODER_INPUTS = ("input_ids", "positions", "turns", "roles", "attention_mask")  # what the encoder reads of a batch
 View = Literal["D", "I", "S", "V", "DI", "IS", "SV", "DIS", "ISV", "DISV"]
 
 
@@ -70,6 +71,8 @@ class Space2Config(MethodConfig):
     max_turns: int = Field(16, gt=0, le=16, description="utterances kept per example (the last ones)")
     max_len: int = Field(256, gt=0, description="tokens kept per example (the last ones)")
     mlm_probability: float = Field(0.15, ge=0, le=1)
+    max_label_elements: int = Field(MAX_LABEL_ELEMENTS, gt=0, description="elements per tree view a label may have "
+                                    "(labels travel as fixed-size tensors; a dialog with more is skipped and counted)")
     intent_eval: IntentEvalConfig = Field(default_factory=IntentEvalConfig)
 
 
@@ -113,7 +116,7 @@ class Space2Method(Method):
 
     def input_spec(self, cfg: Config) -> DialogInputSpec:
         m = cfg.method
-        return DialogInputSpec(m.max_utt_len, m.max_turns, m.max_len, m.mlm_probability)
+        return DialogInputSpec(m.max_utt_len, m.max_turns, m.max_len, m.mlm_probability, m.max_label_elements)
 
     def build_model(self, cfg: Config, run_dir: Path) -> Space2Encoder:
         m = cfg.method
@@ -138,7 +141,9 @@ class Space2Method(Method):
         groups = {"batch": batch} if "input_ids" in batch else batch
         terms = {}
         for name, group in groups.items():
-            labels = group["label"] if loss.supervised else [{}] * len(group["label"])
+            labels = LabelCodes(group["label_views"], group["label_frame"])
+            if not loss.supervised:  # every example unlabelled
+                labels = LabelCodes(torch.zeros_like(labels.views), torch.zeros_like(labels.frames))
             terms[f"{name}/contrastive"] = self.contrastive(model, loss.contrastive, group, labels)
             logits, targets = model.mlm_logits(group)
             terms[f"{name}/mlm"] = loss.mlm_weight * masked_lm_loss(logits, targets)
@@ -146,10 +151,10 @@ class Space2Method(Method):
 
     @staticmethod
     def contrastive(model: Space2Encoder, loss: TreeContrastiveLoss, group: dict[str, Any],
-                    labels: list[dict]) -> torch.Tensor:
+                    labels: LabelCodes) -> torch.Tensor:
         """Both dropout copies in one pass (the batch concatenated with itself), then the tree-scored loss."""
         n = group["input_ids"].shape[0]
-        doubled = {k: torch.cat([v, v]) for k, v in group.items() if isinstance(v, torch.Tensor)}
+        doubled = {k: torch.cat([group[k], group[k]]) for k in ENCODER_INPUTS}
         if loss.combined:
             features = model.dialog_vector(doubled)[:, None]
         else:
