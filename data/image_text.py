@@ -1,13 +1,19 @@
-"""Image-text samples: decode image bytes and caption, apply the image transform, tokenize."""
+"""Image-text samples: decode image bytes and caption, apply the image transform, tokenize.
+
+Training batches carry images as uint8 pixels (`uint8_transform`): a quarter of float32's bytes through
+the loader workers' IPC and the host-to-device copy. `normalize_pixels` finishes them on the device.
+"""
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from PIL import Image
+from torchvision import transforms as T
 
 from mmpt.data.loader import MissingFieldError
 
@@ -38,8 +44,39 @@ def decode_text(data: bytes | str) -> str:
     return data.decode("utf-8") if isinstance(data, bytes) else str(data)
 
 
+def uint8_transform(transform: T.Compose) -> T.Compose:
+    """`transform` (a Compose ending in ToTensor, Normalize) ending in uint8 [C, H, W] pixels instead.
+
+    The same steps before those two, so the same augmentation and the same pixels; `normalize_pixels`
+    later turns them into exactly what ToTensor + Normalize gave.
+    """
+    steps = list(getattr(transform, "transforms", ()))
+    if len(steps) < 2 or not isinstance(steps[-2], T.ToTensor) or not isinstance(steps[-1], T.Normalize):
+        raise ValueError(f"expected a torchvision Compose ending in ToTensor and Normalize, got {transform!r}")
+    return T.Compose([*steps[:-2], T.PILToTensor()])
+
+
+def normalize_pixels(pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float],
+                     dtype: torch.dtype) -> torch.Tensor:
+    """uint8 pixels [..., C, H, W] -> (x / 255 - mean) / std in `dtype`, on the pixels' device.
+
+    Computed in float32 with ToTensor's and Normalize's own operations, then cast: the result equals
+    the float pipeline's batch after the engine's cast to the training precision.
+    """
+    x = pixels.to(torch.float32).div(255)
+    return x.sub_(_channel_values(tuple(mean), x.device)).div_(_channel_values(tuple(std), x.device)).to(dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _channel_values(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """Per-channel constants as a [C, 1, 1] float32 tensor, made once per device rather than copied every step."""
+    return torch.tensor(values, dtype=torch.float32, device=device).view(-1, 1, 1)
+
+
 class ImageTextDecoder:
-    """Raw sample -> {"image": float tensor, "input_ids", "attention_mask"}; picklable for workers.
+    """Raw sample -> {"image": `image_transform`'s tensor, "input_ids", "attention_mask"}; picklable for workers.
+
+    Training passes a `uint8_transform`: pixels cross worker IPC as uint8 and are normalised on the device.
 
     `attention_mask=False` leaves the mask out, for text towers that find the end token themselves
     (open_clip's): one tensor fewer to pass from the loader workers per batch.

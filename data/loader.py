@@ -2,10 +2,10 @@
 
 Each worker owns one slot stream (`data.stream`), decodes and transforms samples, skips and counts
 the ones that fail, batches them and sends each batch together with the position of its stream
-after that batch. The main process keeps the position of the last batch it *handed to training*
-from every worker: that, plus how many batches were consumed, is the loader's state. PyTorch hands
-out iterable-dataset batches round-robin over workers, so on resume the workers are rotated to
-continue with the same worker that was next.
+after that batch (a `Delivery`; with a GPU, its tensors are pinned on arrival). The main process
+keeps the position of the last batch it *handed to training* from every worker: that, plus how many
+batches were consumed, is the loader's state. PyTorch hands out iterable-dataset batches round-robin
+over workers, so on resume the workers are rotated to continue with the same worker that was next.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -120,13 +120,13 @@ class BatchStream(IterableDataset):
         workers = max(1, self.spec.num_workers)
         return ((info.id if info else 0) + self.rotation) % workers
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[Delivery]:
         """Batches with their positions; a data error becomes a `fatal` item, raised by the main process
         as one line (a worker's exception would arrive wrapped in its traceback)."""
         try:
             yield from self._batches()
         except DataError as exc:
-            yield {"fatal": str(exc)}
+            yield Delivery(fatal=str(exc))
 
     def _batches(self) -> Iterator[dict]:
         spec = self.spec
@@ -214,12 +214,41 @@ class BatchStream(IterableDataset):
         source_counts["decoded"] += 1
         return sample
 
-    def _package(self, batch, worker, stream, status) -> dict:
-        return {
-            "batch": batch,
-            "position": {"worker": worker, "stream": stream.state_dict(), "counts": counts.merge({}, status["counts"])},
-            "last_error": status["last_error"],
-        }
+    def _package(self, batch, worker, stream, status) -> Delivery:
+        position = {"worker": worker, "stream": stream.state_dict(), "counts": counts.merge({}, status["counts"])}
+        return Delivery(batch, position, status["last_error"])
+
+
+@dataclass
+class Delivery:
+    """What a worker hands the main process: a batch and the position of its stream after it, or a fatal error."""
+
+    batch: Any = None
+    position: dict | None = None
+    last_error: str = ""
+    fatal: str | None = None  # a data error's one-line message
+
+    def pin_memory(self, device: Any = None) -> Delivery:
+        """Called by the DataLoader's pinning thread: pins the batch's tensors only. The position (plain
+        lists: a shuffle buffer's worth of sample identities) is passed on without being walked."""
+        return replace(self, batch=pin_tensors(self.batch))
+
+
+def pin_tensors(batch: Any) -> Any:
+    """`batch` with its tensors in page-locked memory, so that their host-to-device copies are asynchronous.
+
+    Dicts (per-source sub-batches too), lists, tuples and named tuples are walked and rebuilt; anything
+    else (strings, numbers, a dialog batch's labels and ids) is passed on as it is.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, dict):
+        return {key: pin_tensors(value) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(pin_tensors(value) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(pin_tensors(value) for value in batch)
+    return batch
 
 
 def _as_is(item: Any) -> Any:
@@ -316,17 +345,23 @@ class StatefulLoader:
             num_workers=spec.num_workers,
             persistent_workers=False,
             prefetch_factor=4 if spec.num_workers else None,
+            # Pinned in the DataLoader's own thread, so training's non_blocking copies to the GPU overlap compute.
+            pin_memory=pin_batches(),
         )
         # Started here, not lazily: starting draws from the global RNG, which a resumed run restores after this.
         return self._consume(iter(loader))
 
-    def _consume(self, items: Iterator[dict]) -> Iterator[Any]:
+    def _consume(self, items: Iterator[Delivery]) -> Iterator[Any]:
         for item in items:
-            if "fatal" in item:
-                raise DataError(item["fatal"])
-            position = item["position"]
-            self.positions[position["worker"]] = position
+            if item.fatal is not None:
+                raise DataError(item.fatal)
+            self.positions[item.position["worker"]] = item.position
             self.batches += 1
-            if item["last_error"]:
-                self._check_skip_rate(item["last_error"])
-            yield item["batch"]
+            if item.last_error:
+                self._check_skip_rate(item.last_error)
+            yield item.batch
+
+
+def pin_batches() -> bool:
+    """Whether loaders pin their batches: when there is a GPU to copy them to (on CPU there is nothing to gain)."""
+    return torch.cuda.is_available()

@@ -53,7 +53,7 @@ class ClipMethod(ImageTextMethod):
         text = m.text
         if text.vocab_size is None:
             text = text.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
-        return ClipModel(m.image, text, m.embed_dim)
+        return ClipModel(m.image, text, m.embed_dim, image_mean=m.image_mean, image_std=m.image_std)
 
     def build_loss(self, cfg: Config) -> nn.Module:
         return ContrastiveLoss()

@@ -11,7 +11,7 @@ from pydantic import Field
 from torch import nn
 
 from mmpt.config import Config, Section
-from mmpt.data.image_text import ImageTextDecoder
+from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, uint8_transform
 from mmpt.data.loader import BatchStream
 from mmpt.eval import resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
@@ -25,11 +25,25 @@ class ZeroShotConfig(Section):
     batch_size: int = Field(256, gt=0)
 
 
+def model_images(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """An image batch as `model` reads it: normalised floats, as `preprocess` gives them.
+
+    Training batches come from the loader as uint8 pixels and are normalised here, on the device, with
+    the model's `image_mean` / `image_std`, in the dtype of its parameters (the dtype the engine casts
+    floating inputs to). A floating batch is taken as normalised already.
+    """
+    if images.is_floating_point():
+        return images
+    return normalize_pixels(images, model.image_mean, model.image_std, next(model.parameters()).dtype)
+
+
 class ImageTextMethod(Method):
     """Subclasses supply `tokenizer_file_name`, `load_tokenizer`, `image_transform`, `build_model`, `build_loss`.
 
-    The model must have `encode_image`, `encode_text` and return (image features, text features,
-    logit scale multiplier) from `forward(images, input_ids, attention_mask)`.
+    The model must have `encode_image`, `encode_text`, `image_mean` and `image_std` (what its inputs are
+    normalised with) and return (image features, text features, logit scale multiplier) from
+    `forward(images, input_ids, attention_mask)`. `image_transform` is the float, normalising transform
+    released models offer (open_clip's convention); the training loader runs its `uint8_transform`.
     """
 
     def tokenizer_file_name(self, cfg: Config) -> str:
@@ -56,13 +70,15 @@ class ImageTextMethod(Method):
         return self.load_tokenizer(run_dir / self.tokenizer_file_name(cfg), cfg)
 
     def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
-        decoder = ImageTextDecoder(self.image_transform(cfg, train=True), self.tokenizer(cfg, run_dir),
-                                   attention_mask=self.uses_attention_mask)
+        """Batches with uint8 images; `training_step` normalises them on the device."""
+        transform = uint8_transform(self.image_transform(cfg, train=True))
+        decoder = ImageTextDecoder(transform, self.tokenizer(cfg, run_dir), attention_mask=self.uses_attention_mask)
         return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size), decoder)
 
     def training_step(self, model: nn.Module, loss: nn.Module, batch: dict[str, Any],
                       pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
-        image_features, text_features, scale = model(batch["image"], batch["input_ids"], batch.get("attention_mask"))
+        images = model_images(model, batch["image"])
+        image_features, text_features, scale = model(images, batch["input_ids"], batch.get("attention_mask"))
         if pool is None:
             return {"contrastive": loss(image_features, text_features, scale)}
         return {"contrastive": loss(image_features, text_features, scale, pool=pool, slot=index)}

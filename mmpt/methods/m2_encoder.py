@@ -20,11 +20,11 @@ from mmpt.data.tokenizer import TextTokenizer
 from mmpt.eval.retrieval import official_caption_normalization
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.methods.base import MethodConfig
-from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig
+from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig, model_images
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 from mmpt.models.m2_official import load_official
 
-OFFICIAL_MEAN = OFFICIAL_STD = (0.5, 0.5, 0.5)  # the official inception_normalize
+OFFICIAL_MEAN, OFFICIAL_STD = M2Encoder.image_mean, M2Encoder.image_std  # the official inception_normalize
 
 
 class GbaItcConfig(Section):
@@ -113,7 +113,7 @@ class M2EncoderMethod(ImageTextMethod):
     pooled_accumulation = True  # GBA-ITC: the step's K micro-batches form one negative pool
 
     def step_pool(self, model: M2Encoder, loss: GroupedContrastiveLoss, batches: list[dict[str, Any]]):
-        images = [model.encode_image(b["image"]) for b in batches]
+        images = [model.encode_image(model_images(model, b["image"])) for b in batches]
         texts = [model.encode_text(b["input_ids"], b["attention_mask"]) for b in batches]
         return loss.pool(images, texts)
 

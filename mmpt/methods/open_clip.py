@@ -18,7 +18,7 @@ from mmpt.config import Config
 from mmpt.losses import ContrastiveLoss
 from mmpt.methods.base import MethodConfig
 from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig
-from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer
+from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer, preprocess_settings
 
 
 class OpenClipConfig(MethodConfig):
@@ -48,22 +48,8 @@ class OpenClipMethod(ImageTextMethod):
                                interpolation=visual["interpolation"], resize_mode=visual["resize_mode"])
 
     def _preprocess(self, cfg: Config) -> dict:
-        """open_clip's preprocessing settings of the model (its vision_cfg keys, open_clip's defaults otherwise)."""
-        import open_clip
-
-        from mmpt.models.open_clip_model import register_model_config
-
-        name = register_model_config(cfg.method.model)
-        model_cfg = open_clip.get_model_config(name)
-        size = cfg.method.image_size or model_cfg["vision_cfg"]["image_size"]
-        vision = model_cfg.get("vision_cfg", {})
-        return {
-            "image_size": size,
-            "mean": vision.get("image_mean", open_clip.OPENAI_DATASET_MEAN),
-            "std": vision.get("image_std", open_clip.OPENAI_DATASET_STD),
-            "interpolation": vision.get("image_interpolation", "bicubic"),
-            "resize_mode": vision.get("image_resize_mode", "shortest"),
-        }
+        """open_clip's preprocessing settings of the model; the model normalises training images with the same."""
+        return preprocess_settings(cfg.method.model, cfg.method.image_size)
 
     def build_model(self, cfg: Config, run_dir: Path) -> OpenClipModel:
         return OpenClipModel(cfg.method.model, cfg.method.image_size)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import timm
 import torch
 import torch.nn.functional as F
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from pydantic import Field, model_validator
 from torch import nn
 from transformers import BertConfig, BertModel
@@ -58,10 +60,15 @@ def bert_text_encoder(cfg: TextTowerConfig) -> BertModel:
 
 
 class ClipModel(nn.Module):
-    """`encode_image` / `encode_text` return L2-normalised features in a shared `embed_dim` space."""
+    """`encode_image` / `encode_text` return L2-normalised features in a shared `embed_dim` space.
 
-    def __init__(self, image: ImageTowerConfig, text: TextTowerConfig, embed_dim: int, init_logit_scale: float = math.log(1 / 0.07)):
+    Images are expected normalised with `image_mean` / `image_std` (per channel, of pixels in [0, 1]).
+    """
+
+    def __init__(self, image: ImageTowerConfig, text: TextTowerConfig, embed_dim: int, init_logit_scale: float = math.log(1 / 0.07),
+                 image_mean: Sequence[float] = OPENAI_DATASET_MEAN, image_std: Sequence[float] = OPENAI_DATASET_STD):
         super().__init__()
+        self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
         self.visual = timm.create_model(image.timm_name, pretrained=False, num_classes=0, **image.timm_kwargs)
         self.image_projection = nn.Linear(self.visual.num_features, embed_dim, bias=False)
         self.text = bert_text_encoder(text)

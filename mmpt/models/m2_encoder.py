@@ -211,6 +211,8 @@ class M2Encoder(nn.Module):
     `logit_scale` has shape [1] (the official checkpoints store it 0-D; `m2_checkpoint` maps it).
     """
 
+    image_mean = image_std = (0.5, 0.5, 0.5)  # per channel, of pixels in [0, 1]
+
     def __init__(self, cfg: M2EncoderConfig):
         super().__init__()
         self.cfg = cfg

@@ -26,10 +26,27 @@ def register_model_config(model: str) -> str:
     return model
 
 
+def preprocess_settings(model: str, image_size: int | None = None) -> dict:
+    """open_clip's preprocessing settings of `model` (its vision_cfg keys, open_clip's defaults otherwise)."""
+    config = open_clip.get_model_config(register_model_config(model))
+    vision = config.get("vision_cfg", {})
+    return {
+        "image_size": image_size or vision["image_size"],
+        "mean": tuple(vision.get("image_mean", open_clip.OPENAI_DATASET_MEAN)),
+        "std": tuple(vision.get("image_std", open_clip.OPENAI_DATASET_STD)),
+        "interpolation": vision.get("image_interpolation", "bicubic"),
+        "resize_mode": vision.get("image_resize_mode", "shortest"),
+    }
+
+
 class OpenClipModel(nn.Module):
+    """An open_clip model; images are expected normalised with `image_mean` / `image_std` (its preprocessing's)."""
+
     def __init__(self, model: str, image_size: int | None = None):
         super().__init__()
         self.clip = open_clip.create_model(register_model_config(model), pretrained=None, force_image_size=image_size)
+        settings = preprocess_settings(model, image_size)
+        self.image_mean, self.image_std = settings["mean"], settings["std"]
         scale = self.clip.logit_scale.detach().reshape(1).clone()
         del self.clip.logit_scale
         self.clip.logit_scale = nn.Parameter(scale)
