@@ -93,6 +93,12 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     zero_stage: int = Field(0, ge=0, le=3)
     offload_optimizer: bool = False
+    reduce_bucket_size: int | None = Field(
+        None, gt=0, description="gradient elements per DeepSpeed reduction bucket (ZeRO 1-3), e.g. 50000000; "
+        "None: 5000000 at ZeRO 1-2 on CPU ranks, DeepSpeed's 500000000 on GPUs and at ZeRO-3")
+    overlap_comm: bool | None = Field(
+        None, description="ZeRO 1-3: reduce gradient buckets on a side stream while backward runs (GPUs; CPU "
+        "ranks have no streams, it only costs there). None: off at ZeRO 1-2, on at ZeRO-3 (DeepSpeed's choice)")
     log_every: int = Field(10, gt=0)
     save_every: int = Field(0, ge=0, description="checkpoint every n steps (0: only at the end)")
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
