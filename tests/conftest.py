@@ -1,6 +1,7 @@
 import importlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,6 +18,23 @@ def digits_root(tmp_path_factory) -> Path:
     from mmpt.data.demo_digits import build_digits
 
     return build_digits(tmp_path_factory.mktemp("data") / "digits", captions_per_image=2, shard_size=400)
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory):
+    """`module_tmp(name)`: a folder for runs a test module shares, removed when the module ends.
+
+    Their checkpoints are large; kept to the session's end they would add up to several GB of disk.
+    """
+    made: list[Path] = []
+
+    def make(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield make
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 SMALL_MOVING_DIGITS = {"clips_per_kind": 12, "test_clips_per_kind": 6, "shard_size": 8}

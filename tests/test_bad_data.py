@@ -119,9 +119,9 @@ def expected_counts(plan: dict[str, dict], urls: list[str], position: dict, slot
 
 
 @pytest.fixture(scope="module")
-def damaged_web(tmp_path_factory, digits_root) -> tuple[Path, dict[str, dict]]:
+def damaged_web(module_tmp, digits_root) -> tuple[Path, dict[str, dict]]:
     """Two damaged sources, en and zh, and their damage plans."""
-    folder = tmp_path_factory.mktemp("web")
+    folder = module_tmp("web")
     captions = [s["txt"] for _, s in read_shard(str(sorted((digits_root / "train").glob("en-*.tar"))[0]))][:50]
     return folder, {name: write_source(folder, name, captions) for name in ("en", "zh")}
 

@@ -13,8 +13,8 @@ from mmpt.data import ShardSetWriter
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, digits_root):
-    folder = tmp_path_factory.mktemp("cb_run")
+def tiny_run(module_tmp, digits_root):
+    folder = module_tmp("cb_run")
     config = write_config(folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train={"max_steps": 3, "save_every": 0}))
     subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config)], cwd=REPO,
                    env=launcher_env(), check=True, capture_output=True, timeout=600)

@@ -20,9 +20,9 @@ STEPS = dict(zero_stage=2, max_steps=12, save_every=4, keep_last=5, log_every=1)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, digits_root):
+def reference(module_tmp, digits_root):
     """An uninterrupted run's final weights."""
-    folder = tmp_path_factory.mktemp("reference")
+    folder = module_tmp("reference")
     config = write_config(folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train=STEPS))
     result = subprocess.run(deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True,
                             timeout=600)
@@ -170,10 +170,10 @@ def test_non_finite_steps_in_a_row_stop_the_run(tmp_path, digits_root):
 
 
 @pytest.fixture(scope="module")
-def reference_losses(tmp_path_factory, digits_root):
+def reference_losses(module_tmp, digits_root):
     from conftest import step_losses
 
-    folder = tmp_path_factory.mktemp("elastic_reference")
+    folder = module_tmp("elastic_reference")
     config = write_config(folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train={**STEPS, "max_steps": 16}))
     result = subprocess.run(deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True,
                             timeout=600)

@@ -30,8 +30,8 @@ SECTION_HEADERS = {
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
-    out, work = tmp_path_factory.mktemp("gpu-out"), tmp_path_factory.mktemp("gpu-work")
+def dry_run(module_tmp):
+    out, work = module_tmp("gpu-out"), module_tmp("gpu-work")
     results = REPO / "benchmarks" / "results"
     before = sorted(p.name for p in results.iterdir())
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -57,9 +57,9 @@ METHODS = {
 
 
 @pytest.fixture(scope="module")
-def colour_shards(tmp_path_factory):
+def colour_shards(module_tmp):
     """Twelve RGB images of different sizes, noise over colour gradients, so every augmentation shows."""
-    folder = tmp_path_factory.mktemp("colour")
+    folder = module_tmp("colour")
     rng = np.random.default_rng(0)
     with ShardSetWriter(folder / "colour", max_samples=6) as writer:
         for i in range(12):

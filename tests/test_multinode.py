@@ -139,9 +139,9 @@ def node_env(record_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory, digits_root):
+def launches(module_tmp, digits_root):
     """The five launches of one run: [(launcher, nodes, ranks per node, records by rank, output)], run dir."""
-    folder = tmp_path_factory.mktemp("multinode")
+    folder = module_tmp("multinode")
     run_dir = folder / "run"
     config = write_config(folder / "cfg.yaml", m2_config(digits_root, run_dir))
     done = []

@@ -38,11 +38,11 @@ def zeroshot_cli(cwd, run, dataset, language, out):
 
 
 @pytest.fixture(scope="module")
-def zero3_run(tmp_path_factory):
+def zero3_run(module_tmp):
     """4 steps of the demo config under ZeRO-3, a checkpoint after every step. Momentum 0.5: after each
     step the key network must be the EMA of its previous value and the query towers just updated, which
     needs the engine to gather ZeRO-3's partitioned parameters for the update."""
-    cwd = tmp_path_factory.mktemp("victor")
+    cwd = module_tmp("victor")
     train_demo(cwd, *ZERO3)
     return cwd
 

@@ -13,12 +13,12 @@ from mmpt.config import Config, ConfigError, TrainConfig
 # bucket of 5e7-2e8 elements is what lets reduction overlap backward (one bucket larger than the
 # model is reduced after backward ends), at two buckets of memory.
 GPU_REDUCE_BUCKET = 500_000_000
-# CPU ranks (gloo), ZeRO 1-2: 5M elements (20 MB fp32). Measured on 2 CPU ranks with the
-# 22M-parameter benchmark model (benchmarks/train_throughput.py): as good as one model-sized
-# bucket or better, and a bucket that small is rebuilt every step from memory the allocator keeps,
-# where a larger one is fresh pages the kernel has to fault in and zero (a fresh 88 MB buffer
-# costs ~70 ms to fill here, a reused one ~10 ms). Smaller buckets (2M) cost more in per-bucket
-# overhead than they save.
+# CPU ranks (gloo), ZeRO 1-2: 5M elements (20 MB fp32). DeepSpeed flattens each bucket into a new
+# tensor every step; one of the model's size (88 MB for the 22M-parameter benchmark model) is
+# fresh pages that the kernel faults in and zeroes each time (~70 ms to fill here against ~10 ms
+# for memory already mapped), while a 20 MB one stays below glibc's mmap threshold and is mostly
+# reused. Measured on 2 CPU ranks (benchmarks/train_throughput.py): 5M costs less CPU per step than
+# one model-sized bucket and than 2M, whose extra collectives cost more than they save.
 CPU_REDUCE_BUCKET = 5_000_000
 
 
@@ -66,8 +66,9 @@ def zero_optimization(train: TrainConfig, use_cuda: bool) -> dict[str, Any]:
             "contiguous_gradients": not on_cpu,
             "overlap_comm": bool(train.overlap_comm),
             "reduce_bucket_size": train.reduce_bucket_size or (CPU_REDUCE_BUCKET if on_cpu else GPU_REDUCE_BUCKET),
-            # DeepSpeed only reads it where the backend lacks all_gather_into_tensor (gloo and NCCL have it).
-            "allgather_bucket_size": GPU_REDUCE_BUCKET,
+            # DeepSpeed's default; it only reads it where the backend lacks all_gather_into_tensor (gloo
+            # and NCCL have it: the updated partitions are gathered in one call whatever this says).
+            "allgather_bucket_size": 500_000_000,
         })
     elif stage == 3:
         if train.overlap_comm is not None:

@@ -169,8 +169,8 @@ def train(cfg: Config) -> dict[str, Any]:
     first_step = step
     try:
         while step < cfg.train.max_steps:
-            reached("data", step + 1)
             spans.start("data")
+            reached("data", step + 1)  # inside the span: an injected slow loader shows in data time
             micro_batches = [to_device(next(batches), engine.device, float_dtype) for _ in range(cfg.train.grad_accum)]
             spans.stop("data")
             # Under ZeRO-3 the first step of a process is checked for parameters used while partitioned.
