@@ -135,7 +135,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for data_loader.{json,md}")
     args = parser.parse_args()
 
-    from mmpt.data.demo_digits import build_digits
+    from mmpt.demo.digits import build_digits
 
     torch.set_num_threads(1)  # the work is in the workers; the main process only receives batches
     data = build_digits(Path(tempfile.mkdtemp(prefix="mmpt-loader-")) / "digits", image_size=args.image_size)

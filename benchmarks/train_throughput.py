@@ -172,7 +172,7 @@ def main() -> int:
     if not configs:
         parser.error("nothing to run: mmpt-zero2 needs --ranks 2 or more")
 
-    from mmpt.data.demo_digits import build_digits
+    from mmpt.demo.digits import build_digits
 
     work = Path(args.work or tempfile.mkdtemp(prefix="mmpt-bench-"))
     work.mkdir(parents=True, exist_ok=True)

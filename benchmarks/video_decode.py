@@ -38,7 +38,7 @@ BATCH = 16
 
 def make_clips(root: Path, count: int, frames: int, size: int) -> tuple[list[bytes], str]:
     """`count` moving-digit clips at `size` px, written to shards under `root`; (mp4 bytes, shard pattern)."""
-    from mmpt.data.demo_moving_digits import DIRECTIONS, _render, encode_mp4
+    from mmpt.demo.moving_digits import DIRECTIONS, _render, encode_mp4
     from mmpt.data.video import write_video_shards
     from sklearn.datasets import load_digits
 

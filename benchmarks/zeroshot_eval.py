@@ -38,7 +38,7 @@ def main() -> int:
 
     from open_clip import image_transform
 
-    from mmpt.data.demo_digits import build_digits
+    from mmpt.demo.digits import build_digits
     from mmpt.eval.retrieval import zeroshot_retrieval
     from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
     from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer

@@ -12,31 +12,20 @@ ROOT/moving_digits. Configs with `data.prepare: <corpus>` build them on first us
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from mmpt import demo
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", choices=["digits", "dialogs", "moving_digits"], default="digits")
+    parser.add_argument("--corpus", choices=demo.corpora(), default="digits")
     parser.add_argument("--root", default="demo_data", help="parent directory; the corpus goes to ROOT/<corpus>")
     parser.add_argument("--image-size", type=int, default=32, help="digits only")
     parser.add_argument("--test-fraction", type=float, default=0.2, help="digits only")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if args.corpus == "dialogs":
-        from mmpt.data.demo_dialogs import build_dialog_shards
-
-        root = build_dialog_shards(Path(args.root) / "dialogs", seed=args.seed)
-    elif args.corpus == "moving_digits":
-        from mmpt.data.demo_moving_digits import build_moving_digits
-
-        root = build_moving_digits(Path(args.root) / "moving_digits", seed=args.seed)
-    else:
-        from mmpt.data.demo_digits import build_digits
-
-        root = build_digits(Path(args.root) / "digits", image_size=args.image_size,
-                            test_fraction=args.test_fraction, seed=args.seed)
-    print("built", root)
+    options = {"image_size": args.image_size, "test_fraction": args.test_fraction} if args.corpus == "digits" else {}
+    print("built", demo.build(args.corpus, args.root, seed=args.seed, **options))
 
 
 if __name__ == "__main__":

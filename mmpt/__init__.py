@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mmpt.config import Config, ConfigError, load_config
+from mmpt.config import Config, ConfigError
+from mmpt.run_config import load_config
 from mmpt.methods import list_methods
 from mmpt.pretrained import list_models, list_pretrained
 

@@ -65,10 +65,21 @@ class LoaderConfig(Section):
 
 class DataConfig(Section):
     train: LoaderConfig
-    prepare: Literal["digits", "dialogs", "moving_digits"] | None = Field(
-        None, description="name of a built-in demo corpus to build on first use when the shards are missing"
+    prepare: str | None = Field(
+        None, description="name of a demo corpus (mmpt.demo) to build under `root` on first use, e.g. digits"
     )
     root: str = Field("demo_data", description="directory the demo corpus is built in")
+
+    @model_validator(mode="after")
+    def _check_corpus(self) -> DataConfig:
+        if self.prepare is not None:
+            from mmpt import demo
+
+            if self.prepare not in demo.corpora():
+                close = difflib.get_close_matches(self.prepare, demo.corpora(), n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                raise ValueError(f"not a demo corpus ({hint}known: {', '.join(demo.corpora())})")
+        return self
 
 
 class OptimConfig(Section):
@@ -244,10 +255,8 @@ def _set_child(node: Any, part: str, value: Any, parts: list[str]) -> None:
         raise ConfigError(f"{COMMAND_LINE}: '{key}': '{parent}' is not a mapping")
 
 
-def _model_at(loc: tuple, data: dict) -> type[BaseModel] | None:
+def _model_at(loc: tuple, data: dict, method_section: type[BaseModel]) -> type[BaseModel] | None:
     """The pydantic model class that owns the last element of `loc` (for 'did you mean')."""
-    from mmpt.methods import method_config_class
-
     model: Any = Config
     node: Any = data
     for part in loc[:-1]:
@@ -258,10 +267,7 @@ def _model_at(loc: tuple, data: dict) -> type[BaseModel] | None:
         if isinstance(part, int):
             continue
         if model is Config and part == "method":
-            try:
-                model = method_config_class((node or {}).get("name"))
-            except ConfigError:
-                return None
+            model = method_section
             continue
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
@@ -282,7 +288,8 @@ def _inner_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _origin(origins: dict[str, str], dotted: str, default: str) -> str:
+def origin(origins: dict[str, str], dotted: str, default: str) -> str:
+    """The file (or the command line) that set config key `dotted`; `default` if none recorded it."""
     while dotted:
         if dotted in origins and origins[dotted]:
             return origins[dotted]
@@ -290,13 +297,14 @@ def _origin(origins: dict[str, str], dotted: str, default: str) -> str:
     return default
 
 
-def _explain(exc: ValidationError, data: dict, origins: dict[str, str], top_file: str, prefix: tuple = ()) -> str:
+def _explain(exc: ValidationError, data: dict, origins: dict[str, str], top_file: str,
+             method_section: type[BaseModel], prefix: tuple = ()) -> str:
     err = exc.errors()[0]
     loc = prefix + tuple(err["loc"])
     dotted = ".".join(str(p) for p in loc)
-    where = _origin(origins, dotted, top_file)
+    where = origin(origins, dotted, top_file)
     if err["type"] == "extra_forbidden":
-        owner = _model_at(loc, data)
+        owner = _model_at(loc, data, method_section)
         hint = ""
         if owner is not None:
             parent = ".".join(str(p) for p in loc[:-1])
@@ -313,42 +321,27 @@ def _explain(exc: ValidationError, data: dict, origins: dict[str, str], top_file
     return f"{where}: config key '{dotted}' = {shown}: {err['msg']}"
 
 
-def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load, merge bases, apply `key.path=value` overrides and validate; raises ConfigError."""
+def read_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict, dict[str, str], str]:
+    """(merged data, key path -> file that set it, top file) of `path`, its bases and `key.path=value` overrides."""
     top_file = str(Path(path).resolve())
     data, origins = _load_with_bases(Path(path))
     for text in overrides:
         parts, value = _parse_override(text)
         _apply_override(data, parts, value)
         _record_origins(value, ".".join(parts), origins, COMMAND_LINE)
-    return validate_config(data, origins, top_file)
+    return data, origins, top_file
 
 
-def validate_config(data: dict, origins: dict[str, str] | None = None, top_file: str = "<config>") -> Config:
-    from mmpt.methods import get_method, method_config_class
-
-    origins = origins or {}
-    section = data.get("method")
-    if not isinstance(section, dict):
-        where = _origin(origins, "method", top_file)
-        raise ConfigError(f"{where}: config key 'method' must be a mapping with a 'name' (e.g. method: {{name: clip}})")
+def validate_sections(data: dict, origins: dict[str, str], top_file: str, method_section: type[BaseModel]) -> Config:
+    """`data` as a Config, its `method:` section validated by `method_section` (the method's own schema)."""
     try:
-        schema = method_config_class(section.get("name"))
-    except ConfigError as exc:
-        raise ConfigError(f"{_origin(origins, 'method.name', top_file)}: {exc}") from None
-    try:
-        method = schema.model_validate(section)
+        method = method_section.model_validate(data["method"])
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, data, origins, top_file, ("method",))) from None
+        raise ConfigError(_explain(exc, data, origins, top_file, method_section, ("method",))) from None
     try:
-        cfg = Config.model_validate({**data, "method": method})
+        return Config.model_validate({**data, "method": method})
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, data, origins, top_file)) from None
-    try:
-        get_method(cfg.method_name).check_config(cfg)
-    except ValueError as exc:
-        raise ConfigError(f"{top_file}: {exc}") from None
-    return cfg
+        raise ConfigError(_explain(exc, data, origins, top_file, method_section)) from None
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:

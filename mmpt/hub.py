@@ -10,8 +10,6 @@ from torch import nn
 from mmpt.config import Config
 from mmpt.methods import Method
 
-WEIGHTS = "model.safetensors"
-
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[Config, Method, nn.Module]:
     """(config, method, model in eval mode) of a run or release directory; weights are loaded strictly."""

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmpt.config import Config, load_config, validate_config
+from mmpt.config import Config
+from mmpt.run_config import load_config, validate_config
 from mmpt.methods import Method, get_method
 
 RELEASE_CONFIG = "config.json"

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def digits_root(tmp_path_factory) -> Path:
-    from mmpt.data.demo_digits import build_digits
+    from mmpt.demo.digits import build_digits
 
     return build_digits(tmp_path_factory.mktemp("data") / "digits", captions_per_image=2, shard_size=400)
 
@@ -43,7 +43,7 @@ SMALL_MOVING_DIGITS = {"clips_per_kind": 12, "test_clips_per_kind": 6, "shard_si
 @pytest.fixture(scope="session")
 def moving_digits_root(tmp_path_factory) -> Path:
     """A small moving-digits corpus: 24 training clips (English and Chinese shards), 12 held out."""
-    from mmpt.data.demo_moving_digits import build_moving_digits
+    from mmpt.demo.moving_digits import build_moving_digits
 
     return build_moving_digits(tmp_path_factory.mktemp("video") / "moving_digits", **SMALL_MOVING_DIGITS)
 
@@ -158,3 +158,25 @@ def run_on_gloo_ranks(module: str, checks: list[tuple[str, tuple]], world: int) 
         p.join(timeout=300)
     failures = [f"rank {rank}: {error}" for rank, error in errors if error]
     assert not failures, "\n".join(failures)
+
+
+GLM_SPECIAL_PIECES = ["[CLS]", "<|endoftext|>", "[MASK]", "[UNK]", "[SEP]", "[gMASK]",
+                      *(f"<|blank_{n}|>" for n in range(10, 1, -1))]
+
+
+@pytest.fixture(scope="session")
+def glm_sp_model(tmp_path_factory) -> Path:
+    """A small SentencePiece model shaped like the GLM tokenizer's: BPE, NFKC with a dummy prefix, extra
+    whitespace kept, the special tokens and blank runs as user-defined pieces. Trained here (well under a
+    second), so tests of the tokenizer's rules need no download."""
+    import sentencepiece
+
+    corpus = ["a photo of a cat", "a photo of a dog on the grass", "the cat is here", "leading and trailing words",
+              "一只猫的照片", "一只狗在草地上", "这是一张照片", "new line and tab", "numbers 1 2 3 4 5 6 7 8 9 0"]
+    path = tmp_path_factory.mktemp("glm") / "sp.model"
+    with open(path, "wb") as handle:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(corpus * 20), model_writer=handle, vocab_size=120, model_type="bpe",
+            user_defined_symbols=GLM_SPECIAL_PIECES, normalization_rule_name="nmt_nfkc",
+            remove_extra_whitespaces=False, character_coverage=1.0, minloglevel=2)
+    return path

@@ -62,7 +62,7 @@ STAGES = {"zero0": ["train.zero_stage=0"], "zero1": ["train.zero_stage=1"], "zer
 
 def shipped(config: Path):
     """The config as shipped, validated (validation reads no data or weight file, so it loads anywhere)."""
-    from mmpt.config import load_config
+    from mmpt.run_config import load_config
 
     return load_config(config)
 
@@ -101,7 +101,7 @@ def run_cells(cells: list[dict], tmp_path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def corpora(digits_root, moving_digits_root, tmp_path_factory) -> dict:
-    from mmpt.data.demo_dialogs import build_dialog_shards
+    from mmpt.demo.dialogs import build_dialog_shards
 
     dialogs = build_dialog_shards(tmp_path_factory.mktemp("dialogs") / "dialogs")
     return {"digits": digits_root, "video": moving_digits_root, "dialogs": dialogs,

@@ -8,8 +8,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from mmpt.data import demo_dialogs
-from mmpt.data.demo_dialogs import COMPLETE_MARKER, INTENTS, build_dialogs
+from mmpt.demo import dialogs as demo_dialogs
+from mmpt.demo.dialogs import COMPLETE_MARKER, INTENTS, build_dialogs
 
 FILES = ["labelled/train.json", "unlabelled/train.jsonl", "intent/train.csv", "intent/test.csv",
          "intent/categories.json", "stats.json", COMPLETE_MARKER]

@@ -266,7 +266,7 @@ class ColourVideoModel(ColourModel):
 
 
 def test_zeroshot_video_classification_over_class_folders(tmp_path, caplog):
-    from mmpt.data.demo_moving_digits import encode_mp4
+    from mmpt.demo.moving_digits import encode_mp4
     from mmpt.data.video import VideoTextDecoder
     from mmpt.eval.video_classification import load_video_classification_set, video_classification
 

@@ -21,7 +21,7 @@ ARCH = {"vocab_size": 40, "width": 32, "heads": 2, "lower_layers": 1, "shared_la
 
 
 def make_config(run_dir, stage, accum, micro_rows, group_size, tile):
-    from mmpt.config import validate_config
+    from mmpt.run_config import validate_config
 
     return validate_config({
         "method": {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": ARCH, "tokenizer": "unused.json",
@@ -70,7 +70,7 @@ def train_and_record(rank, run_dir, stage, accum, group_size, tile):
 
     engine.step = step_capturing_the_gradient
     for step in range(STEPS):
-        optimizer_step(engine, method, split(step_batch(rank, step, ROWS * 4), accum))
+        optimizer_step(engine, split(step_batch(rank, step, ROWS * 4), accum))
     final = gathered_state_dict(engine.module.model)
     engine.destroy()
     return gradients, final and {n: final[n] - initial[n] for n in final}

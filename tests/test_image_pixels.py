@@ -19,7 +19,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as dataloader_pin
 
 import mmpt.data.loader as loader_module
 from conftest import REPO
-from mmpt.config import validate_config
+from mmpt.run_config import validate_config
 from mmpt.data import BatchStream, ShardSetWriter, Source, StatefulLoader, StreamSpec
 from mmpt.data.image_text import decode_image
 from mmpt.methods import get_method
@@ -144,8 +144,9 @@ def test_the_model_reads_what_the_float_pipeline_gave(tmp_path, digits_root, col
         seen = images_the_model_reads(model, tower, lambda: implementation.training_step(model, None, batch))
         assert seen.dtype == dtype and seen.shape == expected.shape
         torch.testing.assert_close(seen.float(), expected.to(dtype).float(), rtol=0, atol=1e-6)
-        if implementation.pooled_accumulation:  # GBA-ITC's pool pass reads the same images
-            pooled = images_the_model_reads(model, tower, lambda: implementation.step_pool(model, None, [batch]))
+        step_pool = implementation.engine_needs(model).step_pool
+        if step_pool is not None:  # GBA-ITC's pool pass reads the same images
+            pooled = images_the_model_reads(model, tower, lambda: step_pool(model, None, [batch]))
             torch.testing.assert_close(pooled, seen, rtol=0, atol=0)
 
     # Batches built by hand with normalised floats (as the engine tests do) are read as they are.

@@ -6,17 +6,14 @@ import pytest
 import torch
 
 from conftest import REPO
-from mmpt.data.glm_tokenizer import CLS_ID, EOS_ID, GLMTokenizer
+from mmpt.data.glm_tokenizer import GLMTokenizer
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 from mmpt.models.m2_official import CheckpointMismatch, fit_positions, load_official
 
-SHARED = REPO.parent / "shared"
-SP_MODEL = SHARED / "assets/glm_chinese_sp.model"
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared (specs and assets) is not beside the repo")
-
 
 def official_layout(size: str) -> dict[str, list[int]]:
-    rows = (SHARED / f"specs/m2_encoder_{size}_state_dict.tsv").read_text().splitlines()
+    """Key, shape and dtype of every entry of the official checkpoint's state dict, as released (tests/data)."""
+    rows = (REPO / f"tests/data/m2_encoder_{size}_state_dict.tsv").read_text().splitlines()
     return {key: eval(shape) for key, shape, _ in (row.split("\t") for row in rows)}  # shapes like [768, 3, 16, 16]
 
 
@@ -25,7 +22,6 @@ def tiny(**overrides) -> M2Encoder:
     return M2Encoder(M2EncoderConfig(**{**PRESETS["m2-encoder-demo"], "vocab_size": 300, **overrides}))
 
 
-@needs_shared
 @pytest.mark.parametrize("preset, size", [("m2-encoder-0.4b", "0.4b"), ("m2-encoder-1b", "1b")])
 def test_state_dict_has_the_official_keys_and_shapes(preset, size):
     with torch.device("meta"):
@@ -37,8 +33,7 @@ def test_state_dict_has_the_official_keys_and_shapes(preset, size):
     assert ours["logit_scale"] == [1] and official["logit_scale"] == []
 
 
-@needs_shared
-def test_official_0_4b_weights_load_strictly_and_embed(tmp_path):
+def test_official_0_4b_weights_load_strictly_and_embed(tmp_path, glm_sp_model):
     official = {k: torch.randn(shape) * 0.02 for k, shape in official_layout("0.4b").items()}
     official["logit_scale"] = torch.tensor(4.6)  # 0-D, as released
     path = tmp_path / "m2_0.4b.ckpt"
@@ -46,7 +41,7 @@ def test_official_0_4b_weights_load_strictly_and_embed(tmp_path):
     del official
     model = load_official(M2Encoder(M2EncoderConfig(**PRESETS["m2-encoder-0.4b"])), path).eval()
     assert model.logit_scale.shape == (1,) and model.logit_scale.item() == pytest.approx(4.6)
-    tokens = GLMTokenizer(SP_MODEL)(["a photo of a cat", "一只猫的照片"])
+    tokens = GLMTokenizer(glm_sp_model)(["a photo of a cat", "一只猫的照片"])
     with torch.no_grad():
         images = model.encode_image(torch.rand(2, 3, 224, 224) * 2 - 1)
         texts = model.encode_text(tokens["input_ids"], tokens["attention_mask"])
@@ -105,20 +100,6 @@ def test_vision_positions_fit_the_patch_grid():
     torch.testing.assert_close(fitted[:3], table[:3])
     assert fitted[3:, 0].tolist() == [(3 + 4 + 7 + 8) / 4, (5 + 6 + 9 + 10) / 4, (11 + 12 + 15 + 16) / 4, (13 + 14 + 17 + 18) / 4]
     assert fit_positions(table, 16) is table and fit_positions(table, 36).shape == (3 + 36, 2)
-
-
-@needs_shared
-def test_glm_tokenizer_matches_the_official_ids():
-    tokenizer = GLMTokenizer(SP_MODEL)
-    out = tokenizer(["a photo of a cat", "一只猫的照片", "a" + " " * 13 + "b"])
-    assert out["input_ids"][0, :8].tolist() == [50002, 778, 51021, 885, 778, 52984, 50000, 50000]
-    assert out["input_ids"][1, :5].tolist() == [50002, 15955, 44506, 6929, 50000]
-    assert out["attention_mask"].sum(1).tolist()[:2] == [7, 5] and out["input_ids"].shape == (3, 52)
-    pieces = [tokenizer._sp.id_to_piece(i) for i in out["input_ids"][2, 1:5].tolist()]
-    assert pieces == ["▁a", "<|blank_10|>", "<|blank_3|>", "b"]
-    long = " ".join(str(i) for i in range(200))
-    ids = tokenizer([long])["input_ids"][0].tolist()
-    assert ids[0] == CLS_ID and ids[-1] == EOS_ID and ids[1:-1] == tokenizer.encode(long)[-50:]  # left truncation
 
 
 def test_text_features_ignore_padding_and_batch_composition():

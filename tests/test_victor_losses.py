@@ -26,6 +26,7 @@ from mmpt.losses.victor import (
 )
 from torch import nn
 
+from mmpt.engine.precision import compute_in, match_buffer_precision
 from mmpt.models.momentum import MomentumCopy
 
 
@@ -223,10 +224,14 @@ def test_momentum_copy_moves_by_one_minus_m_and_keeps_fp32():
             assert torch.allclose(key.network.state_dict()[name], 0.9 * before[name] + 0.1 * value, atol=1e-6), name
         else:
             assert torch.equal(key.network.state_dict()[name], value), name
-    # a bf16 run: the copy's weights stay fp32, it computes and answers in the source's precision
+    # a bf16 run, set up by the engine's precision helpers as for VICTOR's declared fp32 key network:
+    # the copy's weights stay fp32, it takes and answers tensors in the training precision
     inputs = torch.randn(5, 3)
     reference = key.eval()(inputs)
-    source.bfloat16()
+    both = nn.ModuleDict({"source": source, "key": key}).bfloat16()  # the cast DeepSpeed gives a bf16 module
+    match_buffer_precision(both, torch.bfloat16, fp32_modules=(key,))
+    compute_in((key,), torch.bfloat16, "cpu")
     low = key(inputs.bfloat16())
     assert low.dtype == torch.bfloat16 and key.network[0].weight.dtype == torch.float32
+    assert source[1].running_mean.dtype == torch.bfloat16  # everything else takes the training precision
     assert torch.allclose(low.float(), reference, atol=0.1)

@@ -10,7 +10,7 @@ import torch
 from conftest import SMALL_MOVING_DIGITS
 
 from mmpt.data import BatchStream, MissingFieldError, ShardSetWriter, Source, StatefulLoader, StreamSpec
-from mmpt.data.demo_moving_digits import build_moving_digits, encode_mp4
+from mmpt.demo.moving_digits import build_moving_digits, encode_mp4
 from mmpt.data.loader import SkipPolicy
 from mmpt.data.shards import count_samples, expand_shards
 from mmpt.data.stream import read_shard

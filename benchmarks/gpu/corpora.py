@@ -1,9 +1,9 @@
 """The suite's training data, built on the machine by the project's own corpus builders (nothing is downloaded).
 
-- image-text: the bilingual digits corpus (`mmpt.data.demo_digits`), 32 px scans that each method's
+- image-text: the bilingual digits corpus (`mmpt.demo.digits`), 32 px scans that each method's
   transforms resize to its input size (224 px for ViT-B/16 and M²-Encoder 0.4B);
-- video-text: the moving-digits clips (`mmpt.data.demo_moving_digits`), mp4 encoded with PyAV;
-- dialogs: the generated task-oriented dialogs (`mmpt.data.demo_dialogs`) and, as SPACE-2's encoder, a
+- video-text: the moving-digits clips (`mmpt.demo.moving_digits`), mp4 encoded with PyAV;
+- dialogs: the generated task-oriented dialogs (`mmpt.demo.dialogs`) and, as SPACE-2's encoder, a
   randomly initialised BERT checkpoint written here (bert-base's shape on the GPU) with a WordPiece
   vocabulary laid out like BERT's, so the `[unusedN]` slots SPACE-2 puts its role tokens on exist.
 
@@ -22,7 +22,7 @@ BERT_HEAD = ["[PAD]", *(f"[unused{i}]" for i in range(99)), "[UNK]", "[CLS]", "[
 
 
 def digits(root: Path, dry_run: bool) -> Path:
-    from mmpt.data.demo_digits import build_digits
+    from mmpt.demo.digits import build_digits
 
     if dry_run:  # what the tests build: fewer captions, smaller shards
         return build_digits(root / "digits", captions_per_image=2, shard_size=400)
@@ -30,7 +30,7 @@ def digits(root: Path, dry_run: bool) -> Path:
 
 
 def moving_digits(root: Path, dry_run: bool) -> Path:
-    from mmpt.data.demo_moving_digits import build_moving_digits
+    from mmpt.demo.moving_digits import build_moving_digits
 
     clips = 12 if dry_run else 96  # per kind; training is resampled, so a few hundred clips serve any step count
     return build_moving_digits(root / "moving_digits", clips_per_kind=clips, test_clips_per_kind=6,
@@ -38,7 +38,7 @@ def moving_digits(root: Path, dry_run: bool) -> Path:
 
 
 def dialogs(root: Path) -> Path:
-    from mmpt.data.demo_dialogs import build_dialog_shards
+    from mmpt.demo.dialogs import build_dialog_shards
 
     return build_dialog_shards(root / "dialogs")
 

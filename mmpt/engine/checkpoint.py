@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 COMPLETE = "complete.json"
+WEIGHTS = "model.safetensors"
 
 
 class CheckpointError(RuntimeError):
@@ -299,6 +300,14 @@ def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """Full fp32 weights on rank 0 (None elsewhere); every rank calls it."""
     full = {name: tensor.clone() for name, tensor in _full_weights(model) if tensor is not None}
     return full if mdist.get_rank() == 0 else None
+
+
+def read_weights(model: nn.Module, path: Path) -> nn.Module:
+    """`model` with the weights `write_weights` wrote to `path` (every state-dict entry, tied ones too)."""
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(str(path)), strict=True)
+    return model
 
 
 def write_weights(model: nn.Module, path: Path) -> None:

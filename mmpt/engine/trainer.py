@@ -18,7 +18,7 @@ from mmpt import distributed as mdist
 from mmpt.config import Config, ConfigError, save_config
 from mmpt.data import counts as data_counts
 from mmpt.data.loader import SkipPolicy, StatefulLoader
-from mmpt.engine import checkpoint, faults
+from mmpt.engine import checkpoint, faults, precision
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.metrics import MetricLogger
@@ -26,24 +26,25 @@ from mmpt.engine.timing import Spans
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
 from mmpt.engine.watchdog import Watchdog
 from mmpt.engine.zero3_guard import partitioned_parameter_guard
-from mmpt.hub import WEIGHTS, load_run
-from mmpt.methods import Method, get_method
+from mmpt.engine.precision import match_buffer_precision
+from mmpt.methods import EngineNeeds, Method, get_method
 
 log = logging.getLogger(__name__)
 
 
 class TrainingModule(nn.Module):
-    """Model + loss as one module. Every method hook that reads parameters (`step_pool`, `training_step`)
-    runs inside this module's forward, and the engine calls it only through DeepSpeed's forward: that is
-    where ZeRO-3 gathers partitioned parameters, including ones read as tensors outside a module call."""
+    """Model + loss as one module, with what the method needs from the engine (`needs`). Every method hook
+    that reads parameters (the step pool, `training_step`) runs inside this module's forward, and the
+    engine calls it only through DeepSpeed's forward: that is where ZeRO-3 gathers partitioned
+    parameters, including ones read as tensors outside a module call."""
 
-    def __init__(self, method: Method, model: nn.Module, loss: nn.Module):
+    def __init__(self, method: Method, model: nn.Module, loss: nn.Module, needs: EngineNeeds):
         super().__init__()
-        self.method, self.model, self.loss = method, model, loss
+        self.method, self.model, self.loss, self.needs = method, model, loss, needs
 
     def forward(self, batch: Any, pool: Any = None, index: int = 0, pool_pass: bool = False) -> Any:
         if pool_pass:  # `batch` is then the step's list of micro-batches
-            return self.method.step_pool(self.model, self.loss, batch)
+            return self.needs.step_pool(self.model, self.loss, batch)
         return self.method.training_step(self.model, self.loss, batch, pool, index)
 
 
@@ -64,41 +65,25 @@ def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype) -> Any
     return batch
 
 
-def match_buffer_precision(module: nn.Module, dtype: torch.dtype) -> None:
-    """Buffers (e.g. BatchNorm statistics, memory queues) in the training precision, as the parameters are.
-
-    A module that sets `keeps_fp32_buffers` (a momentum copy, whose small updates bf16 would lose)
-    keeps its buffers in fp32.
-    """
-    kept = {id(b) for m in module.modules() if getattr(m, "keeps_fp32_buffers", False) for b in m.buffers()}
-    for buffer in module.buffers():
-        target = torch.float32 if id(buffer) in kept else dtype
-        if buffer.is_floating_point() and buffer.dtype != target:
-            buffer.data = buffer.data.to(target)
-
-
-def after_optimizer_step(module: nn.Module, zero_stage: int) -> None:
-    """Run every submodule's `after_optimizer_step()` (e.g. a momentum copy's EMA update) once the optimizer
-    has stepped, with the parameters it reads (`source_parameters()`) whole on this rank under ZeRO-3."""
+def after_optimizer_step(needs: EngineNeeds, zero_stage: int) -> None:
+    """The method's after-step work (e.g. an EMA update), each with the parameters it reads whole on this
+    rank under ZeRO-3."""
     import deepspeed
 
-    for sub in module.modules():
-        hook = getattr(sub, "after_optimizer_step", None)
-        if hook is None:
-            continue
-        needed = list(sub.source_parameters()) if hasattr(sub, "source_parameters") else []
-        if zero_stage == 3 and needed:
-            with deepspeed.zero.GatheredParameters(needed, modifier_rank=None):
-                hook()
+    for work in needs.after_step:
+        reads = list(work.reads())
+        if zero_stage == 3 and reads:
+            with deepspeed.zero.GatheredParameters(reads, modifier_rank=None):
+                work.run()
         else:
-            hook()
+            work.run()
 
 
 def check_pooled_accumulation(method: Method, model: nn.Module, grad_accum: int) -> None:
     """Pooled accumulation is exact only if both passes over a micro-batch compute the same features:
     refuse modules whose training-mode forward is random (dropout, drop-path) or counts each batch
     (batch norm statistics would be updated twice)."""
-    if not (method.pooled_accumulation and grad_accum > 1):
+    if method.engine_needs(model).step_pool is None or grad_accum == 1:
         return
     for name, module in model.named_modules():
         reason = None
@@ -117,18 +102,11 @@ def check_pooled_accumulation(method: Method, model: nn.Module, grad_accum: int)
 
 
 def prepare_demo_data(cfg: Config) -> None:
-    if cfg.data.prepare == "digits":
-        from mmpt.data.demo_digits import build_digits
+    """The demo corpus `data.prepare` names, built under `data.root` on first use."""
+    if cfg.data.prepare:
+        from mmpt import demo
 
-        build_digits(Path(cfg.data.root) / "digits")
-    elif cfg.data.prepare == "moving_digits":
-        from mmpt.data.demo_moving_digits import build_moving_digits
-
-        build_moving_digits(Path(cfg.data.root) / "moving_digits")
-    elif cfg.data.prepare == "dialogs":
-        from mmpt.data.demo_dialogs import build_dialog_shards
-
-        build_dialog_shards(Path(cfg.data.root) / "dialogs")
+        demo.build(cfg.data.prepare, cfg.data.root)
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -145,8 +123,10 @@ def train(cfg: Config) -> dict[str, Any]:
     elastic = checkpoint_dir is not None and checkpoint.saved_world_size(checkpoint_dir) != world_size
     universal = checkpoint.to_universal(checkpoint_dir, run_dir) if elastic and cfg.train.zero_stage > 0 else None
     engine = build_engine(cfg, method, run_dir, world_size, load_universal=universal is not None)
-    float_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
-    match_buffer_precision(engine.module, float_dtype)
+    float_dtype = precision.DTYPES[cfg.train.precision]
+    needs = engine.module.needs
+    match_buffer_precision(engine.module, float_dtype, needs.fp32_modules)
+    precision.compute_in(needs.fp32_modules, float_dtype, engine.device.type)
     seed_everything(cfg.train.seed + rank)
     loader = StatefulLoader(
         method.train_data(cfg, run_dir, rank=rank, world_size=world_size),
@@ -176,9 +156,9 @@ def train(cfg: Config) -> dict[str, Any]:
             # Under ZeRO-3 the first step of a process is checked for parameters used while partitioned.
             check = step == first_step and cfg.train.zero_stage == 3
             with partitioned_parameter_guard(engine.module, f"step {step + 1}", active=check):
-                losses = optimizer_step(engine, method, micro_batches, lambda phase, at=step + 1: reached(phase, at), spans)
-                if engine.was_step_applied():
-                    after_optimizer_step(engine.module, cfg.train.zero_stage)
+                losses = optimizer_step(engine, micro_batches, lambda phase, at=step + 1: reached(phase, at), spans)
+                if needs.after_step and engine.was_step_applied():
+                    after_optimizer_step(needs, cfg.train.zero_stage)
             step += 1
             guard.update(step_skipped(engine))
             metrics.update(losses)
@@ -256,7 +236,7 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, lo
     model = method.build_model(cfg, run_dir)
     check_pooled_accumulation(method, model.train(), cfg.train.grad_accum)
     method.load_initial_weights(model, cfg)
-    module = TrainingModule(method, model, method.build_loss(cfg))
+    module = TrainingModule(method, model, method.build_loss(cfg), method.engine_needs(model))
     optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio, cfg.optim.decay)
@@ -309,7 +289,7 @@ def step_skipped(engine) -> torch.Tensor | bool:
     return not engine.was_step_applied()
 
 
-def optimizer_step(engine, method: Method, micro_batches: list[dict[str, Any]],
+def optimizer_step(engine, micro_batches: list[dict[str, Any]],
                    phase: Callable[[str], str | None] = lambda name: None,
                    spans: Spans | None = None) -> dict[str, torch.Tensor]:
     """Forward/backward every micro-batch and step: each loss term averaged over them, as device tensors
@@ -320,7 +300,7 @@ def optimizer_step(engine, method: Method, micro_batches: list[dict[str, Any]],
     """
     spans = spans or Spans(cuda=False)
     pool = None
-    if method.pooled_accumulation and len(micro_batches) > 1:
+    if engine.module.needs.step_pool is not None and len(micro_batches) > 1:
         phase("forward")
         with torch.no_grad():
             pool = engine(micro_batches, pool_pass=True)
@@ -351,14 +331,14 @@ def finish(cfg: Config, method: Method, handoff: list, run_dir: Path, step: int)
     evaluation model does not sit in accelerator memory beside the training one.
     """
     engine = handoff.pop()
-    checkpoint.write_weights(engine.module.model, run_dir / WEIGHTS)
+    checkpoint.write_weights(engine.module.model, run_dir / checkpoint.WEIGHTS)
     device = engine.device
     release(engine)
     del engine
     mdist.barrier()
     if mdist.get_rank() != 0:
         return {}
-    model = load_run(run_dir, device=device)[2]
+    model = checkpoint.read_weights(method.build_model(cfg, run_dir), run_dir / checkpoint.WEIGHTS).to(device).eval()
     results = method.evaluate(model, cfg, run_dir)
     if results:
         MetricLogger.append_summary(run_dir, {"step": step, **results})

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,35 @@ class MethodConfig(Section):
     """The `method:` section of a config; each method extends it with its own keys."""
 
     name: str
+
+
+@dataclass(frozen=True)
+class AfterStep:
+    """Work to run after every applied optimizer step (e.g. an EMA update), and the parameters it reads:
+    the engine makes those whole on this rank while it runs, whatever the ZeRO stage."""
+
+    run: Callable[[], None]
+    reads: Callable[[], Iterable[nn.Parameter]] = tuple
+
+
+@dataclass(frozen=True)
+class EngineNeeds:
+    """Everything a method asks of the engine besides running `training_step` (see `Method.engine_needs`).
+
+    step_pool: pooled accumulation. With `train.grad_accum` K > 1 the engine first runs
+        `step_pool(model, loss, micro_batches)` over the step's K micro-batches without gradient, then each
+        micro-batch through `training_step` with that pool. Each micro-batch loss is then the whole step's
+        loss with gradient through that micro-batch only, so the engine sums the K gradients instead of
+        averaging them. Exact only if the model computes the same features in both passes: the engine
+        refuses models with dropout, drop-path or batch norm in training mode here.
+    fp32_modules: modules whose state stays fp32 under bf16/fp16 training; the engine runs their forward
+        under autocast to the training precision and hands their outputs back in it.
+    after_step: work after each applied optimizer step, in order.
+    """
+
+    step_pool: Callable[[nn.Module, nn.Module, list[dict[str, Any]]], Any] | None = None
+    fp32_modules: tuple[nn.Module, ...] = ()
+    after_step: tuple[AfterStep, ...] = ()
 
 
 class Method:
@@ -60,27 +91,19 @@ class Method:
     def check_config(self, cfg: Config) -> None:
         """Cross-section checks the schema cannot express; raise ValueError naming the keys."""
 
-    pooled_accumulation: bool = False
-    """True: with `train.grad_accum` K > 1 the engine first runs `step_pool` over the step's K micro-batches
-    (without gradient), then each micro-batch through `training_step` with that pool; each micro-batch
-    loss is then the whole step's loss with gradient through that micro-batch only, so the engine sums
-    the K gradients instead of averaging them. This is exact only if the model computes the same
-    features in both passes: the engine refuses models with dropout, drop-path or batch norm in training
-    mode here (augmentation is not a concern: both passes see the same batch tensors)."""
-
-    def step_pool(self, model: nn.Module, loss: nn.Module, batches: list[dict[str, Any]]) -> Any:
-        """The pool of a step with pooled accumulation (e.g. GBA-ITC's negatives), from all its micro-batches."""
-        raise NotImplementedError
+    def engine_needs(self, model: nn.Module) -> EngineNeeds:
+        """What this method needs from the engine for `model` (the one place the engine learns it)."""
+        return EngineNeeds()
 
     def training_step(self, model: nn.Module, loss: nn.Module, batch: dict[str, Any],
                       pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
-        """One micro-batch (`index` of the step, `pool` from `step_pool`): named loss terms to sum.
+        """One micro-batch (`index` of the step, `pool` from `EngineNeeds.step_pool`): named loss terms to sum.
 
-        The rule for parameters: `training_step` and `step_pool` are the only method code that computes
+        The rule for parameters: `training_step` and the step pool are the only method code that computes
         with the model's parameters during training. The engine runs both inside DeepSpeed's forward,
         where ZeRO-3 gathers what they read; anything that reads parameters after the optimizer step
-        is an `after_optimizer_step` hook that names them in `source_parameters()`. Under ZeRO-3 the
-        engine checks the first step for a parameter used while partitioned and stops with its name.
+        is an `AfterStep` that names them in `reads`. Under ZeRO-3 the engine checks the first step for
+        a parameter used while partitioned and stops with its name.
         """
         raise NotImplementedError
 

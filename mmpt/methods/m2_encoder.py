@@ -19,7 +19,7 @@ from mmpt.data.glm_tokenizer import GLMTokenizer
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.eval.retrieval import official_caption_normalization
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
-from mmpt.methods.base import MethodConfig
+from mmpt.methods.base import EngineNeeds, MethodConfig
 from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig, model_images
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 from mmpt.models.m2_official import load_official
@@ -110,7 +110,8 @@ class M2EncoderMethod(ImageTextMethod):
         size = {"world": None, "auto": mdist.local_world_size()}.get(spec.group_size, spec.group_size)
         return GroupedContrastiveLoss(mdist.contiguous_group(size), tile_size=spec.tile_size)
 
-    pooled_accumulation = True  # GBA-ITC: the step's K micro-batches form one negative pool
+    def engine_needs(self, model: M2Encoder) -> EngineNeeds:
+        return EngineNeeds(step_pool=self.step_pool)  # GBA-ITC: the step's K micro-batches form one negative pool
 
     def step_pool(self, model: M2Encoder, loss: GroupedContrastiveLoss, batches: list[dict[str, Any]]):
         images = [model.encode_image(model_images(model, b["image"])) for b in batches]

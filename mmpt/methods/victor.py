@@ -40,7 +40,8 @@ from mmpt.losses.victor import (
     permute_sentences,
     random_permutations,
 )
-from mmpt.methods.base import Method, MethodConfig, copy_tokenizer, eval_record, save_eval_record, stream_spec
+from mmpt.methods.base import (AfterStep, EngineNeeds, Method, MethodConfig, copy_tokenizer, eval_record,
+                               save_eval_record, stream_spec)
 from mmpt.models.clip import TextTowerConfig
 from mmpt.models.victor import VictorModel, VideoTowerConfig, load_backbone_weights
 
@@ -145,6 +146,13 @@ class VictorMethod(Method):
         if weights:
             load_backbone_weights(model.unimodal.frame_encoder.backbone, weights)
             model.key.reset()  # the key network starts from the loaded weights too
+
+    def engine_needs(self, model: VictorModel) -> EngineNeeds:
+        # The key network is an EMA with m close to 1: an update moves a weight by (1 - m) of its distance
+        # to the query weight, below bf16's resolution for most steps, so its state stays fp32. It is
+        # updated from the query towers' parameters after every optimizer step.
+        return EngineNeeds(fp32_modules=(model.key,),
+                           after_step=(AfterStep(run=model.key.update, reads=model.unimodal.parameters),))
 
     def build_loss(self, cfg: Config) -> VictorLoss:
         tokenizer = TextTokenizer(cfg.method.tokenizer, cfg.method.text.context_length)

@@ -17,7 +17,8 @@ import random
 from pathlib import Path
 
 import numpy as np
-from mmpt.data.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
+from mmpt.demo import register
+from mmpt.demo.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
 from mmpt.data.shards import ShardSetWriter
 from mmpt.data.tokenizer import train_wordpiece
 from PIL import Image
@@ -80,6 +81,7 @@ def name_shards_as_clip_benchmark(folder: Path, sizes: dict[str, int]) -> None:
     (folder / "nshards.txt").write_text(str(len(renamed)))
 
 
+@register("digits")
 def build_digits(
     root: str | os.PathLike,
     *,

@@ -34,7 +34,8 @@ import random
 from pathlib import Path
 
 import numpy as np
-from mmpt.data.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
+from mmpt.demo import register
+from mmpt.demo.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
 from mmpt.data.shards import ShardSetWriter
 from mmpt.data.tokenizer import train_wordpiece
 from PIL import Image
@@ -257,6 +258,7 @@ def _plan(kind: str, count: int, rng: random.Random, exhaustive: bool) -> list[d
     return clips
 
 
+@register("moving_digits")
 def build_moving_digits(
     root: str | os.PathLike,
     *,

@@ -27,7 +27,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmpt.data.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
+from mmpt.demo import register
+from mmpt.demo.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
 
 DEFAULT_DOMAIN = "DEFAULT_DOMAIN"
 DEFAULT_INTENT = "DEFAULT_INTENT"
@@ -767,6 +768,7 @@ def _replace_outputs(staging: Path, root: Path) -> None:
     staging.rmdir()
 
 
+@register("dialogs")
 def build_dialog_shards(root: str | os.PathLike, seed: int = 0) -> Path:
     """The corpus at `root` plus its training shards in `root/shards` (labelled-*.tar, unlabelled-*.tar)."""
     from mmpt.data.dialog import write_dialog_shards

@@ -1,0 +1,48 @@
+"""Training precision beyond what DeepSpeed casts: buffers, and modules a method keeps in fp32."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def match_buffer_precision(module: nn.Module, dtype: torch.dtype, fp32_modules: Sequence[nn.Module] = ()) -> None:
+    """Floating buffers (BatchNorm statistics, memory queues) in the training precision, as the parameters
+    are; the buffers of `fp32_modules` stay fp32 (e.g. a momentum copy, whose small updates bf16 would lose)."""
+    kept = {id(b) for m in fp32_modules for b in m.buffers()}
+    for buffer in module.buffers():
+        target = torch.float32 if id(buffer) in kept else dtype
+        if buffer.is_floating_point() and buffer.dtype != target:
+            buffer.data = buffer.data.to(target)
+
+
+def compute_in(modules: Sequence[nn.Module], dtype: torch.dtype, device_type: str) -> None:
+    """Run each module's forward under autocast to `dtype` and hand its floating outputs back in `dtype`:
+    a module whose state is kept in fp32 then takes and gives tensors of the training precision."""
+    if dtype == torch.float32:
+        return
+    for module in modules:
+        module.forward = _autocast_forward(module.forward, dtype, device_type)
+
+
+def _autocast_forward(forward, dtype: torch.dtype, device_type: str):
+    def run(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return _cast(forward(*args, **kwargs), dtype)
+
+    return run
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
