@@ -206,6 +206,17 @@ def adam_state(run_dir, step):
     return counts.pop(), squares ** 0.5
 
 
+def batch_norm_counts(run_dir, step):
+    """Every BatchNorm's `num_batches_tracked` in the model file of rank 0 saved at `step`."""
+    import torch
+
+    path = sorted((run_dir / f"checkpoints/step_{step:09d}").glob("*model_states.pt"))[0]
+    module = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    counts = {name: int(value) for name, value in module.items() if name.endswith("num_batches_tracked")}
+    assert counts, "the model has no BatchNorm"
+    return counts
+
+
 @pytest.mark.parametrize("before, after, stage", [(2, 1, 2), (1, 2, 2), (2, 1, 3)])
 def test_resume_on_another_number_of_ranks_joins_the_loss_curve(tmp_path, digits_root, reference_losses,
                                                                 before, after, stage):
@@ -247,3 +258,7 @@ def test_resume_on_another_number_of_ranks_joins_the_loss_curve(tmp_path, digits
     assert (saved_count, count) == (8, 9)
     assert second_moment >= beta2 * saved_moment * (1 - 1e-6), (second_moment, saved_moment)
     assert adam_state(run_dir, 16)[0] == 16
+    # Buffers came along too: every BatchNorm counts one batch per step from the count it had saved (buffers
+    # started again would count from 0), so its running statistics go on from the saved ones.
+    saved, resumed = batch_norm_counts(run_dir, 8), batch_norm_counts(run_dir, 9)
+    assert resumed == {name: count + count // 8 for name, count in saved.items()}, (saved, resumed)

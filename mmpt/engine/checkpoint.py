@@ -251,6 +251,23 @@ def load_engine(engine, checkpoint: Path) -> int:
     return int(client["step"])
 
 
+def load_buffers(engine, checkpoint: Path) -> None:
+    """The module's buffers (BatchNorm statistics, VICTOR's queues and key network) as `checkpoint` saved them.
+
+    DeepSpeed 0.19.8's universal checkpoint carries parameters and optimizer state only: a resume on
+    another number of ranks would otherwise start every buffer again from its initial value. Buffers are
+    whole on every rank at every ZeRO stage, so rank 0's model file holds them all.
+    """
+    files = sorted(checkpoint.glob("*model_states.pt"))
+    if not files:
+        raise FileNotFoundError(f"checkpoint {checkpoint} has no model states file")
+    saved = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    with torch.no_grad():
+        for name, buffer in engine.module.named_buffers():
+            if name in saved:
+                buffer.copy_(saved[name])
+
+
 def _unshare_step_counters(optimizer) -> None:
     """Give every optimizer state its own `step` tensor.
 

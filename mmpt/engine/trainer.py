@@ -26,7 +26,6 @@ from mmpt.engine.timing import Spans
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
 from mmpt.engine.watchdog import Watchdog
 from mmpt.engine.zero3_guard import partitioned_parameter_guard
-from mmpt.engine.precision import match_buffer_precision
 from mmpt.methods import EngineNeeds, Method, get_method
 
 log = logging.getLogger(__name__)
@@ -125,7 +124,7 @@ def train(cfg: Config) -> dict[str, Any]:
     engine = build_engine(cfg, method, run_dir, world_size, load_universal=universal is not None)
     float_dtype = precision.DTYPES[cfg.train.precision]
     needs = engine.module.needs
-    match_buffer_precision(engine.module, float_dtype, needs.fp32_modules)
+    precision.match_buffer_precision(engine.module, float_dtype, needs.fp32_modules)
     precision.compute_in(needs.fp32_modules, float_dtype, engine.device.type)
     seed_everything(cfg.train.seed + rank)
     loader = StatefulLoader(
@@ -261,6 +260,8 @@ def resume(cfg: Config, engine, loader: StatefulLoader, checkpoint_dir: Path | N
     if checkpoint_dir is None:
         return 0, iter(loader)
     step = checkpoint.load_engine(engine, engine_checkpoint)
+    if engine_checkpoint != checkpoint_dir:  # a universal copy: it lacks the buffers
+        checkpoint.load_buffers(engine, checkpoint_dir)
     states = checkpoint.rank_states(checkpoint_dir)
     rank = mdist.get_rank()
     layout = (states[0]["data"]["world_size"], states[0]["data"]["num_workers"])
