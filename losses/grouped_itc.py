@@ -1,7 +1,7 @@
 """GBA-ITC: grouped image-text contrastive loss with batch accumulation and tiled logits.
 
 Our definition of M²-Encoder's "Grouped-ITC with Batch Accumulation" (the official code releases no
-training code; see `shared/specs/gba_itc_spec.md`):
+training code; see docs/gba_itc.md):
 
 - **Grouping.** Ranks form contiguous groups of `group_size`; features are gathered (with gradient)
   inside the group only. With one group of all ranks this is open_clip's

@@ -1,7 +1,7 @@
 """SPACE-2's semantic-tree scores, as read from the official code (DAMO-ConvAI `space-2/space/utils/scores.py`).
 
 A frame `{domain: {intent: {slot: [value_obj, ...]}}}` is read as a tree and split into ten views (D, I, S, V and the
-joined paths DI ... DISV, `shared/specs/space2_spec.md` §2). Two frames are compared per view by Jaccard; the combined
+joined paths DI ... DISV, docs/space2.md). Two frames are compared per view by Jaccard; the combined
 score is the mean Jaccard over the views present in either frame. Behaviour of the official code kept on purpose:
 
 - keys that collide after strip/lower overwrite each other with Python dict semantics (the later content wins);

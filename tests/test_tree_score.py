@@ -1,4 +1,4 @@
-"""SPACE-2 semantic-tree scores against values worked out by hand from `shared/specs/space2_spec.md` §2."""
+"""SPACE-2 semantic-tree scores against values worked out by hand from the official scoring rules (docs/space2.md)."""
 
 from __future__ import annotations
 
