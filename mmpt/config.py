@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 COMMAND_LINE = "<command line>"
 
@@ -70,16 +70,17 @@ class DataConfig(Section):
     )
     root: str = Field("demo_data", description="directory the demo corpus is built in")
 
-    @model_validator(mode="after")
-    def _check_corpus(self) -> DataConfig:
-        if self.prepare is not None:
+    @field_validator("prepare")
+    @classmethod
+    def _known_corpus(cls, name: str | None) -> str | None:
+        if name is not None:
             from mmpt import demo
 
-            if self.prepare not in demo.corpora():
-                close = difflib.get_close_matches(self.prepare, demo.corpora(), n=1)
+            if name not in demo.corpora():
+                close = difflib.get_close_matches(name, demo.corpora(), n=1)
                 hint = f"did you mean '{close[0]}'? " if close else ""
                 raise ValueError(f"not a demo corpus ({hint}known: {', '.join(demo.corpora())})")
-        return self
+        return name
 
 
 class OptimConfig(Section):

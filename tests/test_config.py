@@ -53,6 +53,12 @@ def test_unknown_method_is_named(config_file):
     assert "'clp'" in message and "did you mean 'clip'" in message
 
 
+def test_unknown_demo_corpus_is_named(config_file):
+    message = error_of(config_file, ["data.prepare=digit"])
+    assert "'data.prepare'" in message and "did you mean 'digits'" in message
+    assert "dialogs, digits, moving_digits" in message  # every corpus in mmpt/demo registered itself
+
+
 def test_error_in_base_file_names_the_base(tmp_path, config_file):
     base = tmp_path / "base.yaml"
     base.write_text("train:\n  grad_clipp: 1.0\n")
