@@ -52,8 +52,8 @@ class Subspace(nn.Module):
 class MaskedLMHead(nn.Module):
     """Linear + GELU + LayerNorm, then a decoder whose weight is the word embedding matrix (tied).
 
-    The tie shares the Parameter (as HF ties embeddings), so the decoder is a module of its own:
-    ZeRO-3 gathers a parameter for the module that uses it.
+    The tie shares the Parameter (as HF ties embeddings), and the decoder is a module of its own, so
+    the shared weight is read in the forward of a module that owns it (the parameter rule).
     """
 
     def __init__(self, hidden: int, word_embeddings: nn.Embedding, eps: float):

@@ -127,9 +127,9 @@ def load_backbone_weights(backbone: nn.Module, path: str) -> None:
 class Transformer(nn.Module):
     """Pre-LN transformer blocks (timm's ViT block, fused attention) and a final LayerNorm.
 
-    timm's block calls every linear layer as a module, which ZeRO-3's parameter tracing needs;
-    `nn.MultiheadAttention` reads its output projection's weight without calling it, and a resumed
-    ZeRO-3 run then fails its trace check.
+    timm's block calls every linear layer as a module, as the parameter rule asks (every parameter
+    is read in the forward of the module that owns it; docs/adding_a_method.md); `nn.MultiheadAttention`
+    reads its output projection's weight without calling it.
     """
 
     def __init__(self, width: int, layers: int, heads: int):
@@ -220,8 +220,8 @@ class CrossModalTransformer(nn.Module):
     def __init__(self, text_width: int, video_width: int, layers: int, heads: int):
         super().__init__()
         self.video_in = nn.Linear(video_width, text_width)
-        # Direct parameters (not an nn.Embedding read by index): ZeRO-3 gathers a module's own parameters
-        # when its forward runs, and would not gather a submodule's that is never called.
+        # Own parameters, read in this module's forward (the parameter rule), not an nn.Embedding that
+        # would be indexed without being called.
         self.modality = nn.Parameter(torch.zeros(2, text_width))
         nn.init.normal_(self.modality, std=0.02)
         self.encoder = Transformer(text_width, layers, heads)
@@ -248,7 +248,7 @@ class PredictionHead(nn.Module):
 
 
 class LogitScale(nn.Module):
-    """exp(learnable log scale), clamped at 100; a module so ZeRO-3 gathers it when it is called."""
+    """exp(learnable log scale), clamped at 100; a module, so the scale is read in its owner's forward."""
 
     def __init__(self, temperature: float, learnable: bool):
         super().__init__()
