@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mmpt.config import Config
+from mmpt.engine.checkpoint import WEIGHTS, shareable
 from mmpt.run_config import load_config, validate_config
 from mmpt.methods import Method, get_method
 
@@ -93,8 +94,6 @@ def save_release(directory: str | os.PathLike, cfg: Config, state_dict: dict[str
         else:
             raise ReleaseError(f"{source} is missing: the '{cfg.method_name}' model needs it besides its weights")
     save_torch_state_dict(state_dict, directory, max_shard_size=max_shard_size)
-    from mmpt.engine.checkpoint import shareable
-
     for written in directory.glob("model*.safetensors*"):
         shareable(written)
     record = {"format": FORMAT, "version": 1, "method": cfg.method_name, "config": cfg.to_dict()}
@@ -115,7 +114,7 @@ def read_config(directory: Path) -> Config:
 
 
 def has_weights(directory: Path) -> bool:
-    return (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file()
+    return (directory / WEIGHTS).is_file() or (directory / f"{WEIGHTS}.index.json").is_file()
 
 
 def load_directory(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PretrainedModel:

@@ -180,3 +180,27 @@ def glm_sp_model(tmp_path_factory) -> Path:
             user_defined_symbols=GLM_SPECIAL_PIECES, normalization_rule_name="nmt_nfkc",
             remove_extra_whitespaces=False, character_coverage=1.0, minloglevel=2)
     return path
+
+
+def adam_state(run_dir, step):
+    """(Adam's step count, norm of its second moment over every rank's partition) saved at `step`."""
+    import torch
+
+    counts, squares = set(), 0.0
+
+    def visit(node):
+        nonlocal squares
+        if isinstance(node, dict):
+            if "exp_avg_sq" in node and "step" in node:
+                counts.add(int(node["step"]))
+                squares += float(node["exp_avg_sq"].double().square().sum())
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                visit(value)
+
+    for path in sorted((run_dir / f"checkpoints/step_{step:09d}").glob("*optim_states.pt")):
+        visit(torch.load(path, map_location="cpu", weights_only=False))
+    assert len(counts) == 1, counts
+    return counts.pop(), squares ** 0.5

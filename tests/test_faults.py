@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, deepspeed_command, launcher_env, tiny_config, write_config
+from conftest import REPO, adam_state, deepspeed_command, launcher_env, tiny_config, write_config
 from mmpt.run_config import load_config
 
 pytestmark = pytest.mark.distributed
@@ -182,34 +182,8 @@ def reference_losses(module_tmp, digits_root):
     return step_losses(folder / "run")
 
 
-def adam_state(run_dir, step):
-    """(Adam's step count, norm of its second moment over every rank's partition) saved at `step`."""
-    import torch
-
-    counts, squares = set(), 0.0
-
-    def visit(node):
-        nonlocal squares
-        if isinstance(node, dict):
-            if "exp_avg_sq" in node and "step" in node:
-                counts.add(int(node["step"]))
-                squares += float(node["exp_avg_sq"].double().square().sum())
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                visit(value)
-
-    for path in sorted((run_dir / f"checkpoints/step_{step:09d}").glob("*optim_states.pt")):
-        visit(torch.load(path, map_location="cpu", weights_only=False))
-    assert len(counts) == 1, counts
-    return counts.pop(), squares ** 0.5
-
-
 def batch_norm_counts(run_dir, step):
     """Every BatchNorm's `num_batches_tracked` in the model file of rank 0 saved at `step`."""
-    import torch
-
     path = sorted((run_dir / f"checkpoints/step_{step:09d}").glob("*model_states.pt"))[0]
     module = torch.load(path, map_location="cpu", weights_only=False)["module"]
     counts = {name: int(value) for name, value in module.items() if name.endswith("num_batches_tracked")}

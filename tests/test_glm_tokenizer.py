@@ -89,7 +89,7 @@ def test_a_model_without_the_glm_pieces_is_refused(tmp_path):
         GLMTokenizer(path)
 
 
-def test_the_tokenizer_crosses_into_loader_workers(small, glm_sp_model):
+def test_the_tokenizer_crosses_into_loader_workers(small):
     tokenizer, _ = small
     copy = pickle.loads(pickle.dumps(tokenizer))
     assert copy(["[MASK] a cat"])["input_ids"].tolist() == tokenizer(["[MASK] a cat"])["input_ids"].tolist()

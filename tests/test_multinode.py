@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import REPO, free_port, launcher_env, read_metrics, run_on_gloo_ranks, tiny_config, write_config
+from conftest import (REPO, adam_state, free_port, launcher_env, read_metrics, run_on_gloo_ranks, tiny_config,
+                      write_config)
 
 pytestmark = pytest.mark.distributed
 
@@ -237,27 +238,8 @@ def test_the_run_resumes_across_node_counts_and_ends_at_max_steps(launches):
     first = done[0][3][0]
     assert max((first["weights"][n] - first["final_weights"][n]).abs().max().item() for n in first["weights"]) > 1e-4
     # Adam's state went through every resume: one count per optimizer step since the start.
-    assert adam_step(run_dir, last_step) == last_step
+    assert adam_state(run_dir, last_step)[0] == last_step
     assert (run_dir / "checkpoints/latest").read_text() == f"step_{last_step:09d}"
-
-
-def adam_step(run_dir: Path, step: int) -> int:
-    counts = set()
-
-    def visit(node):
-        if isinstance(node, dict):
-            if "exp_avg_sq" in node and "step" in node:
-                counts.add(int(node["step"]))
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                visit(value)
-
-    for path in sorted((run_dir / f"checkpoints/step_{step:09d}").glob("*optim_states.pt")):
-        visit(torch.load(path, map_location="cpu", weights_only=False))
-    assert len(counts) == 1, counts
-    return counts.pop()
 
 
 # The node-layout check, on spawned gloo ranks that pretend to run on the nodes their variables say.

@@ -70,8 +70,8 @@ def after_optimizer_step(needs: EngineNeeds, zero_stage: int) -> None:
     import deepspeed
 
     for work in needs.after_step:
-        reads = list(work.reads())
-        if zero_stage == 3 and reads:
+        reads = list(work.reads()) if zero_stage == 3 else []
+        if reads:
             with deepspeed.zero.GatheredParameters(reads, modifier_rank=None):
                 work.run()
         else:

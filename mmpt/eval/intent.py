@@ -34,9 +34,9 @@ from mmpt.data.shards import DataError
 def resolve_intent_dataset(name_or_path: str, data_root: str = "demo_data") -> Path:
     """A directory with train.csv and test.csv, or 'dialogs' for the demo corpus's held-out intents."""
     if name_or_path == "dialogs" and not Path(name_or_path).exists():
-        from mmpt import demo
+        from mmpt.demo.dialogs import build_dialogs  # the dialogs and intent sets, without training shards
 
-        return demo.build("dialogs", data_root) / "intent"
+        return build_dialogs(Path(data_root) / "dialogs") / "intent"
     path = Path(name_or_path)
     for split in ("train.csv", "test.csv"):
         if not (path / split).is_file():
