@@ -17,34 +17,18 @@ from __future__ import annotations
 
 import json
 import platform
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from demo_runs import REPO, train_demo
+
 RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = {"all tasks": [], "no dual-VSA": ["method.tasks.dual_vsa=0"]}
 CLIPS = 170
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def train(overrides: list[str]) -> dict:
-    launcher = str(Path(sys.executable).with_name("deepspeed"))
-    with tempfile.TemporaryDirectory() as cwd:
-        started = time.perf_counter()
-        subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/train.py"),
-                        "--config", str(REPO / "configs/victor/demo.yaml"), "run.progress_bar=false", *overrides],
-                       cwd=cwd, check=True, capture_output=True, text=True)
-        seconds = time.perf_counter() - started
-        records = [json.loads(line) for line in (Path(cwd) / "runs/victor-demo/metrics.jsonl").read_text().splitlines()]
+    seconds, records = train_demo("configs/victor/demo.yaml", "runs/victor-demo", overrides)
     losses = [r for r in records if "loss/total" in r]
     return {"seconds": seconds, "final": records[-1], "last_losses": {k: v for k, v in losses[-1].items() if k.startswith("loss/")}}
 

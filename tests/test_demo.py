@@ -24,11 +24,13 @@ def zeroshot_cli(cwd, run, task, dataset, language, out):
     return json.loads(written.read_text())
 
 
-@pytest.mark.parametrize("config, run, threshold", [
-    ("configs/clip/demo.yaml", "runs/clip-demo", 0.80),
-    ("configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo", 0.85),
+# Top-1 floors (chance 0.10) on the held-out scans and on digits_unseen (the same scans drawn at other sizes
+# and positions, with prompt wordings training never saw), which holds up only with random placement in training.
+@pytest.mark.parametrize("config, run, threshold, unseen_threshold", [
+    ("configs/clip/demo.yaml", "runs/clip-demo", 0.80, 0.90),
+    ("configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo", 0.75, 0.65),
 ])
-def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshold):
+def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshold, unseen_threshold):
     # The demo's paths are relative: run from an empty directory so it builds its own corpus there.
     launcher = str(Path(sys.executable).with_name("deepspeed"))
     command = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/train.py"),
@@ -36,12 +38,14 @@ def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshol
     result = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     final = read_metrics(tmp_path / run)[-1]
-    for language in ("en", "zh"):
-        assert final[f"zeroshot/{language}/acc1"] >= threshold, final
-        record = zeroshot_cli(tmp_path, run, "zeroshot_classification", "digits", language, tmp_path / "results")
-        assert record["dataset"] == "digits" and record["language"] == language
-        for key in ("acc1", "acc5", "mean_per_class_recall"):
-            assert record["metrics"][key] == pytest.approx(final[f"zeroshot/{language}/{key}"], abs=1e-6)
+    for dataset, prefix in (("digits", "zeroshot"), ("digits_unseen", "zeroshot/digits_unseen")):
+        for language in ("en", "zh"):
+            floor = threshold if dataset == "digits" else unseen_threshold
+            assert final[f"{prefix}/{language}/acc1"] >= floor, final
+            record = zeroshot_cli(tmp_path, run, "zeroshot_classification", dataset, language, tmp_path / dataset)
+            assert record["dataset"] == dataset and record["language"] == language
+            for key in ("acc1", "acc5", "mean_per_class_recall"):
+                assert record["metrics"][key] == pytest.approx(final[f"{prefix}/{language}/{key}"], abs=1e-6)
     if "m2_encoder" in config:
         jsonl = "demo_data/digits/zeroshot/retrieval_zh.jsonl"
         record = zeroshot_cli(tmp_path, run, "zeroshot_retrieval", jsonl, "zh", tmp_path / "results")

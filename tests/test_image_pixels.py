@@ -28,8 +28,18 @@ OPEN_CLIP_CONFIG = str(REPO / "benchmarks/configs/bench-vit-tiny.json")
 CLIP_MEAN, CLIP_STD = (0.41, 0.52, 0.63), (0.21, 0.27, 0.33)  # not the defaults: the config's values must reach the model
 
 
+PLACEMENT = {"affine_scale": [0.6, 1.4], "affine_translate": 0.15}
+
+
+def placement():
+    return T.RandomAffine(degrees=0, translate=(0.15, 0.15), scale=(0.6, 1.4),
+                          interpolation=T.InterpolationMode.BILINEAR, fill=0)
+
+
 def old_clip_transform():
-    return open_clip.image_transform(32, is_train=True, mean=CLIP_MEAN, std=CLIP_STD)
+    """open_clip's training transform with the random placement before ToTensor."""
+    steps = open_clip.image_transform(32, is_train=True, mean=CLIP_MEAN, std=CLIP_STD).transforms
+    return T.Compose([*steps[:-2], placement(), *steps[-2:]])
 
 
 def old_open_clip_transform():
@@ -39,7 +49,7 @@ def old_open_clip_transform():
 
 def old_m2_transform():
     return T.Compose([T.RandomResizedCrop(32, scale=(0.8, 1.0), interpolation=T.InterpolationMode.BICUBIC),
-                      T.RandomHorizontalFlip(), T.RandAugment(num_ops=2, magnitude=7),
+                      T.RandomHorizontalFlip(), T.RandAugment(num_ops=2, magnitude=7), placement(),
                       T.ToTensor(), T.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
 
 
@@ -47,11 +57,11 @@ def old_m2_transform():
 METHODS = {
     "clip": ({"name": "clip", "embed_dim": 32, "image": {"timm_name": "resnet10t", "image_size": 32},
               "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16},
-              "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD)},
+              "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD), "augment": PLACEMENT},
              lambda model: model.visual, old_clip_transform),
     "open_clip": ({"name": "open_clip", "model": OPEN_CLIP_CONFIG}, lambda model: model.clip.visual,
                   old_open_clip_transform),
-    "m2_encoder": ({"name": "m2_encoder", "model": "m2-encoder-demo"}, lambda model: model.backbone.vision_embed,
+    "m2_encoder": ({"name": "m2_encoder", "model": "m2-encoder-demo", "augment": PLACEMENT}, lambda model: model.backbone.vision_embed,
                    old_m2_transform),
 }
 
@@ -234,3 +244,23 @@ def test_the_loader_pins_when_there_is_a_gpu(tmp_path, monkeypatch, cuda):
     batch = next(iter(StatefulLoader(BatchStream(spec, lambda raw: {"value": torch.tensor(int(raw["txt"]))}))))
     assert built == [cuda] and batch["value"].shape == (2,)
     assert (id(batch["value"]) in pinned_ids) == cuda  # pinned through the DataLoader's own pinning path
+
+
+def test_random_placement_moves_and_resizes_and_is_off_by_default():
+    from mmpt.methods.image_text import PlacementAugment
+
+    base = T.Compose([T.ToTensor(), T.Normalize((0.5,), (0.5,))])
+    assert PlacementAugment().apply_to(base) is base
+    square = Image.new("L", (32, 32))
+    square.paste(255, (8, 8, 24, 24))  # 16 px wide, centred
+    transform = PlacementAugment(affine_scale=(0.6, 1.4), affine_translate=0.15).apply_to(base)
+    assert isinstance(transform.transforms[0], T.RandomAffine) and transform.transforms[1:] == base.transforms
+    widths, centres = [], []
+    torch.manual_seed(0)
+    for _ in range(40):
+        columns = torch.nonzero(transform(square)[0].amax(dim=0) > 0)[:, 0].float()
+        widths.append(columns.max() - columns.min() + 1)
+        centres.append((columns.max() + columns.min()) / 2)
+    widths, centres = torch.stack(widths), torch.stack(centres)
+    assert widths.min() <= 12 and widths.max() >= 19  # scaled by 0.6-1.4: 10-22 px
+    assert centres.min() <= 13 and centres.max() >= 18  # shifted by up to 0.15 * 32 = 4.8 px

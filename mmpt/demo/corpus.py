@@ -13,8 +13,28 @@ from pathlib import Path
 COMPLETE_MARKER = "COMPLETE"
 
 
-def is_built(root: str | os.PathLike) -> bool:
-    return (Path(root) / COMPLETE_MARKER).exists()
+def is_built(root: str | os.PathLike, version: int = 1) -> bool:
+    """True once `root` is complete. A corpus complete under another builder `version` is an error that
+    names the folder: using it would silently lack what this version writes."""
+    marker = Path(root) / COMPLETE_MARKER
+    if not marker.exists():
+        return False
+    found = built_version(marker)
+    if found != version:
+        raise RuntimeError(f"{root} holds a demo corpus built by version {found} of its builder; this mmpt "
+                           f"builds version {version}. Delete {root} and it is rebuilt on next use.")
+    return True
+
+
+def built_version(marker: Path) -> int:
+    first = marker.read_text().split("\n", 1)[0]
+    return int(first.removeprefix("version: ")) if first.startswith("version: ") else 1
+
+
+def mark_complete(staging: Path, summary: str, version: int = 1) -> None:
+    """Written last: the corpus counts as built from here on."""
+    head = f"version: {version}\n" if version != 1 else ""
+    (staging / COMPLETE_MARKER).write_text(head + summary + "\n")
 
 
 def fresh_staging(root: Path) -> Path:

@@ -4,8 +4,12 @@ Training shards hold one caption per sample, English (`train/en-*.tar`) and Chin
 as two sources to mix. A stratified held-out split is written in the CLIP_benchmark webdataset layout
 (`zeroshot/test/{0..N-1}.tar` with `png` + `cls`, `nshards.txt`, `classnames.txt`, `zeroshot_classification_templates.txt`,
 and `_zh` variants of both) for zero-shot classification, and as image files with
-`zeroshot/retrieval_{en,zh}.jsonl` (`{"image", "caption": [...]}` lines) for retrieval. A WordPiece tokenizer trained on the text
-is saved as `tokenizer.json`. Nothing is downloaded: the scans ship inside scikit-learn.
+`zeroshot/retrieval_{en,zh}.jsonl` (`{"image", "caption": [...]}` lines) for retrieval.
+`zeroshot_unseen/` is the same held-out scans drawn smaller or larger and shifted (renderings the
+training data never holds) with prompt wordings no caption or `zeroshot/` template uses: how well a model generalises.
+A WordPiece tokenizer trained on the text (the evaluation prompts' words included, so they are not
+unknown tokens; no caption ever uses them) is saved as `tokenizer.json`. Nothing is downloaded: the scans
+ship inside scikit-learn.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from mmpt.demo import register
-from mmpt.demo.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
+from mmpt.demo.corpus import fresh_staging, is_built, mark_complete, publish
 from mmpt.data.shards import ShardSetWriter
 from mmpt.data.tokenizer import train_wordpiece
 from PIL import Image
@@ -44,7 +48,16 @@ EVAL_TEMPLATES = {
     "en": ["a photo of the digit {c}.", "a handwritten {c}.", "an image of the number {c}.", "the digit {c}, written by hand."],
     "zh": ["一张数字{c}的照片。", "手写的{c}。", "数字{c}的图片。", "手写的数字{c}。"],
 }
+# Wordings used nowhere else, for `zeroshot_unseen/`.
+UNSEEN_TEMPLATES = {
+    "en": ["a drawing of the number {c}.", "this is a {c}.", "the numeral {c} drawn by someone.", "a sketch of a {c}."],
+    "zh": ["这是{c}。", "画出来的数字{c}。", "一个{c}的草图。", "有人写的{c}。"],
+}
+# `zeroshot_unseen/` rendering: the digit drawn at a size in SCALE times the frame, its centre moved by up to
+# SHIFT pixels each way (at 32 px); training scans always fill the frame, centred.
+UNSEEN_SCALE, UNSEEN_SHIFT = (0.65, 1.35), 4
 LANGUAGES = ("en", "zh")
+VERSION = 2  # 2: adds zeroshot_unseen/
 
 
 def _png(scan: np.ndarray, size: int) -> bytes:
@@ -52,6 +65,20 @@ def _png(scan: np.ndarray, size: int) -> bytes:
     image = Image.fromarray(pixels, mode="L").resize((size, size), Image.BICUBIC)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _shifted_png(scan: np.ndarray, size: int, scale: float, dx: int, dy: int) -> bytes:
+    """The scan drawn at `scale` times `size` on a black `size` canvas, its centre moved by (dx, dy); edges
+    that leave the canvas are cut, as a larger digit in a fixed frame would be."""
+    pixels = (scan * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
+    drawn = round(size * scale)
+    digit = Image.fromarray(pixels, mode="L").resize((drawn, drawn), Image.BICUBIC)
+    canvas = Image.new("L", (size, size))
+    corner = (size - drawn) // 2
+    canvas.paste(digit, (corner + dx, corner + dy))
+    buffer = io.BytesIO()
+    canvas.save(buffer, format="PNG")
     return buffer.getvalue()
 
 
@@ -69,6 +96,19 @@ def _split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[list[in
 
 def caption(language: str, label: int, template: str) -> str:
     return template.format(w=NAMES[language][label], n=str(label))
+
+
+def write_classification_set(folder: Path, pngs: dict[int, bytes], labels: np.ndarray,
+                             templates: dict[str, list[str]], shard_size: int) -> None:
+    """`pngs` (scan index -> image) as a CLIP_benchmark webdataset set with per-language class names and prompts."""
+    with ShardSetWriter(folder / "test" / "test", max_samples=shard_size) as writer:
+        for index, png in pngs.items():
+            writer.write({"__key__": f"{index:04d}", "png": png, "cls": str(int(labels[index]))})
+    name_shards_as_clip_benchmark(folder / "test", writer.sizes)
+    for language in LANGUAGES:
+        suffix = "" if language == "en" else f"_{language}"
+        (folder / f"classnames{suffix}.txt").write_text("\n".join(NAMES[language]) + "\n")
+        (folder / f"zeroshot_classification_templates{suffix}.txt").write_text("\n".join(templates[language]) + "\n")
 
 
 def name_shards_as_clip_benchmark(folder: Path, sizes: dict[str, int]) -> None:
@@ -95,7 +135,7 @@ def build_digits(
     from sklearn.datasets import load_digits
 
     root = Path(root)
-    if is_built(root):
+    if is_built(root, VERSION):
         return root
     staging = fresh_staging(root)
     digits = load_digits()
@@ -116,25 +156,26 @@ def build_digits(
 
     zeroshot = staging / "zeroshot"
     (zeroshot / "images").mkdir(parents=True)
+    pngs = {index: _png(images[index], image_size) for index in test_ids}
     retrieval = {language: [] for language in LANGUAGES}
-    with ShardSetWriter(zeroshot / "test" / "test", max_samples=shard_size) as writer:
-        for index in test_ids:
-            label, png = int(labels[index]), _png(images[index], image_size)
-            writer.write({"__key__": f"{index:04d}", "png": png, "cls": str(label)})
-            (zeroshot / "images" / f"{index:04d}.png").write_bytes(png)
-            for language in LANGUAGES:
-                captions = [t.format(c=NAMES[language][label]) for t in EVAL_TEMPLATES[language][:2]]
-                retrieval[language].append(json.dumps({"image": f"images/{index:04d}.png", "caption": captions},
-                                                      ensure_ascii=False))
+    for index, png in pngs.items():
+        (zeroshot / "images" / f"{index:04d}.png").write_bytes(png)
+        for language in LANGUAGES:
+            captions = [t.format(c=NAMES[language][int(labels[index])]) for t in EVAL_TEMPLATES[language][:2]]
+            retrieval[language].append(json.dumps({"image": f"images/{index:04d}.png", "caption": captions},
+                                                  ensure_ascii=False))
     for language, lines in retrieval.items():  # the official M2-Encoder retrieval layout
         (zeroshot / f"retrieval_{language}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    name_shards_as_clip_benchmark(zeroshot / "test", writer.sizes)
-    for language in LANGUAGES:
-        suffix = "" if language == "en" else f"_{language}"
-        (zeroshot / f"classnames{suffix}.txt").write_text("\n".join(NAMES[language]) + "\n")
-        (zeroshot / f"zeroshot_classification_templates{suffix}.txt").write_text("\n".join(EVAL_TEMPLATES[language]) + "\n")
-        texts += [t.format(c=name) for t in EVAL_TEMPLATES[language] for name in NAMES[language]]
+    write_classification_set(zeroshot, pngs, labels, EVAL_TEMPLATES, shard_size)
 
+    draw = np.random.default_rng(seed + 1)
+    shifted = {index: _shifted_png(images[index], image_size, float(draw.uniform(*UNSEEN_SCALE)),
+                                   *(int(v) for v in draw.integers(-UNSEEN_SHIFT, UNSEEN_SHIFT + 1, size=2)))
+               for index in test_ids}
+    write_classification_set(staging / "zeroshot_unseen", shifted, labels, UNSEEN_TEMPLATES, shard_size)
+
+    for prompts in (EVAL_TEMPLATES, UNSEEN_TEMPLATES):
+        texts += [t.format(c=name) for language in LANGUAGES for t in prompts[language] for name in NAMES[language]]
     train_wordpiece(texts, staging / "tokenizer.json", vocab_size=1000)
-    (staging / COMPLETE_MARKER).write_text(f"train images: {len(train_ids)}, held-out images: {len(test_ids)}\n")
+    mark_complete(staging, f"train images: {len(train_ids)}, held-out images: {len(test_ids)}", VERSION)
     return publish(staging, root)

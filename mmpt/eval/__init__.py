@@ -6,12 +6,14 @@ from pathlib import Path
 
 from mmpt import demo
 
-# Demo corpora evaluable by name, and the folder of each that holds the zero-shot set.
-_DEMO_SETS = {"digits": "zeroshot"}
+# Zero-shot sets of the demo corpora, evaluable by name: (corpus, folder inside it).
+# digits_unseen: the same held-out scans drawn larger and shifted, with prompt wordings training never saw.
+DEMO_SETS = {"digits": ("digits", "zeroshot"), "digits_unseen": ("digits", "zeroshot_unseen")}
 
 
 def resolve_dataset(name_or_path: str, data_root: str = "demo_data") -> Path:
     """A dataset folder from a path, or from a demo corpus name (built under `data_root` if missing)."""
-    if name_or_path in _DEMO_SETS and not Path(name_or_path).exists():
-        return demo.build(name_or_path, data_root) / _DEMO_SETS[name_or_path]
+    if name_or_path in DEMO_SETS and not Path(name_or_path).exists():
+        corpus, folder = DEMO_SETS[name_or_path]
+        return demo.build(corpus, data_root) / folder
     return Path(name_or_path)

@@ -19,7 +19,7 @@ from mmpt.config import Config
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.losses import ContrastiveLoss
 from mmpt.methods.base import MethodConfig
-from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig
+from mmpt.methods.image_text import ImageTextMethod, PlacementAugment, ZeroShotConfig
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
 
 
@@ -31,6 +31,8 @@ class ClipConfig(MethodConfig):
     tokenizer: str = Field(description="path of a `tokenizers` tokenizer.json (copied into the run directory)")
     image_mean: tuple[float, float, float] = OPENAI_DATASET_MEAN
     image_std: tuple[float, float, float] = OPENAI_DATASET_STD
+    augment: PlacementAugment = Field(default_factory=PlacementAugment,
+                                      description="added to open_clip's training transform (crop 0.9-1)")
     zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
 
 
@@ -46,7 +48,8 @@ class ClipMethod(ImageTextMethod):
 
     def image_transform(self, cfg: Config, train: bool):
         m = cfg.method
-        return image_transform(m.image.image_size, is_train=train, mean=m.image_mean, std=m.image_std)
+        transform = image_transform(m.image.image_size, is_train=train, mean=m.image_mean, std=m.image_std)
+        return m.augment.apply_to(transform) if train else transform
 
     def build_model(self, cfg: Config, run_dir: Path) -> ClipModel:
         m = cfg.method

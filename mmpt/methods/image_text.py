@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from pydantic import Field
 from torch import nn
+from torchvision import transforms as T
 
 from mmpt.config import Config, Section
 from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, uint8_transform
@@ -20,9 +21,31 @@ from mmpt.methods.base import Method, copy_tokenizer, eval_record, save_eval_rec
 
 
 class ZeroShotConfig(Section):
-    dataset: str | None = Field(None, description="CLIP_benchmark/ImageFolder path, or a demo corpus name ('digits')")
+    dataset: str | None = Field(None, description="CLIP_benchmark/ImageFolder path, or a demo set name ('digits'); "
+                                                  "reported as zeroshot/<language>/<metric>")
+    extra_datasets: list[str] = Field(default_factory=list, description="more sets evaluated the same way, reported as "
+                                                                        "zeroshot/<folder or set name>/<language>/<metric>")
     languages: list[str] = Field(default_factory=lambda: ["en"])
     batch_size: int = Field(256, gt=0)
+
+
+class PlacementAugment(Section):
+    """Random scale and translation at training time (torchvision's RandomAffine, black fill), so a model
+    does not learn one size and position of its objects; off unless configured."""
+
+    affine_scale: tuple[float, float] | None = Field(None, description="[min, max] zoom factor drawn per image")
+    affine_translate: float = Field(0.0, ge=0.0, lt=1.0, description="largest shift, a fraction of width and height")
+
+    def apply_to(self, transform: T.Compose) -> T.Compose:
+        """`transform` with the random placement inserted just before its ToTensor (unchanged when off)."""
+        if self.affine_scale is None and self.affine_translate == 0:
+            return transform
+        steps = list(transform.transforms)
+        at = next(i for i, step in enumerate(steps) if isinstance(step, T.ToTensor))
+        shift = (self.affine_translate,) * 2 if self.affine_translate else None
+        affine = T.RandomAffine(degrees=0, translate=shift, scale=self.affine_scale,
+                                interpolation=T.InterpolationMode.BILINEAR, fill=0)
+        return T.Compose([*steps[:at], affine, *steps[at:]])
 
 
 def model_images(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
@@ -88,10 +111,12 @@ class ImageTextMethod(Method):
         if zs.dataset is None:
             return {}
         results = {}
-        for language in zs.languages:
-            record = self.zeroshot(model, cfg, run_dir, zs.dataset, language)
-            save_eval_record(record, run_dir / "eval")
-            results.update({f"zeroshot/{language}/{key}": value for key, value in record["metrics"].items()})
+        for dataset in [zs.dataset, *zs.extra_datasets]:
+            prefix = "zeroshot" if dataset == zs.dataset else f"zeroshot/{Path(dataset).name}"
+            for language in zs.languages:
+                record = self.zeroshot(model, cfg, run_dir, dataset, language)
+                save_eval_record(record, run_dir / "eval")
+                results.update({f"{prefix}/{language}/{key}": value for key, value in record["metrics"].items()})
         return results
 
     caption_normalization = None  # applied to retrieval captions, as the method's official evaluation does

@@ -20,7 +20,7 @@ from mmpt.data.tokenizer import TextTokenizer
 from mmpt.eval.retrieval import official_caption_normalization
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.methods.base import EngineNeeds, MethodConfig
-from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig, model_images
+from mmpt.methods.image_text import ImageTextMethod, PlacementAugment, ZeroShotConfig, model_images
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 from mmpt.models.m2_official import load_official
 
@@ -36,8 +36,8 @@ class GbaItcConfig(Section):
     tile_size: int = Field(0, ge=0, description="column tile width of the logits; 0 = untiled")
 
 
-class AugmentConfig(Section):
-    """Training augmentation; the official recipe is crop 0.8-1, horizontal flip, RandAugment(2, 7)."""
+class AugmentConfig(PlacementAugment):
+    """Training augmentation; the official recipe is crop 0.8-1, horizontal flip, RandAugment(2, 7) (no placement)."""
 
     crop_scale: tuple[float, float] = (0.8, 1.0)
     hflip: bool = True
@@ -93,7 +93,7 @@ class M2EncoderMethod(ImageTextMethod):
             steps.append(T.RandomHorizontalFlip())
         if augment.randaugment:
             steps.append(T.RandAugment(num_ops=2, magnitude=7))
-        return T.Compose([*steps, *finish])
+        return augment.apply_to(T.Compose([*steps, *finish]))
 
     def build_model(self, cfg: Config, run_dir: Path) -> M2Encoder:
         arch = cfg.method.arch
