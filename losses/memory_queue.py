@@ -7,6 +7,11 @@ filled, only the entries written so far are negatives.
 
 The write position and fill count are also kept as Python ints, so a step never reads them back from
 the device; the buffers are written from them (host to device) and read once after a state load.
+
+`contents()` is a view of the entries, not a copy: a loss built on it keeps reading the entries until
+its backward has run. So `push` gathers the keys at once (the collective stays where every rank calls
+it) but writes them at the next `contents()` or `state_dict()`, after that backward; a checkpoint
+therefore always holds every pushed key.
 """
 
 from __future__ import annotations
@@ -29,10 +34,16 @@ class MemoryQueue(nn.Module):
         self.register_buffer("position", torch.zeros(1, dtype=torch.long))  # where the next entry goes
         self.register_buffer("count", torch.zeros(1, dtype=torch.long))  # entries written, at most size
         self._pointers: tuple[int, int] | None = (0, 0)  # (position, count); None: read from the buffers
+        self._pending: list[torch.Tensor] = []  # gathered keys not yet written, oldest first
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
+        self._pending.clear()
         self._pointers = None
+
+    def _save_to_state_dict(self, *args, **kwargs):
+        self._write_pending()
+        super()._save_to_state_dict(*args, **kwargs)
 
     def pointers(self) -> tuple[int, int]:
         """(write position, fill count); read from the buffers only once after a state load."""
@@ -45,19 +56,26 @@ class MemoryQueue(nn.Module):
         return self.entries.shape[0]
 
     def contents(self) -> torch.Tensor:
-        """The valid entries [n, dim] (no gradient), oldest-first order not guaranteed."""
-        return self.entries[: self.pointers()[1]].detach().clone()
+        """The valid entries [n, dim] (no gradient), oldest-first order not guaranteed: a view, valid until
+        the next `contents()` (by then, a step's backward is done)."""
+        self._write_pending()
+        return self.entries[: self.pointers()[1]].detach()
 
     @torch.no_grad()
     def push(self, keys: torch.Tensor) -> None:
         """Enqueue every rank's `keys` [n, dim] (same n on every rank); every rank must call it."""
-        keys = all_gather_with_grad(keys.detach().contiguous(), self.group).to(self.entries.dtype)
-        if keys.shape[0] > self.size:
-            keys = keys[-self.size:]
-        rows = keys.shape[0]
-        start, count = self.pointers()
-        slots = (torch.arange(rows, device=keys.device) + start) % self.size
-        self.entries[slots] = keys
-        self._pointers = ((start + rows) % self.size, min(count + rows, self.size))
-        self.position.fill_(self._pointers[0])
-        self.count.fill_(self._pointers[1])
+        self._pending.append(all_gather_with_grad(keys.detach().contiguous(), self.group).to(self.entries.dtype))
+
+    @torch.no_grad()
+    def _write_pending(self) -> None:
+        for keys in self._pending:
+            if keys.shape[0] > self.size:
+                keys = keys[-self.size:]
+            rows = keys.shape[0]
+            start, count = self.pointers()
+            slots = (torch.arange(rows, device=keys.device) + start) % self.size
+            self.entries[slots] = keys
+            self._pointers = ((start + rows) % self.size, min(count + rows, self.size))
+            self.position.fill_(self._pointers[0])
+            self.count.fill_(self._pointers[1])
+        self._pending.clear()

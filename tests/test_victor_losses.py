@@ -173,12 +173,26 @@ def test_queue_is_fifo_and_wraps():
     assert queue.contents().shape == (0, 2)
     for start in (0, 3, 6):
         queue.push(torch.arange(start, start + 3).float()[:, None].repeat(1, 2))
-    # 9 rows written into 5 slots: the last 5 (4..8) remain, slot = row index mod 5
-    assert queue.entries[:, 0].tolist() == [5, 6, 7, 8, 4]
-    assert int(queue.count) == 5 and int(queue.position) == 9 % 5
+    # 9 rows written into 5 slots: the last 5 (4..8) remain, slot = row index mod 5 (as a checkpoint holds them)
+    state = queue.state_dict()
+    assert state["entries"][:, 0].tolist() == [5, 6, 7, 8, 4]
+    assert int(state["count"]) == 5 and int(state["position"]) == 9 % 5
     assert sorted(queue.contents()[:, 0].tolist()) == [4, 5, 6, 7, 8]
     queue.push(torch.arange(100, 107).float()[:, None].repeat(1, 2))  # more than the queue holds
-    assert sorted(queue.entries[:, 0].tolist()) == [102, 103, 104, 105, 106]
+    assert sorted(queue.contents()[:, 0].tolist()) == [102, 103, 104, 105, 106]
+
+
+def test_queue_contents_are_a_view_that_a_loss_reads_until_its_backward():
+    queue = MemoryQueue(4, 2)
+    queue.push(torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+    negatives = queue.contents()
+    assert negatives.data_ptr() == queue.entries.data_ptr()  # no copy per step
+    query = torch.tensor([[1.0, 1.0]], requires_grad=True)
+    loss = (query @ negatives.T).sum()
+    queue.push(torch.tensor([[5.0, 5.0], [7.0, 7.0]]))  # this step's keys, enqueued before its backward
+    loss.backward()  # would fail had the push written into the entries the loss saved
+    assert query.grad.tolist() == [[1.0, 2.0]]
+    assert queue.contents().tolist() == [[1.0, 0.0], [0.0, 2.0], [5.0, 5.0], [7.0, 7.0]]
 
 
 def test_queue_pointers_come_back_with_its_state():
@@ -188,8 +202,22 @@ def test_queue_pointers_come_back_with_its_state():
     restored.push(torch.zeros(1, 2))
     restored.load_state_dict(saved.state_dict())  # as a checkpoint load does
     restored.push(torch.full((3, 2), 2.0))  # continues after the saved entries: slots 3, 4, 0
-    assert restored.entries[:, 0].tolist() == [2, 1, 1, 2, 2]
-    assert int(restored.count) == 5 and int(restored.position) == 1
+    state = restored.state_dict()
+    assert state["entries"][:, 0].tolist() == [2, 1, 1, 2, 2]
+    assert int(state["count"]) == 5 and int(state["position"]) == 1
+
+
+def test_a_queue_whose_buffers_alone_are_restored_continues_where_it_was_saved():
+    from mmpt.engine.checkpoint import restore_buffers  # what a resume on another number of ranks does
+
+    saved = torch.nn.ModuleDict({"queue": MemoryQueue(5, 2), "head": torch.nn.Linear(2, 2)})
+    saved["queue"].push(torch.ones(3, 2))
+    restored = torch.nn.ModuleDict({"queue": MemoryQueue(5, 2), "head": torch.nn.Linear(2, 2)})
+    weight = restored["head"].weight.detach().clone()
+    restore_buffers(restored, saved.state_dict())
+    restored["queue"].push(torch.full((3, 2), 2.0))  # slots 3, 4, 0, as after the saved entries
+    assert restored["queue"].state_dict()["entries"][:, 0].tolist() == [2, 1, 1, 2, 2]
+    assert torch.equal(restored["head"].weight, weight)  # parameters are the universal checkpoint's business
 
 
 def queue_on_ranks(rank, size):
@@ -201,8 +229,9 @@ def queue_on_ranks(rank, size):
     expected = [None] * size
     for index, value in enumerate(written):
         expected[index % size] = value
-    assert queue.entries[:, 0].tolist() == expected, (rank, queue.entries[:, 0].tolist(), expected)
-    assert int(queue.count) == size
+    state = queue.state_dict()
+    assert state["entries"][:, 0].tolist() == expected, (rank, state["entries"][:, 0].tolist(), expected)
+    assert int(state["count"]) == size
 
 
 def test_queue_enqueues_every_ranks_keys_in_rank_order_on_two_ranks():

@@ -53,8 +53,9 @@ def test_feature_model_trains_every_task_and_fills_the_queues(tmp_path, moving_d
         optimizer.step()
         optimizer.zero_grad()
         model.key.update()
-    assert int(loss.video_queue.count) == int(loss.text_queue.count) == 12
-    assert int(loss.frame_queue.count) == 64  # 3 steps x 4 clips x 6 frames pushed, capped at the 64 entries
+    queues = loss.state_dict()  # what a checkpoint holds: every pushed key written
+    assert int(queues["video_queue.count"]) == int(queues["text_queue.count"]) == 12
+    assert int(queues["frame_queue.count"]) == 64  # 3 steps x 4 clips x 6 frames pushed, capped at the 64 entries
     assert terms["dual_vsa"].item() > 0 and terms["inter_mfm"].item() > 0
     with torch.no_grad():
         video = model.eval().encode_video(torch.randn(2, 6, 20))
@@ -77,7 +78,8 @@ def test_a_task_turned_off_is_skipped_and_builds_no_head(tmp_path, moving_digits
     if off in heads:
         assert getattr(model, heads[off]) is None
     if off == "dual_vsa":
-        assert int(loss.video_queue.count) == 0 and int(loss.frame_queue.count) == 24
+        queues = loss.state_dict()
+        assert int(queues["video_queue.count"]) == 0 and int(queues["frame_queue.count"]) == 24
 
 
 def test_frames_model_with_a_frozen_preloaded_backbone(tmp_path, moving_digits_root):

@@ -261,11 +261,17 @@ def load_buffers(engine, checkpoint: Path) -> None:
     files = sorted(checkpoint.glob("*model_states.pt"))
     if not files:
         raise FileNotFoundError(f"checkpoint {checkpoint} has no model states file")
-    saved = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
-    with torch.no_grad():
-        for name, buffer in engine.module.named_buffers():
-            if name in saved:
-                buffer.copy_(saved[name])
+    restore_buffers(engine.module, torch.load(files[0], map_location="cpu", weights_only=False)["module"])
+
+
+def restore_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Load the buffers of `saved` into `module`, leaving its parameters as they are.
+
+    Through `load_state_dict`, not copies into the buffers: modules that keep host-side state derived from
+    their buffers (a memory queue's write position) refresh it as they would on a full load.
+    """
+    buffers = {name: saved[name] for name, _ in module.named_buffers() if name in saved}
+    module.load_state_dict(buffers, strict=False)
 
 
 def _unshare_step_counters(optimizer) -> None:

@@ -19,6 +19,7 @@ from mmpt.config import Config, ConfigError, save_config
 from mmpt.data import counts as data_counts
 from mmpt.data.loader import SkipPolicy, StatefulLoader
 from mmpt.engine import checkpoint, faults, precision
+from mmpt.engine.batch_norm import batch_norm_across_ranks
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.metrics import MetricLogger
@@ -235,7 +236,10 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, lo
     model = method.build_model(cfg, run_dir)
     check_pooled_accumulation(method, model.train(), cfg.train.grad_accum)
     method.load_initial_weights(model, cfg)
-    module = TrainingModule(method, model, method.build_loss(cfg), method.engine_needs(model))
+    needs = method.engine_needs(model)
+    if needs.batch_norm_across_ranks:
+        batch_norm_across_ranks(model)
+    module = TrainingModule(method, model, method.build_loss(cfg), needs)
     optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio, cfg.optim.decay)

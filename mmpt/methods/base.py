@@ -49,11 +49,15 @@ class EngineNeeds:
     fp32_modules: modules whose state stays fp32 under bf16/fp16 training; the engine runs their forward
         under autocast to the training precision and hands their outputs back in it.
     after_step: work after each applied optimizer step, in order.
+    batch_norm_across_ranks: every BatchNorm in the model takes its batch statistics over all data-parallel
+        ranks' samples (torch's SyncBatchNorm semantics, on CPU ranks too), so a model whose loss depends on
+        batch statistics trains as on the global batch, and running statistics agree on every rank.
     """
 
     step_pool: Callable[[nn.Module, nn.Module, list[dict[str, Any]]], Any] | None = None
     fp32_modules: tuple[nn.Module, ...] = ()
     after_step: tuple[AfterStep, ...] = ()
+    batch_norm_across_ranks: bool = False
 
 
 class Method:

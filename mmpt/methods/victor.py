@@ -151,8 +151,12 @@ class VictorMethod(Method):
         # The key network is an EMA with m close to 1: an update moves a weight by (1 - m) of its distance
         # to the query weight, below bf16's resolution for most steps, so its state stays fp32. It is
         # updated from the query towers' parameters after every optimizer step.
+        # The projection heads' batch norm centres features over the batch (see `Projection`): over the
+        # global batch, so the features, and the running statistics saved on rank 0, do not depend on how
+        # the batch is split into ranks.
         return EngineNeeds(fp32_modules=(model.key,),
-                           after_step=(AfterStep(run=model.key.update, reads=model.unimodal.parameters),))
+                           after_step=(AfterStep(run=model.key.update, reads=model.unimodal.parameters),),
+                           batch_norm_across_ranks=True)
 
     def build_loss(self, cfg: Config) -> VictorLoss:
         tokenizer = TextTokenizer(cfg.method.tokenizer, cfg.method.text.context_length)
