@@ -111,6 +111,10 @@ class TrainConfig(Section):
     overlap_comm: bool | None = Field(
         None, description="ZeRO 1-3: reduce gradient buckets on a side stream while backward runs (GPUs; CPU "
         "ranks have no streams, it only costs there). None: off at ZeRO 1-2, on at ZeRO-3 (DeepSpeed's choice)")
+    hpz_partition_size: int | Literal["node"] | None = Field(
+        None, description="ZeRO-3 only: ZeRO++ hierarchical partitioning. Each rank also keeps the parameters "
+        "sharded over a group of this many consecutive ranks, so backward's all-gathers stay inside the group; "
+        "'node': the ranks of one node. Costs that secondary shard per rank; pays off only across nodes")
     log_every: int = Field(10, gt=0)
     save_every: int = Field(0, ge=0, description="checkpoint every n steps (0: only at the end)")
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
@@ -121,6 +125,14 @@ class TrainConfig(Section):
         1800.0, ge=0, description="seconds without progress (a step, a checkpoint) before the run exits; 0 = off")
     straggler_factor: float = Field(1.5, gt=1, description="a rank this much slower than the median step is slow")
     straggler_windows: int = Field(3, gt=0, description="logging windows in a row a rank must be slow to be named")
+
+
+    @field_validator("hpz_partition_size", mode="before")
+    @classmethod
+    def _hpz_size(cls, value: Any) -> Any:
+        if value is None or value == "node" or (type(value) is int and value >= 2):
+            return value
+        raise ValueError("expected a number of ranks >= 2, or 'node'")
 
 
 class RunConfig(Section):
@@ -319,7 +331,7 @@ def _explain(exc: ValidationError, data: dict, origins: dict[str, str], top_file
         return f"{top_file}: required config key '{dotted}' is missing (set it there or in a file it extends)"
     value = err.get("input")
     shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
-    return f"{where}: config key '{dotted}' = {shown}: {err['msg']}"
+    return f"{where}: config key '{dotted}' = {shown}: {err['msg'].removeprefix('Value error, ')}"
 
 
 def read_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict, dict[str, str], str]:
