@@ -126,7 +126,6 @@ class TrainConfig(Section):
     straggler_factor: float = Field(1.5, gt=1, description="a rank this much slower than the median step is slow")
     straggler_windows: int = Field(3, gt=0, description="logging windows in a row a rank must be slow to be named")
 
-
     @field_validator("hpz_partition_size", mode="before")
     @classmethod
     def _hpz_size(cls, value: Any) -> Any:

@@ -7,7 +7,7 @@ from pathlib import Path
 from mmpt import demo
 
 # Zero-shot sets of the demo corpora, evaluable by name: (corpus, folder inside it).
-# digits_unseen: the same held-out scans drawn larger and shifted, with prompt wordings training never saw.
+# digits_unseen: the same held-out scans drawn at other sizes and positions, with prompt wordings training never saw.
 DEMO_SETS = {"digits": ("digits", "zeroshot"), "digits_unseen": ("digits", "zeroshot_unseen")}
 
 

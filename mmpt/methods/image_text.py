@@ -22,7 +22,8 @@ from mmpt.methods.base import Method, copy_tokenizer, eval_record, save_eval_rec
 
 class ZeroShotConfig(Section):
     dataset: str | None = Field(None, description="CLIP_benchmark/ImageFolder path, or a demo set name ('digits'); "
-                                                  "reported as zeroshot/<language>/<metric>")
+                                                  "reported as zeroshot/<language>/<metric>. null: no evaluation "
+                                                  "at the end of training, extra_datasets included")
     extra_datasets: list[str] = Field(default_factory=list, description="more sets evaluated the same way, reported as "
                                                                         "zeroshot/<folder or set name>/<language>/<metric>")
     languages: list[str] = Field(default_factory=lambda: ["en"])
