@@ -42,7 +42,8 @@ def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshol
         for language in ("en", "zh"):
             floor = threshold if dataset == "digits" else unseen_threshold
             assert final[f"{prefix}/{language}/acc1"] >= floor, final
-            record = zeroshot_cli(tmp_path, run, "zeroshot_classification", dataset, language, tmp_path / dataset)
+            record = zeroshot_cli(tmp_path, run, "zeroshot_classification", dataset, language,
+                                  tmp_path / "results" / dataset)
             assert record["dataset"] == dataset and record["language"] == language
             for key in ("acc1", "acc5", "mean_per_class_recall"):
                 assert record["metrics"][key] == pytest.approx(final[f"{prefix}/{language}/{key}"], abs=1e-6)
