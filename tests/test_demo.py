@@ -28,7 +28,8 @@ def zeroshot_cli(cwd, run, task, dataset, language, out):
 # and positions, with prompt wordings training never saw), which holds up only with random placement in training.
 @pytest.mark.parametrize("config, run, threshold, unseen_threshold", [
     ("configs/clip/demo.yaml", "runs/clip-demo", 0.80, 0.90),
-    ("configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo", 0.75, 0.65),
+    # About 8 minutes in the suite (600 steps): run with the full config matrix, `pytest -m matrix`.
+    pytest.param("configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo", 0.75, 0.65, marks=pytest.mark.matrix),
 ])
 def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshold, unseen_threshold):
     # The demo's paths are relative: run from an empty directory so it builds its own corpus there.
