@@ -38,6 +38,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import yaml
+from demo_runs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -119,14 +120,6 @@ def worker(out: Path, train_args: list[str]) -> None:
 
 
 # ---- driver ----
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def run_variant(name: str, train: dict, prefetch: int | None, digits: Path, work: Path) -> list[dict]:
     here = work / "".join(c if c.isalnum() else "_" for c in name)

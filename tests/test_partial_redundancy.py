@@ -58,5 +58,6 @@ def test_hpz_gathers_backward_inside_the_node_and_trains_as_zero3(module_tmp, di
     assert len(hpz_losses) == 2 and hpz_losses == pytest.approx(zero3_losses, abs=1e-6)
     for plain, hierarchical in zip(zero3_gathers, hpz_gathers):
         assert set(plain) == {"4"} and plain["4"] > 0  # plain ZeRO-3 gathers every parameter world-wide
-        # hpZ gathers world-wide in forward (filling the node's secondary shards), inside the node in backward
+        # hpZ gathers world-wide in forward (filling the node's secondary shards) and, where backward gathers
+        # again (the first step here; benchmarks/partial_redundancy.py has the later ones), inside the node
         assert hierarchical.get("2", 0) > 0 and hierarchical["4"] < plain["4"]

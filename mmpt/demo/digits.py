@@ -60,26 +60,30 @@ LANGUAGES = ("en", "zh")
 VERSION = 2  # 2: adds zeroshot_unseen/
 
 
-def _png(scan: np.ndarray, size: int) -> bytes:
+def _drawn(scan: np.ndarray, size: int) -> Image.Image:
+    """The 8x8 scan (values 0-16) as a `size` x `size` grey image."""
     pixels = (scan * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
-    image = Image.fromarray(pixels, mode="L").resize((size, size), Image.BICUBIC)
+    return Image.fromarray(pixels, mode="L").resize((size, size), Image.BICUBIC)
+
+
+def _encoded(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
 
 
+def _png(scan: np.ndarray, size: int) -> bytes:
+    return _encoded(_drawn(scan, size))
+
+
 def _shifted_png(scan: np.ndarray, size: int, scale: float, dx: int, dy: int) -> bytes:
     """The scan drawn at `scale` times `size` on a black `size` canvas, its centre moved by (dx, dy); edges
     that leave the canvas are cut, as a larger digit in a fixed frame would be."""
-    pixels = (scan * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
     drawn = round(size * scale)
-    digit = Image.fromarray(pixels, mode="L").resize((drawn, drawn), Image.BICUBIC)
     canvas = Image.new("L", (size, size))
     corner = (size - drawn) // 2
-    canvas.paste(digit, (corner + dx, corner + dy))
-    buffer = io.BytesIO()
-    canvas.save(buffer, format="PNG")
-    return buffer.getvalue()
+    canvas.paste(_drawn(scan, drawn), (corner + dx, corner + dy))
+    return _encoded(canvas)
 
 
 def _split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[list[int], list[int]]:
