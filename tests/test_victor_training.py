@@ -21,9 +21,9 @@ SHORT = ["run.progress_bar=false", "data.train.batch_size=8", "train.log_every=1
          "method.frame_queue_size=100", "data.train.shuffle_buffer=50"]
 
 
-def train_demo(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+def train_demo(cwd: Path, *overrides: str, ranks: int = 2) -> subprocess.CompletedProcess:
     launcher = str(Path(sys.executable).with_name("deepspeed"))
-    command = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/train.py"),
+    command = [launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(REPO / "launch/train.py"),
                "--config", str(REPO / "configs/victor/demo.yaml"), *SHORT, *overrides]
     result = subprocess.run(command, cwd=cwd, env=launcher_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -67,8 +67,9 @@ def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
 
     # key_s = m * key_(s-1) + (1 - m) * query_s for every weight, the query towers' parameters whole (consolidated
     # from the ZeRO-3 shards). Batch-norm statistics are left out: the key network's own forward moves them too.
-    key = key_network(run, 1)
-    for step in (2, 3, 4):
+    # At step 1 the previous key network is the initial query towers: the run's model built again from its seed.
+    key = initial_towers(tmp_path, run)
+    for step in (1, 2, 3, 4):
         query, previous, key = query_parameters(run, step), key, key_network(run, step)
         assert query.keys() <= key.keys() and len(query) > 20
         moved = 0
@@ -80,6 +81,10 @@ def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
         assert moved > len(query) // 2  # the key network really moves
     weights = load_file(run / "model.safetensors")
     assert all(torch.equal(weights[f"key.network.{name}"], value) for name, value in key.items())
+    # each rank holds about half of the key network (its partitions, plus the whole batch-norm statistics)
+    whole_mib = sum(v.numel() * 4 for k, v in weights.items() if k.startswith("key.network.")) / 2**20
+    per_rank = records[-1]["momentum_copy_mib_per_rank"]
+    assert len(per_rank) == 2 and all(whole_mib / 2 <= m < 0.55 * whole_mib for m in per_rank), (per_rank, whole_mib)
 
     final = read_metrics(run)[-1]
     for language in ("en", "zh"):
@@ -108,10 +113,43 @@ def checkpoint_module(run: Path, step: int, rank: int = 0) -> dict:
     return model_states(run, step, rank)["module"]
 
 
-def key_network(run: Path, step: int) -> dict:
-    """The momentum copy's weights (buffers, whole on every rank) saved at `step`."""
+def key_network(run: Path, step: int, ranks: int = 2) -> dict:
+    """The momentum copy's weights saved at `step`, whole. Under ZeRO-3 each rank saved its own flat partition of
+    every tensor that follows a parameter (ZeRO's layout: ceil(numel / ranks) elements per rank, zero-padded at
+    the end); those are put back together here, shaped as in the consolidated weights. Tensors following buffers
+    (batch-norm statistics) are saved whole by every rank."""
     prefix = "model.key.network."
-    return {k[len(prefix):]: v for k, v in checkpoint_module(run, step).items() if k.startswith(prefix)}
+    shapes = {k[len("key.network."):]: v.shape for k, v in load_file(run / "model.safetensors").items()
+              if k.startswith("key.network.")}
+    parts = [{k[len(prefix):]: v for k, v in checkpoint_module(run, step, r).items() if k.startswith(prefix)}
+             for r in range(ranks)]
+    whole = {}
+    for name, shape in shapes.items():
+        if parts[0][name].shape == shape:
+            whole[name] = parts[0][name]
+            continue
+        size = -(-shape.numel() // ranks)
+        assert all(p[name].shape == (size,) for p in parts), name
+        whole[name] = torch.cat([p[name] for p in parts])[:shape.numel()].view(shape)
+    return whole
+
+
+def initial_towers(cwd: Path, run: Path) -> dict:
+    """The query towers' weights before step 1, as the engine built them (seeded with `train.seed`)."""
+    import os
+
+    from mmpt.engine.trainer import seed_everything
+    from mmpt.methods.victor import METHOD
+    from mmpt.run_config import load_config
+
+    here = os.getcwd()
+    os.chdir(cwd)  # the config's paths are relative to where training ran
+    try:
+        cfg = load_config(run / "config.yaml")
+        seed_everything(cfg.train.seed)
+        return {k: v.detach().clone() for k, v in METHOD.build_model(cfg, run).unimodal.state_dict().items()}
+    finally:
+        os.chdir(here)
 
 
 def query_parameters(run: Path, step: int) -> dict:
@@ -144,7 +182,28 @@ def test_resumed_run_restores_the_memory_queues(zero3_run, tmp_path):
     for name in queues:
         assert torch.equal(uninterrupted[name], again[name]), name
         assert torch.equal(uninterrupted[name], other_rank[name]), name  # the same queue on every rank
-    keys = [k for k in uninterrupted if k.startswith("model.key.")]
-    assert keys
-    for name in keys:
-        assert torch.equal(uninterrupted[name], again[name]), name
+    for rank in (0, 1):  # under ZeRO-3 each rank saved its own partition of the key network
+        uninterrupted, again = checkpoint_module(run, 4, rank), checkpoint_module(resumed / "runs/victor-demo", 4, rank)
+        keys = [k for k in uninterrupted if k.startswith("model.key.")]
+        assert len(keys) > 20
+        for name in keys:
+            assert torch.equal(uninterrupted[name], again[name]), (rank, name)
+
+
+def test_key_network_resumes_on_another_number_of_ranks(zero3_run, tmp_path):
+    """The 2-rank ZeRO-3 checkpoint of step 2 loaded by one rank: its key network, rebuilt from both ranks'
+    partitions, is written whole into the consolidated weights, equal to what the two ranks saved."""
+    run = zero3_run / "runs/victor-demo"
+    elastic = tmp_path / "elastic"
+    elastic.mkdir()
+    (elastic / "demo_data").symlink_to(zero3_run / "demo_data")
+    shutil.copytree(run, elastic / "runs/victor-demo", ignore=shutil.ignore_patterns(
+        "step_000000003", "step_000000004", "model.safetensors", "eval", "metrics.jsonl"))
+    (elastic / "runs/victor-demo/checkpoints/latest").write_text("step_000000002")
+    result = train_demo(elastic, *ZERO3[1:], "train.max_steps=2", ranks=1)
+    assert "saved by 2 ranks" in result.stdout + result.stderr
+    saved = key_network(run, 2)
+    weights = load_file(elastic / "runs/victor-demo/model.safetensors")
+    assert len(saved) > 20
+    for name, value in saved.items():
+        assert torch.equal(weights[f"key.network.{name}"], value), name

@@ -31,6 +31,7 @@ from torch import nn
 from mmpt import distributed as mdist
 from mmpt.config import ConfigError
 from mmpt.engine import faults
+from mmpt.engine.sharded_copies import ShardedCopies
 
 log = logging.getLogger(__name__)
 
@@ -251,17 +252,30 @@ def load_engine(engine, checkpoint: Path) -> int:
     return int(client["step"])
 
 
-def load_buffers(engine, checkpoint: Path) -> None:
+def load_buffers(engine, checkpoint: Path, sharded: ShardedCopies | None = None) -> None:
     """The module's buffers (BatchNorm statistics, VICTOR's queues and key network) as `checkpoint` saved them.
 
     DeepSpeed 0.19.8's universal checkpoint carries parameters and optimizer state only: a resume on
     another number of ranks would otherwise start every buffer again from its initial value. Buffers are
-    whole on every rank at every ZeRO stage, so rank 0's model file holds them all.
+    whole on every rank at every ZeRO stage, so rank 0's model file holds them all, except the partitions
+    of momentum copies under ZeRO-3 (`sharded`), which are rebuilt from every saved rank's file.
     """
-    files = sorted(checkpoint.glob("*model_states.pt"))
+    files = sorted(checkpoint.glob("*model_states.pt"), key=_saving_rank)
     if not files:
         raise FileNotFoundError(f"checkpoint {checkpoint} has no model states file")
-    restore_buffers(engine.module, torch.load(files[0], map_location="cpu", weights_only=False)["module"])
+    saved = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    partitioned = {name for name, t in engine.module.state_dict(keep_vars=True).items()
+                   if sharded is not None and sharded.is_partition(t)}
+    restore_buffers(engine.module, {k: v for k, v in saved.items() if k not in partitioned})
+    if partitioned:
+        states = [saved] + [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files[1:]]
+        sharded.load_saved(engine.module, [{k: state[k] for k in partitioned} for state in states])
+
+
+def _saving_rank(path: Path) -> int:
+    """The rank that wrote a model-states file (`zero_pp_rank_<r>_...` under ZeRO-3, one file otherwise)."""
+    name = path.name
+    return int(name.split("_")[3]) if name.startswith("zero_pp_rank_") else 0
 
 
 def restore_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
@@ -297,9 +311,10 @@ def rank_states(checkpoint: Path) -> list[dict[str, Any]]:
     return [torch.load(checkpoint / f"rank_{r}.pt", weights_only=True) for r in range(saved_world_size(checkpoint))]
 
 
-def _full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
+def _full_weights(model: nn.Module, sharded: ShardedCopies | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(name, full fp32 tensor on the CPU of rank 0, None elsewhere) of every state-dict entry, one at a time;
-    every rank iterates (a parameter partitioned by ZeRO-3 is gathered as it comes).
+    every rank iterates (a parameter partitioned by ZeRO-3, or a momentum copy's partition in `sharded`, is
+    gathered as it comes).
 
     Parameters come from the optimizer's fp32 master copy where one exists (bf16/fp16, any ZeRO stage),
     so no rank ever holds more than one full parameter besides its own shard.
@@ -308,20 +323,31 @@ def _full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]
 
     params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
     for name, value in model.state_dict(keep_vars=True).items():
-        tensor = safe_get_full_fp32_param(params[name]) if name in params else None
-        if tensor is None:
-            tensor = value  # a buffer, or a parameter without a master copy (fp32 at ZeRO 0)
+        if name in params:
+            tensor = safe_get_full_fp32_param(params[name])
+            if tensor is None:
+                tensor = value  # a parameter without a master copy (fp32 at ZeRO 0)
+        elif sharded is not None and sharded.is_partition(value):
+            tensor = sharded.full(value)
+        else:
+            tensor = value
         yield name, tensor.detach().float().cpu().contiguous() if mdist.get_rank() == 0 else None
 
 
-def _full_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+def _full_shapes(model: nn.Module, sharded: ShardedCopies | None = None) -> dict[str, tuple[int, ...]]:
     """Every state-dict entry's full shape, known without gathering (ZeRO-3 keeps it in `ds_shape`)."""
-    return {name: tuple(getattr(value, "ds_shape", value.shape)) for name, value in model.state_dict(keep_vars=True).items()}
+    shapes = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if sharded is not None and sharded.is_partition(value):
+            shapes[name] = tuple(sharded.full_shape(value))
+        else:
+            shapes[name] = tuple(getattr(value, "ds_shape", value.shape))
+    return shapes
 
 
-def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+def gathered_state_dict(model: nn.Module, sharded: ShardedCopies | None = None) -> dict[str, torch.Tensor] | None:
     """Full fp32 weights on rank 0 (None elsewhere); every rank calls it."""
-    full = {name: tensor.clone() for name, tensor in _full_weights(model) if tensor is not None}
+    full = {name: tensor.clone() for name, tensor in _full_weights(model, sharded) if tensor is not None}
     return full if mdist.get_rank() == 0 else None
 
 
@@ -333,14 +359,14 @@ def read_weights(model: nn.Module, path: Path) -> nn.Module:
     return model
 
 
-def write_weights(model: nn.Module, path: Path) -> None:
+def write_weights(model: nn.Module, path: Path, sharded: ShardedCopies | None = None) -> None:
     """Consolidated fp32 weights as safetensors, streamed: rank 0 writes each tensor as it is gathered, so
     neither the accelerator nor the host ever holds a second full model. Every rank calls it.
 
     The safetensors layout is written directly: an 8-byte little-endian header length, a JSON header naming
     every tensor's dtype, shape and byte range (known up front from the shapes), then the bytes in that order.
     """
-    shapes = _full_shapes(model)
+    shapes = _full_shapes(model, sharded)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shapes.items():
@@ -356,7 +382,7 @@ def write_weights(model: nn.Module, path: Path) -> None:
     try:
         if handle is not None:
             handle.write(struct.pack("<Q", len(encoded)) + encoded)
-        for name, tensor in _full_weights(model):
+        for name, tensor in _full_weights(model, sharded):
             if handle is None:
                 continue
             if tuple(tensor.shape) != shapes[name]:

@@ -23,6 +23,7 @@ from mmpt.engine.batch_norm import batch_norm_across_ranks
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.metrics import MetricLogger
+from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes
 from mmpt.engine.timing import Spans
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
 from mmpt.engine.watchdog import Watchdog
@@ -65,11 +66,16 @@ def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype) -> Any
     return batch
 
 
-def after_optimizer_step(needs: EngineNeeds, zero_stage: int) -> None:
-    """The method's after-step work (e.g. an EMA update), each with the parameters it reads whole on this
-    rank under ZeRO-3."""
+def after_optimizer_step(needs: EngineNeeds, zero_stage: int, sharded: ShardedCopies | None) -> None:
+    """The momentum copies' EMA step, then the method's after-step work, each with the parameters it reads
+    whole on this rank under ZeRO-3."""
     import deepspeed
 
+    if sharded is not None:
+        sharded.update()
+    else:
+        for copy in needs.momentum_copies:
+            copy.update()
     for work in needs.after_step:
         reads = list(work.reads()) if zero_stage == 3 else []
         if reads:
@@ -125,14 +131,16 @@ def train(cfg: Config) -> dict[str, Any]:
     engine = build_engine(cfg, method, run_dir, world_size, load_universal=universal is not None)
     float_dtype = precision.DTYPES[cfg.train.precision]
     needs = engine.module.needs
-    precision.match_buffer_precision(engine.module, float_dtype, needs.fp32_modules)
-    precision.compute_in(needs.fp32_modules, float_dtype, engine.device.type)
+    kept_fp32 = needs.fp32_modules + needs.momentum_copies
+    precision.match_buffer_precision(engine.module, float_dtype, kept_fp32)
+    precision.compute_in(kept_fp32, float_dtype, engine.device.type)
+    sharded = ShardedCopies(needs.momentum_copies) if cfg.train.zero_stage == 3 and needs.momentum_copies else None
     seed_everything(cfg.train.seed + rank)
     loader = StatefulLoader(
         method.train_data(cfg, run_dir, rank=rank, world_size=world_size),
         SkipPolicy(cfg.data.train.max_skip_rate, cfg.data.train.min_samples_for_skip_rate),
     )
-    step, batches = resume(cfg, engine, loader, checkpoint_dir, universal or checkpoint_dir)
+    step, batches = resume(cfg, engine, loader, checkpoint_dir, universal or checkpoint_dir, sharded)
 
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * world_size
     metrics = MetricLogger(run_dir, max_steps=cfg.train.max_steps, start_step=step, global_batch=global_batch,
@@ -157,8 +165,8 @@ def train(cfg: Config) -> dict[str, Any]:
             check = step == first_step and cfg.train.zero_stage == 3
             with partitioned_parameter_guard(engine.module, f"step {step + 1}", active=check):
                 losses = optimizer_step(engine, micro_batches, lambda phase, at=step + 1: reached(phase, at), spans)
-                if needs.after_step and engine.was_step_applied():
-                    after_optimizer_step(needs, cfg.train.zero_stage)
+                if (needs.after_step or needs.momentum_copies) and engine.was_step_applied():
+                    after_optimizer_step(needs, cfg.train.zero_stage, sharded)
             step += 1
             guard.update(step_skipped(engine))
             metrics.update(losses)
@@ -166,10 +174,12 @@ def train(cfg: Config) -> dict[str, Any]:
                 reached("log", step)
                 times = spans.take()  # waits for the window's work: the one host sync of a logging window
                 metrics.data_counts = reduced_data_counts(loader)
-                state_mib = mdist.all_gather_floats([optimizer_state_bytes(engine.optimizer, engine.module) / 2**20])
+                state_mib = mdist.all_gather_floats([optimizer_state_bytes(engine.optimizer, engine.module) / 2**20,
+                                                     momentum_bytes(needs.momentum_copies) / 2**20])
                 record = metrics.reduce(step, engine.get_lr()[0], times, {
                     **data_counts.metrics(metrics.data_counts), "skipped_steps": guard.read(),
-                    "optimizer_state_mib_per_rank": [round(m[0], 1) for m in state_mib]})
+                    "optimizer_state_mib_per_rank": [round(m[0], 1) for m in state_mib],
+                    **({"momentum_copy_mib_per_rank": [round(m[1], 3) for m in state_mib]} if needs.momentum_copies else {})})
                 metrics.write(step, record)
                 guard.check(step, {k.removeprefix("loss/"): v for k, v in record.items() if k.startswith("loss/")})
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
@@ -182,7 +192,7 @@ def train(cfg: Config) -> dict[str, Any]:
         metrics.close()
     handoff = [engine]  # finish() takes the only reference, to free the engine before evaluating
     del engine
-    return finish(cfg, method, handoff, run_dir, step)
+    return finish(cfg, method, handoff, run_dir, step, sharded)
 
 
 def reduced_data_counts(loader: StatefulLoader) -> dict[str, dict[str, int]]:
@@ -254,7 +264,7 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, lo
 
 
 def resume(cfg: Config, engine, loader: StatefulLoader, checkpoint_dir: Path | None,
-           engine_checkpoint: Path | None) -> tuple[int, Iterator]:
+           engine_checkpoint: Path | None, sharded: ShardedCopies | None = None) -> tuple[int, Iterator]:
     """(step, batch iterator), continuing where the checkpoint left off if there is one.
 
     Same ranks and workers: exactly (data position and RNG restored). Another layout: model and
@@ -265,7 +275,7 @@ def resume(cfg: Config, engine, loader: StatefulLoader, checkpoint_dir: Path | N
         return 0, iter(loader)
     step = checkpoint.load_engine(engine, engine_checkpoint)
     if engine_checkpoint != checkpoint_dir:  # a universal copy: it lacks the buffers
-        checkpoint.load_buffers(engine, checkpoint_dir)
+        checkpoint.load_buffers(engine, checkpoint_dir, sharded)
     states = checkpoint.rank_states(checkpoint_dir)
     rank = mdist.get_rank()
     layout = (states[0]["data"]["world_size"], states[0]["data"]["num_workers"])
@@ -329,14 +339,15 @@ def optimizer_step(engine, micro_batches: list[dict[str, Any]],
     return sums
 
 
-def finish(cfg: Config, method: Method, handoff: list, run_dir: Path, step: int) -> dict[str, Any]:
+def finish(cfg: Config, method: Method, handoff: list, run_dir: Path, step: int,
+           sharded: ShardedCopies | None = None) -> dict[str, Any]:
     """Consolidated fp32 weights, then the method's evaluation on a model loaded back from them.
 
     `handoff` holds the only reference to the engine: once the weights are written it is dropped, so the
     evaluation model does not sit in accelerator memory beside the training one.
     """
     engine = handoff.pop()
-    checkpoint.write_weights(engine.module.model, run_dir / checkpoint.WEIGHTS)
+    checkpoint.write_weights(engine.module.model, run_dir / checkpoint.WEIGHTS, sharded)
     device = engine.device
     release(engine)
     del engine

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mmpt.config import Section
+from mmpt.models.momentum import MomentumCopy
 
 if TYPE_CHECKING:
     from mmpt.config import Config
@@ -49,6 +50,10 @@ class EngineNeeds:
     fp32_modules: modules whose state stays fp32 under bf16/fp16 training; the engine runs their forward
         under autocast to the training precision and hands their outputs back in it.
     after_step: work after each applied optimizer step, in order.
+    momentum_copies: EMA copies of parts of the model (`mmpt.models.momentum.MomentumCopy`). The engine keeps
+        their state fp32 (as for `fp32_modules`), updates them after each applied optimizer step (before
+        `after_step`), and under ZeRO-3 partitions them like the parameters they follow, so that no rank holds
+        a whole copy (see `mmpt.engine.sharded_copies`).
     batch_norm_across_ranks: every BatchNorm in the model takes its batch statistics over all data-parallel
         ranks' samples (torch's SyncBatchNorm semantics, on CPU ranks too), so a model whose loss depends on
         batch statistics trains as on the global batch, and running statistics agree on every rank.
@@ -57,6 +62,7 @@ class EngineNeeds:
     step_pool: Callable[[nn.Module, nn.Module, list[dict[str, Any]]], Any] | None = None
     fp32_modules: tuple[nn.Module, ...] = ()
     after_step: tuple[AfterStep, ...] = ()
+    momentum_copies: tuple[MomentumCopy, ...] = ()
     batch_norm_across_ranks: bool = False
 
 

@@ -40,7 +40,7 @@ from mmpt.losses.victor import (
     permute_sentences,
     random_permutations,
 )
-from mmpt.methods.base import (AfterStep, EngineNeeds, Method, MethodConfig, copy_tokenizer, eval_record,
+from mmpt.methods.base import (EngineNeeds, Method, MethodConfig, copy_tokenizer, eval_record,
                                save_eval_record, stream_spec)
 from mmpt.models.clip import TextTowerConfig
 from mmpt.models.victor import VictorModel, VideoTowerConfig, load_backbone_weights
@@ -149,14 +149,12 @@ class VictorMethod(Method):
 
     def engine_needs(self, model: VictorModel) -> EngineNeeds:
         # The key network is an EMA with m close to 1: an update moves a weight by (1 - m) of its distance
-        # to the query weight, below bf16's resolution for most steps, so its state stays fp32. It is
-        # updated from the query towers' parameters after every optimizer step.
+        # to the query weight, below bf16's resolution for most steps. As a momentum copy the engine keeps
+        # it fp32, updates it from the query towers after every optimizer step, and shards it under ZeRO-3.
         # The projection heads' batch norm centres features over the batch (see `Projection`): over the
         # global batch, so the features, and the running statistics saved on rank 0, do not depend on how
         # the batch is split into ranks.
-        return EngineNeeds(fp32_modules=(model.key,),
-                           after_step=(AfterStep(run=model.key.update, reads=model.unimodal.parameters),),
-                           batch_norm_across_ranks=True)
+        return EngineNeeds(momentum_copies=(model.key,), batch_norm_across_ranks=True)
 
     def build_loss(self, cfg: Config) -> VictorLoss:
         tokenizer = TextTokenizer(cfg.method.tokenizer, cfg.method.text.context_length)

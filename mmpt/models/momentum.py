@@ -24,6 +24,15 @@ def _parameters_to_buffers(module: nn.Module) -> None:
             sub.register_buffer(name, param.detach().clone())
 
 
+@torch.no_grad()
+def ema_(key: torch.Tensor, query: torch.Tensor, momentum: float) -> None:
+    """One EMA step in place, in `key`'s precision and on its device; integer tensors (counters) are copied."""
+    if key.is_floating_point():
+        key.lerp_(query.detach().to(key.device, key.dtype), 1.0 - momentum)
+    else:
+        key.copy_(query)
+
+
 class MomentumCopy(nn.Module):
     """`MomentumCopy(source, m)(*args)` runs the EMA copy of `source` without gradient."""
 
@@ -41,24 +50,22 @@ class MomentumCopy(nn.Module):
     def source(self) -> nn.Module:
         return self._source[0]
 
-    def _pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def pairs(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(name, the copy's tensor, the source's parameter or buffer it follows) for every tensor of the copy."""
         mine = dict(self.network.named_buffers())
         for name, tensor in (*self.source.named_parameters(), *self.source.named_buffers()):
-            yield mine[name], tensor
+            yield name, mine[name], tensor
 
     @torch.no_grad()
     def update(self) -> None:
         """key <- m * key + (1 - m) * source, in the copy's precision; integer buffers (counters) are copied."""
-        for key, query in self._pairs():
-            if key.is_floating_point():
-                key.lerp_(query.detach().to(key.dtype), 1.0 - self.momentum)
-            else:
-                key.copy_(query)
+        for _, key, query in self.pairs():
+            ema_(key, query, self.momentum)
 
     @torch.no_grad()
     def reset(self) -> None:
         """key <- source: after the source was loaded from a checkpoint, start the copy from the same weights."""
-        for key, query in self._pairs():
+        for _, key, query in self.pairs():
             key.copy_(query)
 
     @torch.no_grad()
