@@ -5,7 +5,8 @@
 
 Without --checkpoint, the run's final model.safetensors is exported when it exists, else the newest
 complete checkpoint. A checkpoint of any ZeRO stage and any number of ranks is consolidated to
-fp32 (ZeRO 1-3 through DeepSpeed's zero_to_fp32; ZeRO 0 from its single model file). Checkpoints
+fp32 (ZeRO 1-3 through DeepSpeed's zero_to_fp32, with a momentum copy's per-rank partitions put back
+together; ZeRO 0 from its single model file). Checkpoints
 are the run's own DeepSpeed files, read with DeepSpeed's loader; the release is safetensors only.
 """
 
@@ -33,9 +34,27 @@ def consolidated_weights(run_dir: Path, tag: str) -> dict:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        state.update(whole_partitioned_buffers(root / tag))
     prefix = "model."  # the engine trains TrainingModule(model, loss); the loss holds no weights to release
     # zero_to_fp32 returns views into one flat buffer: own copies, so safetensors sees no shared storage
     return {k[len(prefix):]: v.float().clone() for k, v in state.items() if k.startswith(prefix)}
+
+
+def whole_partitioned_buffers(checkpoint: Path) -> dict:
+    """Buffers every rank saved only its partition of (a momentum copy under ZeRO-3), put back together;
+    DeepSpeed's zero_to_fp32 takes buffers from rank 0's file as they are."""
+    import torch
+
+    from mmpt.engine.checkpoint import PARTITIONED, model_state_files
+    from mmpt.engine.sharded_copies import whole_from_partitions
+
+    files = model_state_files(checkpoint)
+    first = torch.load(files[0], map_location="cpu", weights_only=False)
+    shapes = first.get(PARTITIONED) or {}
+    if not shapes:
+        return {}
+    states = [first["module"]] + [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files[1:]]
+    return {name: whole_from_partitions(name, [s[name] for s in states], shape) for name, shape in shapes.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

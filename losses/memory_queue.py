@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmpt.distributed import all_gather_with_grad
+from mmpt.distributed import all_gather_with_grad, data_parallel_group
 
 
 class MemoryQueue(nn.Module):
@@ -63,8 +63,11 @@ class MemoryQueue(nn.Module):
 
     @torch.no_grad()
     def push(self, keys: torch.Tensor) -> None:
-        """Enqueue every rank's `keys` [n, dim] (same n on every rank); every rank must call it."""
-        self._pending.append(all_gather_with_grad(keys.detach().contiguous(), self.group).to(self.entries.dtype))
+        """Enqueue every rank's `keys` [n, dim] (same n on every rank); every rank must call it. Without a group
+        of its own the queue gathers over the data-parallel ranks (ranks splitting one batch's sequences hold
+        the same keys)."""
+        group = self.group if self.group is not None else data_parallel_group()
+        self._pending.append(all_gather_with_grad(keys.detach().contiguous(), group).to(self.entries.dtype))
 
     @torch.no_grad()
     def _write_pending(self) -> None:

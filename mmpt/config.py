@@ -115,6 +115,10 @@ class TrainConfig(Section):
         None, description="ZeRO-3 only: ZeRO++ hierarchical partitioning. Each rank also keeps the parameters "
         "sharded over a group of this many consecutive ranks, so backward's all-gathers stay inside the group; "
         "'node': the ranks of one node. Costs that secondary shard per rank; pays off only across nodes")
+    sequence_parallel: int = Field(
+        1, ge=1, description="Ulysses sequence parallelism: this many consecutive ranks read the same samples and "
+        "split the sequence of the transformers the method declares (all-to-all around attention); must divide the "
+        "ranks. 1: off")
     log_every: int = Field(10, gt=0)
     save_every: int = Field(0, ge=0, description="checkpoint every n steps (0: only at the end)")
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")

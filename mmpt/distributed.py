@@ -143,6 +143,55 @@ def contiguous_group(group_size: int | None) -> dist.ProcessGroup | None:
     return mine
 
 
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How ranks divide the work when sequence parallelism is on: `sequence_parallel` consecutive ranks split
+    one batch's sequences (`sequence_group`) and read the same samples; the ranks with the same place in
+    their sequence group (`data_group`: every `sequence_parallel`-th rank) read different samples."""
+
+    sequence_parallel: int = 1
+    sequence_group: dist.ProcessGroup | None = None  # None: sequence parallelism off
+    data_group: dist.ProcessGroup | None = None  # None: all ranks
+    data_rank: int = 0
+    data_size: int = 1
+
+
+_layout: ParallelLayout | None = None
+
+
+def set_sequence_parallel(size: int) -> ParallelLayout:
+    """Form the sequence and data-parallel groups for `size` ranks per sequence (a collective; every rank calls
+    it once, after the process group starts)."""
+    global _layout
+    world, rank = get_world_size(), get_rank()
+    if size < 1 or world % size:
+        raise ConfigError(f"config key 'train.sequence_parallel': {size} must divide the {world} ranks")
+    if size == 1:
+        _layout = ParallelLayout(data_rank=rank, data_size=world)
+        return _layout
+    sequence_group = data_group = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            sequence_group = group
+    for offset in range(size):
+        group = dist.new_group(list(range(offset, world, size)))  # one rank when all ranks split one batch
+        if rank % size == offset:
+            data_group = group
+    _layout = ParallelLayout(size, sequence_group, data_group, rank // size, world // size)
+    return _layout
+
+
+def layout() -> ParallelLayout:
+    """The layout `set_sequence_parallel` formed; without one, every rank reads its own samples."""
+    return _layout or ParallelLayout(data_rank=get_rank(), data_size=get_world_size())
+
+
+def data_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks that read different samples (None: all ranks): what a loss gathers over."""
+    return layout().data_group
+
+
 class RanksPerNode(int):
     """A group size that stands for "the ranks of one node", so that `contiguous_group` verifies the
     node layout for it (and not for a size the user chose, whose groups may span nodes on purpose)."""
@@ -225,11 +274,11 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    if not is_initialized() or dist.get_world_size() == 1:
+def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    if not is_initialized() or dist.get_world_size(group) == 1:
         return values
     reduced = values.detach().to(_comm_device(), copy=True)
-    dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
     return reduced.to(values.device)
 
 

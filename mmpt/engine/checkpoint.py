@@ -39,6 +39,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 COMPLETE = "complete.json"
 WEIGHTS = "model.safetensors"
+PARTITIONED = "partitioned_buffers"  # model-states entry: {name: full shape} of buffers saved as per-rank partitions
 
 
 class CheckpointError(RuntimeError):
@@ -83,7 +84,8 @@ def _numpy_state_from_plain(state: list) -> tuple:
     return (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
 
 
-def save(engine, run_dir: Path, step: int, rank_state: dict[str, Any], keep_last: int) -> Path:
+def save(engine, run_dir: Path, step: int, rank_state: dict[str, Any], keep_last: int,
+         sharded: ShardedCopies | None = None) -> Path:
     """Every rank calls this. Each rank writes and fsyncs its files, then all ranks agree, through one
     collective, that every rank's files are down; only then does rank 0 write `complete.json` (a checkpoint
     counts only with it) and move `latest`. A kill at any moment leaves the previous complete checkpoint
@@ -97,9 +99,12 @@ def save(engine, run_dir: Path, step: int, rank_state: dict[str, Any], keep_last
     failure = None
     try:
         with _fsynced_writes(engine):
-            # `universal_checkpoint_info` lets DeepSpeed convert this checkpoint for another number of ranks.
-            engine.save_checkpoint(str(root), tag=tag, client_state={"step": step, "universal_checkpoint_info": {}},
-                                   save_latest=False)
+            # `universal_checkpoint_info` lets DeepSpeed convert this checkpoint for another number of ranks;
+            # `partitioned_buffers` tells readers which buffers each rank saved only its partition of.
+            client = {"step": step, "universal_checkpoint_info": {}}
+            if sharded is not None:
+                client[PARTITIONED] = sharded.shapes(engine.module)
+            engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
         faults.inject("save:after_engine", step, rank)
         _atomic_torch_save(rank_state, root / tag / f"rank_{rank}.pt")
         faults.inject("save:after_rank_state", step, rank)
@@ -260,9 +265,7 @@ def load_buffers(engine, checkpoint: Path, sharded: ShardedCopies | None = None)
     whole on every rank at every ZeRO stage, so rank 0's model file holds them all, except the partitions
     of momentum copies under ZeRO-3 (`sharded`), which are rebuilt from every saved rank's file.
     """
-    files = sorted(checkpoint.glob("*model_states.pt"), key=_saving_rank)
-    if not files:
-        raise FileNotFoundError(f"checkpoint {checkpoint} has no model states file")
+    files = model_state_files(checkpoint)
     saved = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
     partitioned = {name for name, t in engine.module.state_dict(keep_vars=True).items()
                    if sharded is not None and sharded.is_partition(t)}
@@ -272,10 +275,16 @@ def load_buffers(engine, checkpoint: Path, sharded: ShardedCopies | None = None)
         sharded.load_saved(engine.module, [{k: state[k] for k in partitioned} for state in states])
 
 
-def _saving_rank(path: Path) -> int:
-    """The rank that wrote a model-states file (`zero_pp_rank_<r>_...` under ZeRO-3, one file otherwise)."""
-    name = path.name
-    return int(name.split("_")[3]) if name.startswith("zero_pp_rank_") else 0
+def model_state_files(checkpoint: Path) -> list[Path]:
+    """DeepSpeed's model-states files of a checkpoint in the order of the ranks that wrote them (under ZeRO-3
+    each rank writes `zero_pp_rank_<r>_mp_rank_00_model_states.pt`; otherwise there is one file)."""
+    def saving_rank(path: Path) -> int:
+        return int(path.name.split("_")[3]) if path.name.startswith("zero_pp_rank_") else 0
+
+    files = sorted(checkpoint.glob("*model_states.pt"), key=saving_rank)
+    if not files:
+        raise FileNotFoundError(f"checkpoint {checkpoint} has no model states file")
+    return files
 
 
 def restore_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:

@@ -134,15 +134,25 @@ class ShardedCopies:
             if id(tensor) not in self._shards:
                 continue
             shard = self._shards[id(tensor)]
-            parts = [state[name] for state in saved]
-            if tuple(parts[0].shape) == tuple(shard.shape):
-                whole = parts[0]
-            else:
-                whole = torch.cat([p.reshape(-1) for p in parts])[:shard.numel]
-                if whole.numel() != shard.numel:
-                    raise ValueError(f"'{name}': the saved partitions hold {whole.numel()} elements, the model "
-                                     f"needs {shard.numel} (shape {tuple(shard.shape)})")
-            tensor.copy_(self._cut(whole.reshape(shard.shape).to(tensor.device, tensor.dtype), shard))
+            whole = whole_from_partitions(name, [state[name] for state in saved], shard.shape)
+            tensor.copy_(self._cut(whole.to(tensor.device, tensor.dtype), shard))
+
+    def shapes(self, module: nn.Module) -> dict[str, list[int]]:
+        """{state-dict name: full shape} of `module`'s partitioned tensors, for readers of a checkpoint."""
+        return {name: list(self._shards[id(t)].shape) for name, t in module.state_dict(keep_vars=True).items()
+                if id(t) in self._shards}
+
+
+def whole_from_partitions(name: str, parts: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
+    """The tensor `name` of `shape` from the flat partitions every rank saved (rank order, ZeRO-3's layout),
+    or as saved when a run kept it whole."""
+    if tuple(parts[0].shape) == tuple(shape):
+        return parts[0]
+    whole = torch.cat([p.reshape(-1) for p in parts])[:math.prod(shape)]
+    if whole.numel() != math.prod(shape):
+        raise ValueError(f"'{name}': the saved partitions hold {whole.numel()} elements, the model needs "
+                         f"{math.prod(shape)} (shape {tuple(shape)})")
+    return whole.reshape(shape)
 
 
 def momentum_bytes(copies: Iterable[MomentumCopy]) -> int:

@@ -23,6 +23,7 @@ from mmpt.engine.batch_norm import batch_norm_across_ranks
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.metrics import MetricLogger
+from mmpt.engine.sequence_parallel import split_sequences
 from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes
 from mmpt.engine.timing import Spans
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
@@ -119,6 +120,7 @@ def train(cfg: Config) -> dict[str, Any]:
     """Run `cfg` to `train.max_steps` (resuming if asked); returns the final evaluation metrics."""
     check_precision(cfg)
     rank, world_size = start_process_group()
+    layout = mdist.set_sequence_parallel(cfg.train.sequence_parallel)
     method = get_method(cfg.method_name)
     run_dir = Path(cfg.run.output_dir)
     if rank == 0:
@@ -135,14 +137,14 @@ def train(cfg: Config) -> dict[str, Any]:
     precision.match_buffer_precision(engine.module, float_dtype, kept_fp32)
     precision.compute_in(kept_fp32, float_dtype, engine.device.type)
     sharded = ShardedCopies(needs.momentum_copies) if cfg.train.zero_stage == 3 and needs.momentum_copies else None
-    seed_everything(cfg.train.seed + rank)
+    seed_everything(cfg.train.seed + layout.data_rank)  # ranks splitting one batch draw the same masks
     loader = StatefulLoader(
-        method.train_data(cfg, run_dir, rank=rank, world_size=world_size),
+        method.train_data(cfg, run_dir, rank=layout.data_rank, world_size=layout.data_size),
         SkipPolicy(cfg.data.train.max_skip_rate, cfg.data.train.min_samples_for_skip_rate),
     )
     step, batches = resume(cfg, engine, loader, checkpoint_dir, universal or checkpoint_dir, sharded)
 
-    global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * world_size
+    global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * layout.data_size
     metrics = MetricLogger(run_dir, max_steps=cfg.train.max_steps, start_step=step, global_batch=global_batch,
                            tensorboard=cfg.run.tensorboard, progress_bar=cfg.run.progress_bar,
                            straggler_factor=cfg.train.straggler_factor, straggler_windows=cfg.train.straggler_windows)
@@ -185,7 +187,7 @@ def train(cfg: Config) -> dict[str, Any]:
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
                 reached("checkpoint", step)
                 state = {"data": loader.state_dict(), "rng": checkpoint.rng_state()}
-                checkpoint.save(engine, run_dir, step, state, cfg.train.keep_last)
+                checkpoint.save(engine, run_dir, step, state, cfg.train.keep_last, sharded)
     finally:
         mdist.GatherClock.spans = None
         watchdog.close()
@@ -199,7 +201,7 @@ def reduced_data_counts(loader: StatefulLoader) -> dict[str, dict[str, int]]:
     """Every rank's sample counts summed, {"all" or source: {...}} (a collective)."""
     sources = loader.source_names
     local = data_counts.flatten(loader.counts_by_source(), sources)
-    summed = mdist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()
+    summed = mdist.all_reduce_sum(torch.tensor(local, dtype=torch.float64), mdist.data_parallel_group()).tolist()
     return data_counts.nest(summed, sources)
 
 
@@ -248,7 +250,13 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, lo
     method.load_initial_weights(model, cfg)
     needs = method.engine_needs(model)
     if needs.batch_norm_across_ranks:
-        batch_norm_across_ranks(model)
+        batch_norm_across_ranks(model, mdist.data_parallel_group())
+    layout = mdist.layout()
+    if layout.sequence_parallel > 1:
+        if not needs.sequence_parallel:
+            raise ConfigError(f"config key 'train.sequence_parallel': method '{method.name}' declares no transformer "
+                              "to split along the sequence; set it to 1")
+        split_sequences(needs.sequence_parallel, layout.sequence_group, layout.sequence_parallel)
     module = TrainingModule(method, model, method.build_loss(cfg), needs)
     optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -287,9 +295,10 @@ def resume(cfg: Config, engine, loader: StatefulLoader, checkpoint_dir: Path | N
         if rank == 0:
             log.warning("resumed from %s at step %d", checkpoint_dir, step)
         return step, batches
-    loader.reshard([s["data"] for s in states])
+    readers = [s["data"] for s in states]
+    loader.reshard(readers[::len(readers) // readers[0]["world_size"]])  # one per batch: sequence-parallel ranks share
     batches = iter(loader)
-    seed_everything(cfg.train.seed + rank + 7919 * step)
+    seed_everything(cfg.train.seed + mdist.layout().data_rank + 7919 * step)
     if rank == 0:
         log.warning("resumed from %s at step %d, saved by %d ranks x %d workers, on %d x %d: data readers restart "
                     "at epoch %d", checkpoint_dir, step, *layout, spec.world_size, spec.num_workers, spec.start_epoch)

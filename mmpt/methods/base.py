@@ -54,6 +54,9 @@ class EngineNeeds:
         their state fp32 (as for `fp32_modules`), updates them after each applied optimizer step (before
         `after_step`), and under ZeRO-3 partitions them like the parameters they follow, so that no rank holds
         a whole copy (see `mmpt.engine.sharded_copies`).
+    sequence_parallel: transformers the engine may split along the sequence (`train.sequence_parallel`, see
+        `mmpt.engine.sequence_parallel`): each is called as `module(tokens [B, L, W], padding [B, L] or None)`,
+        mixes tokens only in timm `Attention` layers and returns [B, L, W].
     batch_norm_across_ranks: every BatchNorm in the model takes its batch statistics over all data-parallel
         ranks' samples (torch's SyncBatchNorm semantics, on CPU ranks too), so a model whose loss depends on
         batch statistics trains as on the global batch, and running statistics agree on every rank.
@@ -63,6 +66,7 @@ class EngineNeeds:
     fp32_modules: tuple[nn.Module, ...] = ()
     after_step: tuple[AfterStep, ...] = ()
     momentum_copies: tuple[MomentumCopy, ...] = ()
+    sequence_parallel: tuple[nn.Module, ...] = ()
     batch_norm_across_ranks: bool = False
 
 

@@ -154,7 +154,12 @@ class VictorMethod(Method):
         # The projection heads' batch norm centres features over the batch (see `Projection`): over the
         # global batch, so the features, and the running statistics saved on rank 0, do not depend on how
         # the batch is split into ranks.
-        return EngineNeeds(momentum_copies=(model.key,), batch_norm_across_ranks=True)
+        # The temporal and cross-modal transformers (query and key) are what grows with frames x tokens.
+        transformers = [model.unimodal.temporal.encoder, model.key.network.temporal.encoder]
+        if model.cross is not None:
+            transformers.append(model.cross.encoder)
+        return EngineNeeds(momentum_copies=(model.key,), sequence_parallel=tuple(transformers),
+                           batch_norm_across_ranks=True)
 
     def build_loss(self, cfg: Config) -> VictorLoss:
         tokenizer = TextTokenizer(cfg.method.tokenizer, cfg.method.text.context_length)
