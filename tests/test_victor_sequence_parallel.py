@@ -1,5 +1,5 @@
 """VICTOR trained with `train.sequence_parallel: 2` against the same run without it (fp32): every loss term of
-every step equal, under ZeRO-2 on 2 ranks and with data parallelism on 4 ranks (2 x 2), and a resumed
+every step equal, under ZeRO-2 on 2 ranks and under ZeRO-3 with data parallelism on 4 ranks (2 x 2), and a resumed
 sequence-parallel run continuing exactly. Temporal sequences of 1 + 5 tokens: the split pads them. Gradients
 of one step are compared to 1e-5 in test_sequence_parallel.py."""
 
@@ -78,10 +78,11 @@ def test_sequence_parallel_zero2_equals_one_rank_and_resumes(reference, moving_d
 
 
 def test_sequence_parallel_inside_data_parallel(moving_digits_root, tmp_path):
-    """4 ranks as 2 data-parallel groups of 2 sequence-parallel ranks, against 2 data-parallel ranks."""
+    """4 ranks as 2 data-parallel groups of 2 sequence-parallel ranks under ZeRO-3 (the key network partitioned
+    over all 4), against 2 data-parallel ranks at ZeRO-0."""
     plain, split = tmp_path / "dp2", tmp_path / "dp2_sp2"
     run_deepspeed(REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, plain, "train.zero_stage=0"))
-    run_deepspeed(REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, split, "train.zero_stage=0",
+    run_deepspeed(REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, split, "train.zero_stage=3",
                                                                 "train.sequence_parallel=2"), ranks=4)
     expected, _ = losses(plain)
     got, records = losses(split)

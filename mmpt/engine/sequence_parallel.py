@@ -81,7 +81,8 @@ class _SplitSequence:
             else:
                 padding = F.pad(padding, (0, extra), value=True)
         self.lengths.setdefault(id(module), []).append(length)
-        local = tokens.chunk(self.size, dim=1)[self.rank]
+        # A copy, not a view: a view would keep the whole input alive until backward through what the blocks save.
+        local = tokens.chunk(self.size, dim=1)[self.rank].contiguous()
         return (local, padding), kwargs
 
     def leave(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
