@@ -39,14 +39,19 @@ class SkippingAdamW(torch.optim.AdamW):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.skipped: torch.Tensor | None = None
+        self.checked: torch.Tensor | None = None  # the next step's flag, when the gradients' reduction found it
 
     @torch.no_grad()
     def step(self, closure=None):
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if grads:
-            # One (foreach) norm over all gradients: non-finite exactly when some entry is inf or nan.
-            self.found_inf = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
+        if self.checked is not None:
+            self.found_inf, self.checked = self.checked, None
             self.skipped = self.found_inf
+        else:
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            if grads:
+                # One (foreach) norm over all gradients: non-finite exactly when some entry is inf or nan.
+                self.found_inf = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
+                self.skipped = self.found_inf
         return super().step(closure)
 
 

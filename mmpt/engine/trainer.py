@@ -21,6 +21,7 @@ from mmpt.data.loader import SkipPolicy, StatefulLoader
 from mmpt.engine import checkpoint, faults, precision
 from mmpt.engine.batch_norm import batch_norm_across_ranks
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
+from mmpt.engine.grad_buckets import BucketedAllReduce
 from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.sequence_parallel import split_sequences
@@ -43,6 +44,7 @@ class TrainingModule(nn.Module):
     def __init__(self, method: Method, model: nn.Module, loss: nn.Module, needs: EngineNeeds):
         super().__init__()
         self.method, self.model, self.loss, self.needs = method, model, loss, needs
+        self.gradient_reduction: BucketedAllReduce | None = None  # set by `build_engine` where it replaces DeepSpeed's
 
     def forward(self, batch: Any, pool: Any = None, index: int = 0, pool_pass: bool = False) -> Any:
         if pool_pass:  # `batch` is then the step's list of micro-batches
@@ -178,10 +180,10 @@ def train(cfg: Config) -> dict[str, Any]:
                 metrics.data_counts = reduced_data_counts(loader)
                 state_mib = mdist.all_gather_floats([optimizer_state_bytes(engine.optimizer, engine.module) / 2**20,
                                                      momentum_bytes(needs.momentum_copies) / 2**20])
+                momentum = {"momentum_copy_mib_per_rank": [round(m[1], 3) for m in state_mib]} if needs.momentum_copies else {}
                 record = metrics.reduce(step, engine.get_lr()[0], times, {
                     **data_counts.metrics(metrics.data_counts), "skipped_steps": guard.read(),
-                    "optimizer_state_mib_per_rank": [round(m[0], 1) for m in state_mib],
-                    **({"momentum_copy_mib_per_rank": [round(m[1], 3) for m in state_mib]} if needs.momentum_copies else {})})
+                    "optimizer_state_mib_per_rank": [round(m[0], 1) for m in state_mib], **momentum})
                 metrics.write(step, record)
                 guard.check(step, {k.removeprefix("loss/"): v for k, v in record.items() if k.startswith("loss/")})
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
@@ -266,8 +268,12 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, lo
         model=module, optimizer=optimizer, lr_scheduler=schedule,
         config=deepspeed_config(cfg, world_size, load_universal=load_universal),
     )
-    if world_size == 1 and cfg.train.zero_stage == 0:
-        engine.enable_backward_allreduce = False  # averaging over one rank: skip DeepSpeed's flatten-copy-reduce
+    if cfg.train.zero_stage == 0 and (world_size == 1 or isinstance(engine.optimizer, SkippingAdamW)):
+        # Averaging over one rank: nothing to do. Over several, with the plain (fp32) optimizer: buckets that
+        # reduce while backward runs, without DeepSpeed's flatten and copy back (see grad_buckets.py).
+        engine.enable_backward_allreduce = False
+        if world_size > 1:
+            module.gradient_reduction = BucketedAllReduce(module.parameters())
     return engine
 
 
@@ -329,6 +335,9 @@ def optimizer_step(engine, micro_batches: list[dict[str, Any]],
         with torch.no_grad():
             pool = engine(micro_batches, pool_pass=True)
     sums: dict[str, torch.Tensor] = {}
+    reduction = engine.module.gradient_reduction
+    if reduction is not None:
+        reduction.start_step()
     for index, batch in enumerate(micro_batches):
         phase("forward")
         spans.start("forward")
@@ -337,8 +346,13 @@ def optimizer_step(engine, micro_batches: list[dict[str, Any]],
         total = sum(losses.values())
         if phase("backward") == "nan":  # an injected fault
             total = total * float("nan")
+        last = index == len(micro_batches) - 1
+        if reduction is not None:
+            reduction.reducing = last
         # With a pool every micro-batch loss is the step's loss: sum gradients, don't average.
         engine.backward(total, scale_wrt_gas=pool is None)
+        if reduction is not None and last:
+            engine.optimizer.checked = reduction.finish()
         phase("step")
         engine.step()
         for name, value in losses.items():
