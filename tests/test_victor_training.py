@@ -162,16 +162,20 @@ def query_parameters(run: Path, step: int) -> dict:
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and k not in buffers}
 
 
+def killed_after_step_2(cwd: Path, target: Path) -> Path:
+    """A copy of the ZeRO-3 run as if killed after step 2: only its step-2 checkpoint survives."""
+    target.mkdir()
+    (target / "demo_data").symlink_to(cwd / "demo_data")
+    shutil.copytree(cwd / "runs/victor-demo", target / "runs/victor-demo", ignore=shutil.ignore_patterns(
+        "step_000000003", "step_000000004", "model.safetensors", "eval", "metrics.jsonl"))
+    (target / "runs/victor-demo/checkpoints/latest").write_text("step_000000002")
+    return target
+
+
 def test_resumed_run_restores_the_memory_queues(zero3_run, tmp_path):
     run = zero3_run / "runs/victor-demo"
     uninterrupted = checkpoint_module(run, 4)
-    # the same run killed after step 2: only its step-2 checkpoint survives
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    (resumed / "demo_data").symlink_to(zero3_run / "demo_data")
-    shutil.copytree(run, resumed / "runs/victor-demo", ignore=shutil.ignore_patterns(
-        "step_000000003", "step_000000004", "model.safetensors", "eval", "metrics.jsonl"))
-    (resumed / "runs/victor-demo/checkpoints/latest").write_text("step_000000002")
+    resumed = killed_after_step_2(zero3_run, tmp_path / "resumed")
     result = train_demo(resumed, *ZERO3)
     assert "resumed from" in result.stdout + result.stderr
     again = checkpoint_module(resumed / "runs/victor-demo", 4)
@@ -194,12 +198,7 @@ def test_key_network_resumes_on_another_number_of_ranks(zero3_run, tmp_path):
     """The 2-rank ZeRO-3 checkpoint of step 2 loaded by one rank: its key network, rebuilt from both ranks'
     partitions, is written whole into the consolidated weights, equal to what the two ranks saved."""
     run = zero3_run / "runs/victor-demo"
-    elastic = tmp_path / "elastic"
-    elastic.mkdir()
-    (elastic / "demo_data").symlink_to(zero3_run / "demo_data")
-    shutil.copytree(run, elastic / "runs/victor-demo", ignore=shutil.ignore_patterns(
-        "step_000000003", "step_000000004", "model.safetensors", "eval", "metrics.jsonl"))
-    (elastic / "runs/victor-demo/checkpoints/latest").write_text("step_000000002")
+    elastic = killed_after_step_2(zero3_run, tmp_path / "elastic")
     result = train_demo(elastic, *ZERO3[1:], "train.max_steps=2", ranks=1)
     assert "saved by 2 ranks" in result.stdout + result.stderr
     saved = key_network(run, 2)
