@@ -43,12 +43,14 @@ class BucketedAllReduce:
         self.views: dict[nn.Parameter, torch.Tensor] = {}
         self.bucket_of: dict[nn.Parameter, int] = {}
         current: list[nn.Parameter] = []
+        filled = 0
         for param in reversed(params):  # backward runs roughly in reverse order of registration
             if current and (param.dtype != current[0].dtype or param.device != current[0].device
-                            or sum(p.numel() * p.element_size() for p in current) >= bucket_bytes):
+                            or filled >= bucket_bytes):
                 self._add_bucket(current)
-                current = []
+                current, filled = [], 0
             current.append(param)
+            filled += param.numel() * param.element_size()
         if current:
             self._add_bucket(current)
         for param in params:

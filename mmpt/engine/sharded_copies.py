@@ -29,10 +29,8 @@ from mmpt.models.momentum import MomentumCopy, ema_
 
 @dataclass
 class _Shard:
-    """Where a partitioned tensor lives (`module._buffers[attr]`), its full shape, and the parameter it follows."""
+    """A partitioned tensor's full shape, and the parameter it follows (whose partitioning it copies)."""
 
-    module: nn.Module
-    attr: str
     shape: torch.Size
     follows: nn.Parameter
 
@@ -58,7 +56,7 @@ class ShardedCopies:
                     continue  # not partitioned by ZeRO-3 (a buffer of the source): stays whole
                 path, _, attr = name.rpartition(".")
                 module = copy.network.get_submodule(path)
-                shard = _Shard(module, attr, key.shape, query)
+                shard = _Shard(key.shape, query)
                 partition = self._cut(key, shard)
                 module._buffers[attr] = partition
                 self._shards[id(partition)] = shard
