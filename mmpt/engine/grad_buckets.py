@@ -55,10 +55,15 @@ class BucketedAllReduce:
             self._add_bucket(current)
         for param in params:
             param.register_post_accumulate_grad_hook(self._gradient_ready)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for flat in self.buckets:
+            by_dtype.setdefault(flat.dtype, []).append(flat)
+        self.by_dtype = list(by_dtype.values())  # the unscale kernel takes tensors of one dtype per call
+        self.inverse = torch.full((1,), 1.0 / self.world, device=self.buckets[0].device)
         self.reducing = False
         self.ready = [0] * len(self.buckets)
         self.next_bucket = 0
-        self.handles: list[tuple[torch.Tensor, dist.Work]] = []
+        self.handles: list[dist.Work] = []
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
@@ -96,7 +101,7 @@ class BucketedAllReduce:
             if until_incomplete and self.ready[index] < len(self.members[index]):
                 return
             flat = self.buckets[index]
-            self.handles.append((flat, dist.all_reduce(flat, async_op=True)))
+            self.handles.append(dist.all_reduce(flat, async_op=True))
             self.next_bucket += 1
 
     def finish(self) -> torch.Tensor:
@@ -109,22 +114,15 @@ class BucketedAllReduce:
                 deepspeed.comm.inference_all_reduce(flat)
         else:
             self._launch(until_incomplete=False)
-            for _, handle in self.handles:
+            for handle in self.handles:
                 handle.wait()
             self.handles = []
         self.reducing = False
-        found_inf = torch.zeros(1, device=self.buckets[0].device)
-        inverse = torch.full((1,), 1.0 / self.world, device=found_inf.device)
+        found_inf = torch.zeros(1, device=self.inverse.device)  # fresh each step: the optimizer keeps it
         # GradScaler's unscale kernel: multiplies by 1/ranks and flags non-finite values in one pass per bucket
-        for dtype_buckets in self._by_dtype():
-            torch._amp_foreach_non_finite_check_and_unscale_(dtype_buckets, found_inf, inverse)
+        for same_dtype in self.by_dtype:
+            torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, self.inverse)
         return found_inf.squeeze(0)
-
-    def _by_dtype(self) -> list[list[torch.Tensor]]:
-        groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for flat in self.buckets:
-            groups.setdefault(flat.dtype, []).append(flat)
-        return list(groups.values())
 
 
 def shared_memory_all_reduce() -> bool:
