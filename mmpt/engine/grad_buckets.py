@@ -8,11 +8,9 @@ the bucket's all-reduce starts (asynchronously) while backward goes on. Buckets 
 so every rank issues the same collectives in the same order even when a parameter gets no gradient in a
 step (its bucket then starts when the step's backward is done, with zeros there).
 
-CPU ranks that all run on one host (gloo) reduce instead through DeepSpeed's shared-memory all-reduce, once
-backward is done: measured on 2 ranks, 19 ms for 90 MB against gloo's 93 ms over loopback TCP, which
-overlapping cannot win back on cores that also run backward. DeepSpeed's kernel works only when every rank
-is on the host (its launcher's LOCAL_SIZE equals the ranks, the condition under which it sets up the shared
-buffers); other runs take the overlapped path.
+CPU ranks that all run on one host (gloo) reduce instead through DeepSpeed's shared-memory kernel
+(`shm_collectives.py`) once backward is done: 19 ms for 90 MB on 2 ranks against gloo's 93 ms, which
+overlapping cannot win back on cores that also run backward. Other runs take the overlapped path.
 
 Only for the engine's plain optimizer path (fp32 ZeRO-0): DeepSpeed's bf16/fp16 wrappers keep gradients
 of their own.
@@ -20,12 +18,13 @@ of their own.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from mmpt.engine import shm_collectives
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
@@ -36,7 +35,7 @@ class BucketedAllReduce:
 
     def __init__(self, parameters: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES):
         self.world = dist.get_world_size()
-        self.shared_memory = shared_memory_all_reduce()
+        self.shared_memory = shm_collectives.available()
         params = [p for p in parameters if p.requires_grad]
         self.buckets: list[torch.Tensor] = []
         self.members: list[list[nn.Parameter]] = []
@@ -108,10 +107,8 @@ class BucketedAllReduce:
         """After the step's last backward: reduce what is left, wait for all, average. Returns whether some
         averaged gradient is not finite (a device tensor, 1.0 or 0.0), found in the same pass as the average."""
         if self.shared_memory:
-            import deepspeed.comm
-
             for flat in self.buckets:
-                deepspeed.comm.inference_all_reduce(flat)
+                shm_collectives.all_reduce_sum_(flat)
         else:
             self._launch(until_incomplete=False)
             for handle in self.handles:
@@ -124,14 +121,3 @@ class BucketedAllReduce:
             torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, self.inverse)
         return found_inf.squeeze(0)
 
-
-def shared_memory_all_reduce() -> bool:
-    """Whether DeepSpeed's shared-memory all-reduce serves this run: gloo (CPU ranks), its kernel built for this
-    CPU (fp32 needs AVX2), and every rank on this host as its launcher counts them."""
-    import deepspeed.comm
-
-    if dist.get_backend() != "gloo" or os.environ.get("LOCAL_SIZE") != str(dist.get_world_size()):
-        return False
-    backend = deepspeed.comm.comm.cdb
-    return (getattr(backend, "shm_comm_op", None) is not None and getattr(backend, "shm_vector_kernel_level", 0) >= 1
-            and hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_"))

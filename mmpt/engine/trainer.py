@@ -18,7 +18,7 @@ from mmpt import distributed as mdist
 from mmpt.config import Config, ConfigError, save_config
 from mmpt.data import counts as data_counts
 from mmpt.data.loader import SkipPolicy, StatefulLoader
-from mmpt.engine import checkpoint, faults, precision
+from mmpt.engine import checkpoint, faults, precision, shm_collectives
 from mmpt.engine.batch_norm import batch_norm_across_ranks
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.grad_buckets import BucketedAllReduce
@@ -218,6 +218,7 @@ def start_process_group() -> tuple[int, int]:
         torch.cuda.set_device(mdist.process_info().local_rank)
     mdist.barrier()
     release_cpu_allreduce_buffer()
+    shm_collectives.route_deepspeed_collectives()  # CPU ranks on one host: ZeRO's reductions skip loopback TCP
     return mdist.get_rank(), mdist.get_world_size()
 
 
