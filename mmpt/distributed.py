@@ -38,7 +38,13 @@ def process_info() -> ProcessInfo:
 
 
 def ensure_rendezvous_env() -> None:
-    """A plain `python launch/train.py` sets no rendezvous variables: make it a world of one."""
+    """A plain `python launch/train.py` sets no rendezvous variables: make it a world of one.
+
+    torchrun counts the ranks on a node in LOCAL_WORLD_SIZE, the deepspeed launcher in LOCAL_SIZE, which is
+    what DeepSpeed reads (its CPU accelerator's device count; its shared-memory all-reduce, set up only when
+    LOCAL_SIZE equals the ranks): under torchrun it is copied over."""
+    if "LOCAL_SIZE" not in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        os.environ["LOCAL_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]
     if "WORLD_SIZE" in os.environ:
         return
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")

@@ -14,6 +14,8 @@ from conftest import (REPO, deepspeed_command, free_port, launcher_env, read_met
 
 pytestmark = pytest.mark.distributed
 
+SHARED_MEMORY_LINE = "all 2 CPU ranks on this host: gradient all-reduces and ZeRO's gathers go through DeepSpeed's"
+
 
 def mean(values):
     return sum(values) / len(values)
@@ -30,7 +32,8 @@ def test_deepspeed_two_ranks_lower_the_loss(tmp_path, digits_root, stage, precis
     train = {"zero_stage": stage, "precision": precision, "grad_accum": accum, "offload_optimizer": offload,
              "max_steps": 24, "save_every": 8, "keep_last": 2}
     cfg = tiny_config(digits_root, run_dir, train=train)
-    run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
+    result = run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
+    assert SHARED_MEMORY_LINE in result.stdout + result.stderr  # both ranks local: no loopback TCP for gradients
     assert_loss_went_down(run_dir)
     records = read_metrics(run_dir)
     assert all(len(r["step_time_per_rank"]) == 2 for r in records if "step" in r and "loss/total" in r)
@@ -49,6 +52,7 @@ def test_torchrun_two_ranks_zero0_lowers_the_loss(tmp_path, digits_root):
                str(REPO / "launch/train.py"), "--config", str(config)]
     result = subprocess.run(command, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert SHARED_MEMORY_LINE in result.stdout + result.stderr  # torchrun's LOCAL_WORLD_SIZE counts
     assert_loss_went_down(run_dir)
 
 

@@ -6,9 +6,9 @@ kernel only sums, in place, over every rank of the run, in rank order on every r
 same bits). A gather is a sum in which each rank brings its own piece and zeros everywhere else: x + 0 is
 exact, so the result is what a gather returns.
 
-DeepSpeed's kernel works only when its launcher counts every rank on this host (LOCAL_SIZE equals the
-ranks): that is when `deepspeed.init_distributed` maps the shared buffers. Runs on GPUs, on several hosts
-or started without LOCAL_SIZE (torchrun) use the process group as before.
+DeepSpeed's kernel works only when the launcher counts every rank on this host (LOCAL_SIZE, which mmpt
+copies from torchrun's LOCAL_WORLD_SIZE, equals the ranks): that is when `deepspeed.init_distributed` maps
+the shared buffers. Runs on GPUs or on several hosts use the process group as before.
 """
 
 from __future__ import annotations
@@ -62,21 +62,22 @@ def all_gather_into_(output: torch.Tensor, piece: torch.Tensor, rank: int, world
     all_reduce_sum_(flat)
 
 
-def route_deepspeed_collectives() -> None:
+def route_deepspeed_collectives() -> bool:
     """Send DeepSpeed's synchronous all-reduces (sums) and all-gathers over every rank through the kernel.
 
     ZeRO 1-2 reduce gradient buckets with `deepspeed.comm.all_reduce` and, after each step, gather the
     updated parameter partitions with `all_gather_into_tensor`; both go through DeepSpeed's torch backend
     (`deepspeed.comm.comm.cdb`) to gloo. Calls the kernel serves exactly as asked (blocking, a sum, every
     rank, a contiguous CPU tensor of a dtype the kernel was built for) go to it; every other call goes on to
-    the process group unchanged. Once per process; a no-op where `available()` is false.
+    the process group unchanged. Once per process; a no-op where `available()` is false. Returns whether
+    DeepSpeed's collectives go through the kernel.
     """
     import deepspeed.comm
 
     backend = deepspeed.comm.comm.cdb
     level = _kernel_level()
     if level < 1 or getattr(backend, "_mmpt_shm_routed", False):
-        return
+        return level >= 1
     world = dist.get_world_size()
     plain_all_reduce, plain_all_gather = backend.all_reduce, backend.all_gather_into_tensor
 
@@ -99,3 +100,4 @@ def route_deepspeed_collectives() -> None:
     backend.all_reduce = all_reduce
     backend.all_gather_into_tensor = all_gather_into_tensor
     backend._mmpt_shm_routed = True
+    return True

@@ -218,7 +218,9 @@ def start_process_group() -> tuple[int, int]:
         torch.cuda.set_device(mdist.process_info().local_rank)
     mdist.barrier()
     release_cpu_allreduce_buffer()
-    shm_collectives.route_deepspeed_collectives()  # CPU ranks on one host: ZeRO's reductions skip loopback TCP
+    if shm_collectives.route_deepspeed_collectives() and mdist.get_rank() == 0:
+        log.info("all %d CPU ranks on this host: gradient all-reduces and ZeRO's gathers go through DeepSpeed's "
+                 "shared-memory kernel", mdist.get_world_size())
     return mdist.get_rank(), mdist.get_world_size()
 
 
