@@ -33,28 +33,15 @@ def consolidated_weights(run_dir: Path, tag: str) -> dict:
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        from mmpt.engine.checkpoint import saved_buffers
+
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
-        state.update(whole_partitioned_buffers(root / tag))
+        # zero_to_fp32 takes buffers from rank 0's file as they are: partitioned ones are put back together
+        buffers, partitioned = saved_buffers(root / tag)
+        state.update({name: buffers[name] for name in partitioned})
     prefix = "model."  # the engine trains TrainingModule(model, loss); the loss holds no weights to release
     # zero_to_fp32 returns views into one flat buffer: own copies, so safetensors sees no shared storage
     return {k[len(prefix):]: v.float().clone() for k, v in state.items() if k.startswith(prefix)}
-
-
-def whole_partitioned_buffers(checkpoint: Path) -> dict:
-    """Buffers every rank saved only its partition of (a momentum copy under ZeRO-3), put back together;
-    DeepSpeed's zero_to_fp32 takes buffers from rank 0's file as they are."""
-    import torch
-
-    from mmpt.engine.checkpoint import PARTITIONED, model_state_files
-    from mmpt.engine.sharded_copies import whole_from_partitions
-
-    files = model_state_files(checkpoint)
-    first = torch.load(files[0], map_location="cpu", weights_only=False)
-    shapes = first.get(PARTITIONED) or {}
-    if not shapes:
-        return {}
-    states = [first["module"]] + [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files[1:]]
-    return {name: whole_from_partitions(name, [s[name] for s in states], shape) for name, shape in shapes.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,7 @@ def whole_key(model) -> dict[str, torch.Tensor]:
 def check_sharded_copy_matches_a_whole_one(rank):
     import deepspeed
 
-    from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes
+    from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes, whole_from_partitions
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.manual_seed(0)
@@ -97,7 +97,8 @@ def check_sharded_copy_matches_a_whole_one(rank):
     for states, offset in ((saved, 0.0), ([{k: v + 1 for k, v in wanted.items()}], 1.0)):
         if offset:
             states = [{f"key.network.{k}": v for k, v in states[0].items()}]
-        sharded.load_saved(model, states)
+        sharded.load_whole(model, {f"key.network.{name}": whole_from_partitions(
+            name, [state[f"key.network.{name}"] for state in states], value.shape) for name, value in wanted.items()})
         for name, value in wanted.items():
             got = sharded.full(getattr_path(model.key.network, name))
             torch.testing.assert_close(got, value + offset, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

@@ -102,7 +102,7 @@ def check_zero2_steps(rank):
     torch.manual_seed(0)
     model, reference = Model(), Model()
     reference.load_state_dict(model.state_dict())
-    adamw = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.1)
+    adamw = {"lr": 1e-2, "betas": (0.9, 0.98), "eps": 1e-6, "weight_decay": 0.1}
     zero = zero_optimization(TrainConfig(max_steps=3, grad_clip=0.0, zero_stage=2, reduce_bucket_size=2000),
                              use_cuda=False, world_size=2)
     engine, _, _, _ = deepspeed.initialize(

@@ -31,7 +31,7 @@ from torch import nn
 from mmpt import distributed as mdist
 from mmpt.config import ConfigError
 from mmpt.engine import faults
-from mmpt.engine.sharded_copies import ShardedCopies
+from mmpt.engine.sharded_copies import ShardedCopies, whole_from_partitions
 
 log = logging.getLogger(__name__)
 
@@ -261,18 +261,33 @@ def load_buffers(engine, checkpoint: Path, sharded: ShardedCopies | None = None)
     """The module's buffers (BatchNorm statistics, VICTOR's queues and key network) as `checkpoint` saved them.
 
     DeepSpeed 0.19.8's universal checkpoint carries parameters and optimizer state only: a resume on
-    another number of ranks would otherwise start every buffer again from its initial value. Buffers are
-    whole on every rank at every ZeRO stage, so rank 0's model file holds them all, except the partitions
-    of momentum copies under ZeRO-3 (`sharded`), which are rebuilt from every saved rank's file.
+    another number of ranks would otherwise start every buffer again from its initial value. Partitions of
+    momentum copies under ZeRO-3 (`sharded`) are cut for this rank from the whole tensors.
     """
-    files = model_state_files(checkpoint)
-    saved = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    saved, _ = saved_buffers(checkpoint)
     partitioned = {name for name, t in engine.module.state_dict(keep_vars=True).items()
                    if sharded is not None and sharded.is_partition(t)}
     restore_buffers(engine.module, {k: v for k, v in saved.items() if k not in partitioned})
     if partitioned:
-        states = [saved] + [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files[1:]]
-        sharded.load_saved(engine.module, [{k: state[k] for k in partitioned} for state in states])
+        sharded.load_whole(engine.module, saved)
+
+
+def saved_buffers(checkpoint: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every buffer `checkpoint` holds, whole, and the names of those its ranks saved as partitions.
+
+    Buffers are whole on every rank at every ZeRO stage, so rank 0's model-states file holds them all,
+    except the tensors named in its `partitioned_buffers` (momentum copies under ZeRO-3): those are put
+    back together from every rank's file. (Rank 0's module state also holds parameters, or ZeRO-3's
+    placeholders for them: readers take the buffers they know.)
+    """
+    files = model_state_files(checkpoint)
+    first = torch.load(files[0], map_location="cpu", weights_only=False)
+    state, shapes = first["module"], first.get(PARTITIONED) or {}
+    if shapes:
+        ranks = [state] + [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files[1:]]
+        state.update({name: whole_from_partitions(name, [r[name] for r in ranks], shape)
+                      for name, shape in shapes.items()})
+    return state, set(shapes)
 
 
 def model_state_files(checkpoint: Path) -> list[Path]:

@@ -45,13 +45,13 @@ class SkippingAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         if self.checked is not None:
             self.found_inf, self.checked = self.checked, None
-            self.skipped = self.found_inf
         else:
             grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-            if grads:
-                # One (foreach) norm over all gradients: non-finite exactly when some entry is inf or nan.
-                self.found_inf = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
-                self.skipped = self.found_inf
+            if not grads:
+                return super().step(closure)
+            # One (foreach) norm over all gradients: non-finite exactly when some entry is inf or nan.
+            self.found_inf = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
+        self.skipped = self.found_inf
         return super().step(closure)
 
 

@@ -124,16 +124,12 @@ class ShardedCopies:
                 ema_(key, query.ds_tensor if id(key) in self._shards else query, copy.momentum)
 
     @torch.no_grad()
-    def load_saved(self, module: nn.Module, saved: Sequence[dict[str, torch.Tensor]]) -> None:
-        """Refill the partitions of `module`'s copies from state dicts saved by every rank of another layout
-        (rank order): each tensor is rebuilt whole from the saved partitions, or taken whole where the saving
-        run kept it whole, then cut for this rank."""
+    def load_whole(self, module: nn.Module, whole: dict[str, torch.Tensor]) -> None:
+        """Refill the partitions of `module`'s copies from whole tensors (state-dict names), each cut for this
+        rank; a resume on another layout rebuilds them with `whole_from_partitions`."""
         for name, tensor in module.state_dict(keep_vars=True).items():
-            if id(tensor) not in self._shards:
-                continue
-            shard = self._shards[id(tensor)]
-            whole = whole_from_partitions(name, [state[name] for state in saved], shard.shape)
-            tensor.copy_(self._cut(whole.to(tensor.device, tensor.dtype), shard))
+            if id(tensor) in self._shards:
+                tensor.copy_(self._cut(whole[name].to(tensor.device, tensor.dtype), self._shards[id(tensor)]))
 
     def shapes(self, module: nn.Module) -> dict[str, list[int]]:
         """{state-dict name: full shape} of `module`'s partitioned tensors, for readers of a checkpoint."""
