@@ -120,4 +120,3 @@ class BucketedAllReduce:
         for same_dtype in self.by_dtype:
             torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, self.inverse)
         return found_inf.squeeze(0)
-

@@ -4,7 +4,7 @@ gloo moves tensors over loopback TCP: on 2 ranks it all-reduces 90 MB in 93 ms, 
 kernel DeepSpeed builds for CPU ranks (`torch.ops.deepspeed.inference_all_reduce_`) takes 19 ms. The
 kernel only sums, in place, over every rank of the run, in rank order on every rank (so all ranks get the
 same bits). A gather is a sum in which each rank brings its own piece and zeros everywhere else: x + 0 is
-exact, so the result is what a gather returns.
+x exactly (only a negative zero comes back positive), so the result is what a gather returns.
 
 DeepSpeed's kernel works only when the launcher counts every rank on this host (LOCAL_SIZE, which mmpt
 copies from torchrun's LOCAL_WORLD_SIZE, equals the ranks): that is when `deepspeed.init_distributed` maps
