@@ -104,9 +104,10 @@ def deepspeed_command(config: Path, *overrides: str, ranks: int = 2) -> list[str
             str(REPO / "launch/train.py"), "--config", str(config), *overrides]
 
 
-def run_deepspeed(config: Path, *overrides: str, ranks: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
-    result = subprocess.run(deepspeed_command(config, *overrides, ranks=ranks), cwd=REPO, env=launcher_env(),
-                            capture_output=True, text=True, timeout=timeout)
+def run_deepspeed(config: Path, *overrides: str, ranks: int = 2, timeout: int = 600,
+                  env: dict | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(deepspeed_command(config, *overrides, ranks=ranks), cwd=REPO,
+                            env={**launcher_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 

@@ -43,6 +43,7 @@ def check_bucketed_all_reduce(rank, shared_memory, bucket_bytes):
     from mmpt.engine import grad_buckets
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2")
+    torch.set_num_threads(1)  # a core per rank: the kernel is used only then
     deepspeed.init_distributed(dist_backend="gloo")  # sets up the shared-memory buffers (every rank local)
     if not shared_memory:
         os.environ.pop("LOCAL_SIZE")
@@ -74,6 +75,7 @@ def check_non_finite_gradient_is_flagged(rank):
     from mmpt.engine import grad_buckets
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2")
+    torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     model = Model()
     reduction = grad_buckets.BucketedAllReduce(model.parameters(), bucket_bytes=100)

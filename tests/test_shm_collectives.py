@@ -24,7 +24,11 @@ def start(rank: int):
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2")
     deepspeed.init_distributed(dist_backend="gloo")
-    assert shm_collectives.available()
+    # the kernel spins while it waits: only with a core for every thread of every rank
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    assert not shm_collectives.available()
+    torch.set_num_threads(1)
+    assert shm_collectives.available() == (2 <= len(os.sched_getaffinity(0)))
     calls = []
     kernel = shm_collectives.all_reduce_sum_
 

@@ -1,6 +1,6 @@
 """VICTOR trained with `train.sequence_parallel: 2` against the same run without it (fp32): every loss term of
-every step equal, under ZeRO-2 on 2 ranks and under ZeRO-3 with data parallelism on 4 ranks (2 x 2), and a resumed
-sequence-parallel run continuing exactly. Temporal sequences of 1 + 5 tokens: the split pads them. Gradients
+every step equal, under ZeRO-2 on 2 ranks and under ZeRO-3 with data parallelism on 4 ranks (2 x 2), a resumed
+sequence-parallel run continuing exactly, and its checkpoint continuing on 1 rank without the split. Temporal sequences of 1 + 5 tokens: the split pads them. Gradients
 of one step are compared to 1e-5 in test_sequence_parallel.py."""
 
 import shutil
@@ -75,6 +75,21 @@ def test_sequence_parallel_zero2_equals_one_rank_and_resumes(reference, moving_d
     assert list(again) == [3]
     for term in TERMS:
         assert again[3][term] == pytest.approx(got[3][term], rel=1e-6, abs=1e-7), term
+
+    # the same checkpoint resumed on 1 rank without sequence parallelism (DeepSpeed's universal checkpoint for the
+    # weights; one data rank before and after, so the reader continues exactly): step 3 is the split run's step 3
+    # to the tolerance between split and unsplit steps
+    elastic = tmp_path / "elastic"
+    shutil.copytree(resumed, elastic, ignore=shutil.ignore_patterns("step_000000003", "model.safetensors",
+                                                                    "metrics.jsonl"))
+    (elastic / "checkpoints/latest").write_text("step_000000002")
+    result = run_deepspeed(REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, elastic,
+                                                                         "train.zero_stage=2"), ranks=1)
+    assert "resumed from" in result.stdout + result.stderr
+    again, _ = losses(elastic)
+    assert list(again) == [3]
+    for term in TERMS:
+        assert again[3][term] == pytest.approx(got[3][term], rel=1e-3, abs=1e-6), term
 
 
 def test_sequence_parallel_inside_data_parallel(moving_digits_root, tmp_path):
