@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-SKIP_REASONS = ("missing_field", "undecodable")
+SKIP_REASONS = ("missing_field", "text_encoding", "undecodable")
 KEYS = ("seen", "decoded", *SKIP_REASONS, "lost", "broken_shards", "unsized_broken_shards")
 
 Counts = dict[str, dict[str, int]]
@@ -76,6 +76,11 @@ def metrics(nested: dict[str, dict[str, int]]) -> dict[str, int]:
     """`data/<key>` for the totals, `data/<source>/<key>` per source."""
     return {(f"data/{key}" if group == "all" else f"data/{group}/{key}"): value
             for group, counts in nested.items() for key, value in counts.items()}
+
+
+def commonest_reason(counts: dict[str, int]) -> str:
+    """The skip reason with the most samples in one source's (or the totals') counts."""
+    return max(SKIP_REASONS, key=lambda reason: counts.get(reason, 0))
 
 
 def describe(counts: dict[str, int]) -> str:

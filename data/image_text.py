@@ -15,7 +15,8 @@ import torch
 from PIL import Image
 from torchvision import transforms as T
 
-from mmpt.data.loader import MissingFieldError
+from mmpt.data import fields
+from mmpt.data.fields import MissingFieldError
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 TEXT_FIELDS = ("txt", "text", "caption")
@@ -41,7 +42,8 @@ def decode_image(data: bytes) -> Image.Image:
 
 
 def decode_text(data: bytes | str) -> str:
-    return data.decode("utf-8") if isinstance(data, bytes) else str(data)
+    """UTF-8 text; other bytes fail as a `TextEncodingError`, counted apart from damaged samples."""
+    return fields.decode_text(data) if isinstance(data, bytes) else str(data)
 
 
 def uint8_transform(transform: T.Compose) -> T.Compose:

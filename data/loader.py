@@ -20,15 +20,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mmpt.data import counts
+from mmpt.data.fields import MissingFieldError, SampleFields, TextEncodingError
 from mmpt.data.shards import DataError, expand_shards
 from mmpt.data.stream import MixedStream, ShardStream
 
 log = logging.getLogger(__name__)
-
-
-class MissingFieldError(DataError):
-    """A sample lacks a field the pipeline needs. One such sample is skipped and counted (web data always
-    holds a few); a source none of whose first `FIELD_CHECK_SAMPLES` samples has it stops the run."""
 
 
 LOGGED_SKIPS = 10  # a reader logs its first skipped samples, then one in 1000: web data has millions
@@ -40,10 +36,35 @@ class Source:
     name: str
     urls: list[str]
     weight: float = 1.0
+    fields: SampleFields = field(default_factory=SampleFields)  # where its samples keep caption, image, video
 
     @classmethod
-    def from_pattern(cls, pattern: str, weight: float = 1.0, name: str | None = None) -> Source:
-        return cls(name=name or pattern, urls=expand_shards(pattern), weight=weight)
+    def from_pattern(cls, pattern: str, weight: float = 1.0, name: str | None = None,
+                     fields: SampleFields | None = None) -> Source:
+        return cls(name=name or pattern, urls=expand_shards(pattern), weight=weight, fields=fields or SampleFields())
+
+
+@dataclass
+class SkipPolicy:
+    """When unusable samples stop the run: a source whose skip rate passes `max_rate` once it has been read
+    `min_samples` times, or that gave no usable sample in that many reads (whatever `max_rate` is)."""
+
+    max_rate: float = 0.01
+    min_samples: int = 200
+
+    def violation(self, counts_: dict[str, int]) -> str | None:
+        """Why `counts_` (one source's, or the totals) breaks the policy, or None."""
+        seen, skipped = counts_["seen"], counts.skipped(counts_)
+        if seen < self.min_samples or not skipped:
+            return None
+        reasons = ", ".join(f"{r} {counts_[r]}" for r in counts.SKIP_REASONS if counts_[r])
+        commonest = counts.commonest_reason(counts_)
+        if counts_["decoded"] == 0:
+            return f"none of {seen} samples read could be used ({reasons}; commonest: {commonest})"
+        if skipped > self.max_rate * seen:
+            return (f"{skipped} of {seen} samples could not be used ({reasons}; commonest: {commonest}), more than "
+                    f"max_skip_rate={self.max_rate}")
+        return None
 
 
 @dataclass
@@ -98,6 +119,8 @@ class BatchStream(IterableDataset):
     ):
         super().__init__()
         self.spec, self.decode, self.collate = spec, decode, collate
+        self.fields = {source.name: source.fields for source in spec.sources}
+        self.skip_policy = SkipPolicy()  # set by the StatefulLoader that iterates this stream
         self.start_states: dict[int, dict] = {}
         self.rotation = 0
         for source in spec.sources:
@@ -190,13 +213,14 @@ class BatchStream(IterableDataset):
             seed = sample_seed(self.spec.seed, slot, raw)
             if get_worker_info() is not None:
                 torch.random.default_generator.manual_seed(seed)
-                sample = self.decode(raw)
+                sample = self.decode(self.fields[raw["__source__"]].apply(raw))
             else:
                 with torch.random.fork_rng(devices=[]):
                     torch.random.default_generator.manual_seed(seed)
-                    sample = self.decode(raw)
+                    sample = self.decode(self.fields[raw["__source__"]].apply(raw))
         except Exception as exc:  # one bad sample must not stop the run
-            reason = "missing_field" if isinstance(exc, MissingFieldError) else "undecodable"
+            reason = ("missing_field" if isinstance(exc, MissingFieldError) else
+                      "text_encoding" if isinstance(exc, (TextEncodingError, UnicodeDecodeError)) else "undecodable")
             source_counts[reason] += 1
             where = f"sample {raw.get('__key__')!r} of {raw.get('__shard__')}"
             status["last_error"] = f"{where}: {exc}" if reason == "missing_field" else f"{where}: {type(exc).__name__}: {exc}"
@@ -210,6 +234,11 @@ class BatchStream(IterableDataset):
                 raise MissingFieldError(
                     f"source {raw['__source__']!r}: none of its first {FIELD_CHECK_SAMPLES} samples has a field the "
                     f"method needs; the last one: {exc}") from None
+            # Checked here, where samples are read, not where batches arrive: a source whose every sample
+            # fails never completes a batch.
+            broken = self.skip_policy.violation(source_counts)
+            if broken:
+                raise DataError(f"source {raw['__source__']!r}: {broken}; last failure: {status['last_error']}")
             return None
         source_counts["decoded"] += 1
         return sample
@@ -256,12 +285,6 @@ def _as_is(item: Any) -> Any:
 
 
 @dataclass
-class SkipPolicy:
-    max_rate: float = 0.01
-    min_samples: int = 200
-
-
-@dataclass
 class StatefulLoader:
     """Iterates a `BatchStream` through a DataLoader and remembers the consumed position."""
 
@@ -270,6 +293,9 @@ class StatefulLoader:
     batches: int = 0
     positions: dict[int, dict] = field(default_factory=dict)
     carried: counts.Counts = field(default_factory=dict)  # from before a reshard
+
+    def __post_init__(self) -> None:
+        self.dataset.skip_policy = self.skip_policy  # the readers enforce it on every sample they read
 
     @property
     def source_names(self) -> list[str]:
@@ -326,13 +352,10 @@ class StatefulLoader:
         return counts.totals(self.counts_by_source())
 
     def _check_skip_rate(self, last_error: str) -> None:
-        c = self.counts()
-        if c["seen"] >= self.skip_policy.min_samples and c["skipped"] > self.skip_policy.max_rate * c["seen"]:
-            reasons = ", ".join(f"{r} {c[r]}" for r in counts.SKIP_REASONS if c[r])
-            raise DataError(
-                f"{c['skipped']} of {c['seen']} samples could not be used ({reasons}), more than max_skip_rate="
-                f"{self.skip_policy.max_rate}; last failure: {last_error}"
-            )
+        """The policy over all of this rank's readers together (each reader checks its own sources)."""
+        broken = self.skip_policy.violation(self.counts())
+        if broken:
+            raise DataError(f"{broken}; last failure: {last_error}")
 
     def __iter__(self) -> Iterator[Any]:
         spec = self.dataset.spec

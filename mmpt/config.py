@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator, model_validator
 
 COMMAND_LINE = "<command line>"
 
@@ -33,6 +33,37 @@ class SourceConfig(Section):
     shards: str = Field(description="brace pattern or comma list of tar shards, e.g. dir/train-{000000..000009}.tar")
     weight: float = Field(1.0, gt=0, description="relative sampling weight when several sources are mixed")
     name: str | None = Field(None, description="how the source is called in per-source batches and logs (default: shards)")
+    caption_key: str | list[str] | None = Field(
+        None, description="where a sample's caption is: a tar member's extension (txt) or a field of its json member "
+        "(json.caption_zh); a list, or a field holding a list, gives several captions, one drawn per read "
+        "(seeded, resumable). None: the method's default members")
+    image_key: str | list[str] | None = Field(
+        None, description="tar member(s) holding the image, first present wins (e.g. jpg, webp). None: jpg, jpeg, "
+        "png, webp")
+    video_key: str | list[str] | None = Field(
+        None, description="tar member(s) holding the video, first present wins. None: mp4, webm, avi")
+    text_encoding: str = Field(
+        "utf-8", description="encoding of the source's text members (e.g. gbk for legacy corpora); samples not "
+        "valid in it are skipped and counted as skipped/text_encoding")
+
+    @field_validator("caption_key", "image_key", "video_key", "text_encoding")
+    @classmethod
+    def _check_field(cls, value: Any, info: ValidationInfo) -> Any:
+        from mmpt.data.fields import SampleFields
+
+        if value is not None:
+            SampleFields.of(**{info.field_name.removesuffix("_key"): value})  # raises ValueError saying what is wrong
+        return value
+
+    def sample_fields(self):
+        """These keys as the loader's `mmpt.data.fields.SampleFields`."""
+        from mmpt.data.fields import SampleFields
+
+        return SampleFields.of(self.caption_key, self.image_key, self.video_key, self.text_encoding)
+
+    def fields_set(self) -> list[str]:
+        """The field keys (caption, image, video) this source names."""
+        return [name for name in ("caption", "image", "video") if getattr(self, f"{name}_key") is not None]
 
 
 class LoaderConfig(Section):

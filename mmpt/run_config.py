@@ -29,6 +29,13 @@ def validate_config(data: dict, origins: dict[str, str] | None = None, top_file:
     except ConfigError as exc:
         raise ConfigError(f"{origin(origins, 'method.name', top_file)}: {exc}") from None
     cfg = validate_sections(data, origins, top_file, method.config_class)
+    for index, source in enumerate(cfg.data.train.sources):
+        for name in source.fields_set():
+            if name not in method.sample_fields:
+                key = f"data.train.sources.{index}.{name}_key"
+                reads = ", ".join(f"{f}_key" for f in method.sample_fields) or "no field keys"
+                raise ConfigError(f"{origin(origins, key, top_file)}: config key '{key}': method '{method.name}' "
+                                  f"reads {reads}")
     try:
         method.check_config(cfg)
     except ValueError as exc:

@@ -75,6 +75,7 @@ class Method:
 
     name: str
     config_class: type[MethodConfig] = MethodConfig
+    sample_fields: tuple[str, ...] = ()  # which of a source's caption_key, image_key, video_key the data reads
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         """Put what the model needs besides weights (e.g. tokenizer files) into `run_dir`. Rank 0 only."""
@@ -165,7 +166,8 @@ def stream_spec(cfg: Config, *, rank: int, world_size: int) -> StreamSpec:
 
     train = cfg.data.train
     return StreamSpec(
-        sources=[Source.from_pattern(s.shards, s.weight, name=s.name or s.shards) for s in train.sources],
+        sources=[Source.from_pattern(s.shards, s.weight, name=s.name or s.shards, fields=s.sample_fields())
+                 for s in train.sources],
         batch_size=train.batch_size,
         per_source=train.compose == "per_source",
         seed=cfg.train.seed,

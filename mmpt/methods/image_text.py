@@ -120,6 +120,7 @@ class ImageTextMethod(Method):
                 results.update({f"{prefix}/{language}/{key}": value for key, value in record["metrics"].items()})
         return results
 
+    sample_fields = ("caption", "image")
     caption_normalization = None  # applied to retrieval captions, as the method's official evaluation does
     uses_attention_mask = True  # False: training batches carry no attention mask (the model does not read it)
 

@@ -105,6 +105,7 @@ class VictorLoss(nn.Module):
 class VictorMethod(Method):
     name = "victor"
     config_class = VictorConfig
+    sample_fields = ("caption", "video")
 
     def check_config(self, cfg: Config) -> None:
         if not any(cfg.method.tasks.model_dump().values()):

@@ -1,0 +1,159 @@
+"""Where a source's caption, image and video come from (`data/fields.py`), text encodings, and the skip
+policy enforced where samples are read, so that no source can hang a run."""
+
+import json
+import time
+from itertools import islice
+
+import pytest
+import torch
+from img2dataset_shards import captions, write_set
+
+from mmpt.config import ConfigError
+from mmpt.data import BatchStream, DataError, MissingFieldError, Source, StatefulLoader, StreamSpec
+from mmpt.data.fields import SampleFields, TextEncodingError
+from mmpt.data.image_text import decode_image, decode_text
+from mmpt.data.loader import SkipPolicy
+
+CAPTIONS = [captions(i)[0] for i in range(10)] + [captions(i)[1] for i in range(10)]
+
+
+def caption_index(sample: dict) -> dict:
+    """Decoder under test: the image must decode; the caption is returned as its index in `CAPTIONS`
+    (English 0-9, Chinese 10-19)."""
+    decode_image(sample["jpg"])
+    return {"caption": torch.tensor(CAPTIONS.index(decode_text(sample["txt"]))),
+            "key": torch.tensor(int(sample["__key__"]))}
+
+
+def loader_of(sources: list[Source], workers: int = 0, batch_size: int = 6, policy=None, **spec) -> StatefulLoader:
+    spec = StreamSpec(sources, batch_size=batch_size, num_workers=workers, shuffle_buffer=0, **spec)
+    return StatefulLoader(BatchStream(spec, caption_index), policy or SkipPolicy(max_rate=0.01, min_samples=20))
+
+
+def test_field_keys_read_members_and_json_fields():
+    sample = {"__key__": "k", "jpg": b"J", "png": b"P", "txt": b"english",
+              "json": json.dumps({"caption_zh": "中文", "meta": {"title": ["t1", " ", "t2"]}}).encode()}
+    assert SampleFields.of(caption="json.caption_zh").apply(sample)["txt"] == "中文"
+    out = SampleFields.of(caption="txt", image="png").apply(sample)
+    assert out["txt"] == "english" and out["jpg"] == b"P" and "png" not in out and "json" not in out
+    drawn = set()
+    for seed in range(40):  # a nested list: its non-empty strings are the candidates
+        torch.manual_seed(seed)
+        drawn.add(SampleFields.of(caption="json.meta.title").apply(sample)["txt"])
+    assert drawn == {"t1", "t2"}
+    assert SampleFields().apply(sample) is sample  # no keys named: untouched
+    with pytest.raises(MissingFieldError, match=r"sample 'k' .* no non-empty caption under json.caption_en, text"):
+        SampleFields.of(caption=["json.caption_en", "text"]).apply(sample)
+    with pytest.raises(MissingFieldError, match="no non-empty image under webp"):
+        SampleFields.of(image="webp").apply(sample)
+    with pytest.raises(ValueError, match="holds int, not a caption"):
+        SampleFields.of(caption="json.n").apply({**sample, "json": b'{"n": 3}'})
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(caption="json."), "is not a field key"), (dict(image="json.url"), "are tar members"),
+    (dict(caption=[]), "empty list"), (dict(text_encoding="klingon"), "not a text encoding"),
+])
+def test_bad_field_keys_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SampleFields.of(**bad)
+
+
+def test_text_not_in_the_sources_encoding_is_its_own_skip_reason():
+    gbk = {"__key__": "k", "__shard__": "s.tar", "txt": "数字的照片".encode("gbk")}
+    with pytest.raises(TextEncodingError, match=r"not valid utf-8 .*captions must be UTF-8 \(or set the source's "
+                                                r"text_encoding"):
+        decode_text(gbk["txt"])
+    assert SampleFields.of(text_encoding="gbk").apply(gbk)["txt"] == "数字的照片"
+    with pytest.raises(TextEncodingError, match=r"field 'txt' of sample 'k' of s.tar is not valid gbk"):
+        SampleFields.of(text_encoding="gbk").apply({**gbk, "txt": b"\xff\xff\xff"})
+
+
+def test_two_sources_read_different_json_fields(tmp_path):
+    pattern = write_set(tmp_path / "web", shards=4, per_shard=10)
+    spec = StreamSpec([Source.from_pattern(pattern, name="en", fields=SampleFields.of(caption="json.caption")),
+                       Source.from_pattern(pattern, name="zh", fields=SampleFields.of(caption="json.caption_zh"))],
+                      batch_size=6, per_source=True, shuffle_buffer=0, mode="epoch", max_epochs=1)
+    batches = list(StatefulLoader(BatchStream(spec, caption_index)))
+    for batch in batches:
+        assert (batch["en"]["caption"] == batch["en"]["key"] % 10).all()  # English captions, matching the image
+        assert (batch["zh"]["caption"] == 10 + batch["zh"]["key"] % 10).all()
+    assert len(batches) == 40 // 3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_caption_drawn_per_read_is_seeded_and_resumes_exactly(tmp_path, workers):
+    pattern = write_set(tmp_path / "web", shards=4, per_shard=12)
+    both = SampleFields.of(caption=["json.caption", "json.caption_zh"])
+
+    def make():
+        return loader_of([Source.from_pattern(pattern, name="bi", fields=both)], workers=workers, mode="resampled")
+
+    straight = [(b["key"].tolist(), b["caption"].tolist()) for b in islice(make(), 10)]
+    drawn = [c for _, cs in straight for c in cs]
+    assert {c < 10 for c in drawn} == {True, False}  # both languages are drawn
+    assert all(c % 10 == k % 10 for keys, cs in straight for k, c in zip(keys, cs))  # each caption matches its image
+    first = make()
+    head = [(b["key"].tolist(), b["caption"].tolist()) for b in islice(first, 4)]
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    tail = [(b["key"].tolist(), b["caption"].tolist()) for b in islice(resumed, 6)]
+    assert head + tail == straight
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_gbk_source_is_counted_and_stops_in_one_line_or_reads_with_its_encoding(tmp_path, workers):
+    pattern = write_set(tmp_path / "legacy", shards=4, per_shard=30, text_encoding="gbk")
+    started = time.monotonic()
+    with pytest.raises(DataError) as error:
+        next(iter(loader_of([Source.from_pattern(pattern, name="legacy")], workers=workers)))
+    message = str(error.value)
+    assert time.monotonic() - started < 30 and "\n" not in message
+    assert message.startswith("source 'legacy': none of 20 samples read could be used (text_encoding 20; "
+                              "commonest: text_encoding); last failure: sample '0"), message
+    assert "captions must be UTF-8 (or set the source's text_encoding" in message
+    fixed = loader_of([Source.from_pattern(pattern, name="legacy", fields=SampleFields.of(text_encoding="gbk"))],
+                      workers=workers)
+    batch = next(iter(fixed))
+    assert (batch["caption"] == 10 + batch["key"] % 10).all()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("sources", [1, 2])
+def test_a_source_of_undecodable_images_stops_where_samples_are_read(tmp_path, workers, sources):
+    """Every image of the `broken` source is garbage: no batch is ever completed from it, so the limit must
+    be enforced per sample read, in the workers, not per batch delivered; a healthy second source does not
+    hide it, and a limit of 1.0 does not either."""
+    broken = Source.from_pattern(write_set(tmp_path / "broken", shards=4, per_shard=25, image=b"\xff\xd8 not a jpeg"),
+                                 name="broken")
+    healthy = Source.from_pattern(write_set(tmp_path / "ok", shards=4, per_shard=25), name="ok")
+    mix = [broken, healthy][:sources]
+    started = time.monotonic()
+    with pytest.raises(DataError, match=r"^source 'broken': none of 20 samples read could be used \(undecodable 20; "
+                                        r"commonest: undecodable\); last failure: sample '\d+' of .*\.tar: "):
+        for _ in islice(loader_of(mix, workers=workers, policy=SkipPolicy(max_rate=1.0, min_samples=20)), 50):
+            pass
+    assert time.monotonic() - started < 30
+
+
+def test_the_skip_rate_is_checked_per_source():
+    policy = SkipPolicy(max_rate=0.1, min_samples=10)
+    row = dict(seen=20, decoded=17, missing_field=1, text_encoding=0, undecodable=2)
+    assert policy.violation(row) == ("3 of 20 samples could not be used (missing_field 1, undecodable 2; commonest: "
+                                     "undecodable), more than max_skip_rate=0.1")
+    assert policy.violation({**row, "seen": 9, "decoded": 6}) is None  # too few read to judge
+    assert policy.violation({**row, "decoded": 18, "undecodable": 1}) is None  # 2 of 20 is not more than 10%
+
+
+def test_field_keys_a_method_does_not_read_are_config_errors(tmp_path):
+    from mmpt.run_config import load_config
+
+    config = tmp_path / "c.yaml"
+    config.write_text("extends: " + json.dumps(str(__import__("conftest").REPO / "configs/space2/demo.yaml")) + "\n")
+    with pytest.raises(ConfigError, match=r"config key 'data.train.sources.0.caption_key': method 'space2' reads "
+                                          r"no field keys"):
+        load_config(config, ["data.train.sources.0.caption_key=json.caption"])
+    with pytest.raises(ConfigError, match=r"'data.train.sources.0.text_encoding' = 'klingon': 'klingon' is not a text "
+                                          r"encoding"):
+        load_config(config, ["data.train.sources.0.text_encoding=klingon"])
