@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmpt.data.shards import DataError, ShardSetWriter
+from mmpt.data.shards import DataError, MissingDataError, ShardSetWriter
 from mmpt.losses.tree_score import fix_label
 
 ROLES = ("user", "system")
@@ -115,6 +115,8 @@ def _checked_turns(turns: Any, *, labelled: bool) -> list[Turn]:
 def read_space2_json(path: str | Path, report: DialogReport) -> Iterator[tuple[str, list[Turn]]]:
     """Dialogs of an official SPACE-2 file: {dialog id: {"turns": [{role, text, label, ...}]}}."""
     path = Path(path)
+    if not path.is_file():
+        raise MissingDataError(f"{path}: no such SPACE-2 dialog file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -20,6 +20,10 @@ class DataError(RuntimeError):
     """Data that cannot be used as configured; the message names the file, shard or sample."""
 
 
+class MissingDataError(DataError):
+    """A data file or shard that is not there: a path to correct (exit 2), not data to repair (exit 3)."""
+
+
 class ShardSetWriter:
     """Packs samples (dicts with `__key__` and byte/str/int fields) into numbered tar shards.
 
@@ -92,14 +96,14 @@ def expand_shards(pattern: str) -> list[str]:
             elif any(ch in url for ch in "*?["):
                 matches = sorted(glob.glob(url))
                 if not matches:
-                    raise DataError(f"no shard matches {url!r} (from pattern {pattern!r})")
+                    raise MissingDataError(f"no shard matches {url!r} (from pattern {pattern!r})")
                 urls.extend(matches)
             elif os.path.isfile(url):
                 urls.append(url)
             else:
-                raise DataError(f"shard {url!r} does not exist (from pattern {pattern!r})")
+                raise MissingDataError(f"shard {url!r} does not exist (from pattern {pattern!r})")
     if not urls:
-        raise DataError(f"no shard matches pattern {pattern!r}")
+        raise MissingDataError(f"no shard matches pattern {pattern!r}")
     return urls
 
 

@@ -32,9 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     args = parser.parse_args(argv)
 
+    from mmpt.eval import DEMO_SETS
     from mmpt.hub import load_run
     from mmpt.methods.base import save_eval_record
 
+    if args.dataset not in DEMO_SETS and args.dataset != "moving_digits" and not Path(args.dataset).exists():
+        raise FileNotFoundError(f"--dataset {args.dataset} does not exist (a dataset folder or file, or a demo set: "
+                                f"{', '.join([*DEMO_SETS, 'moving_digits'])})")
     cfg, method, model = load_run(args.model, device=args.device)
     if not hasattr(method, "zeroshot"):
         parser.error(f"method '{cfg.method_name}' has no zero-shot evaluation")
@@ -57,4 +61,6 @@ def _cuda() -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mmpt import cli
+
+    sys.exit(cli.run(main))

@@ -66,7 +66,44 @@ def official_m2_files(path: str | Path) -> tuple[Path, Path]:
         path = checkpoints[0]
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not an official M2-Encoder checkpoint file or folder")
-    tokenizers = sorted(path.parent.rglob("sp.model")) or sorted(path.parent.parent.rglob("sp.model"))
-    if not tokenizers:
+    tokenizer = official_tokenizer(path)
+    if tokenizer is None:
         raise FileNotFoundError(f"{path.parent}: the GLM tokenizer sp.model was not found beside the checkpoint")
-    return path, tokenizers[0]
+    return path, tokenizer
+
+
+def official_tokenizer(checkpoint: Path) -> Path | None:
+    """The GLM `sp.model` of an official download: beside its checkpoint or one folder up."""
+    found = sorted(checkpoint.parent.rglob("sp.model")) or sorted(checkpoint.parent.parent.rglob("sp.model"))
+    return found[0] if found else None
+
+
+@dataclass(frozen=True)
+class InitialWeights:
+    """What `method.init_from` names, resolved: an official checkpoint file, or an mmpt release or finished run."""
+
+    kind: str  # "official-m2" or "mmpt"
+    path: Path  # the .ckpt file, or the release / run directory
+    tokenizer: Path | None  # the tokenizer file that came with the weights, if any
+
+
+def initial_weights(spec: str) -> InitialWeights:
+    """Resolve `method.init_from`: an official download folder or `.ckpt`, an mmpt release or finished run
+    directory, or `hf-hub:<org>/<name>` (a release, through the hub cache). FileNotFoundError if none fits."""
+    from mmpt.release import HUB_PREFIX, has_weights, resolve
+
+    path = resolve(spec) if spec.startswith(HUB_PREFIX) else Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if path.is_dir() and has_weights(path):
+        tokenizers = [path / name for name in ("sp.model", "tokenizer.json") if (path / name).is_file()]
+        return InitialWeights("mmpt", path, tokenizers[0] if tokenizers else None)
+    if path.is_file() and path.suffix != ".ckpt":
+        raise FileNotFoundError(f"{path} is neither an official .ckpt nor a release or run directory")
+    if path.is_dir():
+        checkpoint = next(iter(sorted(path.rglob("*.ckpt"))), None)
+        if checkpoint is None:
+            raise FileNotFoundError(f"{path} holds no .ckpt (an official download) and no model.safetensors "
+                                    "(a release or finished run)")
+        path = checkpoint
+    return InitialWeights("official-m2", path, official_tokenizer(path))

@@ -4,8 +4,8 @@
 |---|---|
 | 0 | finished |
 | 1 | an unexpected error (a bug, or a failure mmpt does not know): the full traceback |
-| 2 | config error: a key, value or combination that cannot work (every rank finds it alike) |
-| 3 | data error: missing shards, a source without a needed field, too many unusable samples |
+| 2 | config error: a key, value or combination that cannot work, or a file it names that is not there |
+| 3 | data error: a source without a needed field, too many unusable samples |
 | 4 | non-finite training: too many optimizer steps in a row with a NaN/Inf loss or gradient |
 | 5 | checkpoint error: a rank could not write its part of a checkpoint (the previous one stands) |
 | 75 | watchdog: a rank made no progress (`mmpt.engine.watchdog`), restart to resume |
@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 
 from mmpt.config import ConfigError
-from mmpt.data.shards import DataError
+from mmpt.data.shards import DataError, MissingDataError
 from mmpt.engine.checkpoint import CheckpointError
 from mmpt.engine.guards import NonFiniteError
 
@@ -40,8 +40,9 @@ class Stop:
     same_on_every_rank: bool
 
 
-STOPS: dict[type[Exception], Stop] = {
+STOPS: dict[type[Exception], Stop] = {  # the first that matches wins
     ConfigError: Stop("config error", EXIT_CONFIG, True),
+    MissingDataError: Stop("data error", EXIT_CONFIG, False),
     DataError: Stop("data error", EXIT_DATA, False),
     NonFiniteError: Stop("non-finite training", EXIT_NON_FINITE, True),
     CheckpointError: Stop("checkpoint error", EXIT_CHECKPOINT, False),

@@ -27,6 +27,7 @@ from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.sequence_parallel import split_sequences
 from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes
 from mmpt.engine.timing import Spans
+from mmpt.engine.preflight import check_inputs
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
 from mmpt.engine.watchdog import Watchdog
 from mmpt.engine.zero3_guard import partitioned_parameter_guard
@@ -121,9 +122,10 @@ def prepare_demo_data(cfg: Config) -> None:
 def train(cfg: Config) -> dict[str, Any]:
     """Run `cfg` to `train.max_steps` (resuming if asked); returns the final evaluation metrics."""
     check_precision(cfg)
+    method = get_method(cfg.method_name)
+    check_inputs(cfg, method)  # before the process group: a missing file is one line and exit 2, not a requeue
     rank, world_size = start_process_group()
     layout = mdist.set_sequence_parallel(cfg.train.sequence_parallel)
-    method = get_method(cfg.method_name)
     run_dir = Path(cfg.run.output_dir)
     if rank == 0:
         prepare_run_dir(cfg, method, run_dir)
@@ -252,7 +254,9 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, lo
     seed_everything(cfg.train.seed)  # the same initial weights on every rank
     model = method.build_model(cfg, run_dir)
     check_pooled_accumulation(method, model.train(), cfg.train.grad_accum)
-    method.load_initial_weights(model, cfg)
+    loaded = method.load_initial_weights(model, cfg)
+    if loaded and mdist.get_rank() == 0:
+        log.info(loaded)
     needs = method.engine_needs(model)
     if needs.batch_norm_across_ranks:
         batch_norm_across_ranks(model, mdist.data_parallel_group())

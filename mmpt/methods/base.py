@@ -93,8 +93,19 @@ class Method:
         """The model that is trained and saved; parameters only, no loss state."""
         raise NotImplementedError
 
-    def load_initial_weights(self, model: nn.Module, cfg: Config) -> None:
-        """Start training from existing weights (e.g. an official checkpoint); not used when loading a run."""
+    def resolve_defaults(self, cfg: Config) -> None:
+        """Fill in config values whose defaults are found on disk (e.g. the tokenizer that comes with initial
+        weights). Runs on every rank before training, so the run's saved config names them."""
+
+    def input_paths(self, cfg: Config) -> dict[str, str | None]:
+        """{config key: the file or folder it names} of every input the method reads (tokenizer, initial weights,
+        evaluation sets), checked to exist before training starts. Leave out names that are not paths (a demo
+        set's name, a package resource)."""
+        return {}
+
+    def load_initial_weights(self, model: nn.Module, cfg: Config) -> str | None:
+        """Start training from existing weights (e.g. an official checkpoint); not used when loading a run.
+        Returns one line saying what was loaded from where (logged at the start of training), or None."""
 
     def build_loss(self, cfg: Config) -> nn.Module:
         raise NotImplementedError
@@ -127,9 +138,10 @@ class Method:
         return {}
 
 
-def copy_tokenizer(cfg: Config, run_dir: Path, name: str) -> None:
-    """Copy the file named by `method.tokenizer` into the run directory as `name`: a run is self-contained."""
-    source = Path(cfg.method.tokenizer)
+def copy_tokenizer(cfg: Config, run_dir: Path, name: str, source: str | None = None) -> None:
+    """Copy `source` (default: the file `method.tokenizer` names) into the run directory as `name`: a run is
+    self-contained."""
+    source = Path(source or cfg.method.tokenizer)
     if not source.is_file():
         raise FileNotFoundError(f"config key 'method.tokenizer': {source} does not exist")
     target = run_dir / name

@@ -14,7 +14,7 @@ from torchvision import transforms as T
 from mmpt.config import Config, Section
 from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, uint8_transform
 from mmpt.data.loader import BatchStream
-from mmpt.eval import resolve_dataset
+from mmpt.eval import DEMO_SETS, resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
 from mmpt.methods.base import Method, copy_tokenizer, eval_record, save_eval_record, stream_spec
@@ -79,8 +79,19 @@ class ImageTextMethod(Method):
     def image_transform(self, cfg: Config, train: bool):
         raise NotImplementedError
 
+    def input_paths(self, cfg: Config) -> dict[str, str | None]:
+        zs = cfg.method.zeroshot
+        sets = {"method.zeroshot.dataset": zs.dataset,
+                **{f"method.zeroshot.extra_datasets.{i}": name for i, name in enumerate(zs.extra_datasets)}}
+        paths = {key: name for key, name in sets.items() if name is not None and name not in DEMO_SETS}
+        return {"method.tokenizer": self.tokenizer_source(cfg), **paths}
+
+    def tokenizer_source(self, cfg: Config) -> str:
+        """The tokenizer file a run starts from (`method.tokenizer`); the run keeps its own copy."""
+        return cfg.method.tokenizer
+
     def prepare(self, cfg: Config, run_dir: Path) -> None:
-        copy_tokenizer(cfg, run_dir, self.tokenizer_file_name(cfg))
+        copy_tokenizer(cfg, run_dir, self.tokenizer_file_name(cfg), self.tokenizer_source(cfg))
 
     def release_files(self, cfg: Config) -> list[str]:
         return [self.tokenizer_file_name(cfg)]

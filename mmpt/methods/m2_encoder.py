@@ -22,7 +22,8 @@ from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.methods.base import EngineNeeds, MethodConfig
 from mmpt.methods.image_text import ImageTextMethod, PlacementAugment, ZeroShotConfig, model_images
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
-from mmpt.models.m2_official import load_official
+from mmpt.models.m2_official import load_official, load_release_weights
+from mmpt.pretrained import initial_weights
 
 OFFICIAL_MEAN, OFFICIAL_STD = M2Encoder.image_mean, M2Encoder.image_std  # the official inception_normalize
 
@@ -49,11 +50,22 @@ class M2Config(MethodConfig):
     model: Literal["m2-encoder-demo", "m2-encoder-0.4b", "m2-encoder-1b", "m2-encoder-10b"] = "m2-encoder-0.4b"
     arch: M2EncoderConfig = Field(default_factory=M2EncoderConfig,
                                   description="architecture; keys given here override the `model` preset")
-    tokenizer: str = Field(description="GLM sp.model (SentencePiece, official) or a WordPiece tokenizer.json")
-    init_from: str | None = Field(None, description="official M2-Encoder .ckpt to start from")
+    tokenizer: str | None = Field(
+        None, description="GLM sp.model (SentencePiece, official) or a WordPiece tokenizer.json. None: the one that "
+        "comes with init_from (the sp.model of an official download, or a release's or run's own)")
+    init_from: str | None = Field(
+        None, description="weights to start from: an official download folder or its .ckpt, an mmpt release or "
+        "finished run directory, or hf-hub:<org>/<name> (a release); loaded strictly")
     loss: GbaItcConfig = Field(default_factory=GbaItcConfig)
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
     zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
+
+    @model_validator(mode="after")
+    def _a_tokenizer(self) -> M2Config:
+        if self.tokenizer is None and self.init_from is None:
+            raise ValueError("set method.tokenizer (a GLM sp.model or a tokenizer.json), or method.init_from to "
+                             "weights that come with one")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -77,7 +89,22 @@ class M2EncoderMethod(ImageTextMethod):
             raise ValueError(f"method.loss.accumulation_steps={k} differs from train.grad_accum={cfg.train.grad_accum}")
 
     def tokenizer_file_name(self, cfg: Config) -> str:
-        return "tokenizer.json" if cfg.method.tokenizer.endswith(".json") else "sp.model"
+        return "tokenizer.json" if self.tokenizer_source(cfg).endswith(".json") else "sp.model"
+
+    def tokenizer_source(self, cfg: Config) -> str:
+        """`method.tokenizer`, else the tokenizer that comes with `method.init_from` (found on disk, so only
+        once training or evaluation starts; config validation reads no file)."""
+        if cfg.method.tokenizer is not None:
+            return cfg.method.tokenizer
+        init = cfg.method.init_from
+        try:
+            found = initial_weights(init).tokenizer
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"config key 'method.init_from': {exc}") from None
+        if found is None:
+            raise FileNotFoundError(f"config key 'method.tokenizer': not set, and {init} (method.init_from) comes with "
+                                    "no sp.model or tokenizer.json")
+        return str(found)
 
     def load_tokenizer(self, path: Path, cfg: Config):
         length = cfg.method.arch.context_length
@@ -101,9 +128,28 @@ class M2EncoderMethod(ImageTextMethod):
             arch = arch.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
         return M2Encoder(arch)
 
-    def load_initial_weights(self, model: M2Encoder, cfg: Config) -> None:
-        if cfg.method.init_from:
-            load_official(model, cfg.method.init_from)
+    def resolve_defaults(self, cfg: Config) -> None:
+        init = cfg.method.init_from
+        if cfg.method.tokenizer is None and (init.startswith("hf-hub:") or Path(init).exists()):  # else preflight says
+            cfg.method.tokenizer = self.tokenizer_source(cfg)
+
+    def input_paths(self, cfg: Config) -> dict[str, str | None]:
+        init = cfg.method.init_from
+        weights = {"method.init_from": None if init is None or init.startswith("hf-hub:") else init}
+        if weights["method.init_from"] and not Path(init).exists():
+            return weights  # said before the tokenizer it would bring
+        return {**weights, **super().input_paths(cfg)}
+
+    def load_initial_weights(self, model: M2Encoder, cfg: Config) -> str | None:
+        if not cfg.method.init_from:
+            return None
+        source = initial_weights(cfg.method.init_from)
+        if source.kind == "official-m2":
+            load_official(model, source.path)
+        else:
+            load_release_weights(model, source.path)
+        count = len(model.state_dict())
+        return f"initialised {count} of {count} tensors from {source.path} ({source.kind}, strict)"
 
     def build_loss(self, cfg: Config) -> nn.Module:
         spec = cfg.method.loss

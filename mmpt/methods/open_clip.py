@@ -33,6 +33,11 @@ class OpenClipMethod(ImageTextMethod):
     config_class = OpenClipConfig
     uses_attention_mask = False  # open_clip's text tower pools at the end token
 
+    def input_paths(self, cfg: Config) -> dict[str, str | None]:
+        paths = super().input_paths(cfg)
+        del paths["method.tokenizer"]  # open_clip brings its own
+        return {**paths, "method.model": cfg.method.model if cfg.method.model.endswith(".json") else None}
+
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         """Nothing to copy: open_clip ships its tokenizer; a JSON model config is read from its path."""
 

@@ -123,6 +123,11 @@ class Space2Method(Method):
         return Space2Encoder.from_backbone_dir(str(run_dir / BACKBONE_DIR), subspace_dim=m.subspace_dim,
                                                dropout=m.dropout)
 
+    def input_paths(self, cfg: Config) -> dict[str, str | None]:
+        dataset = cfg.method.intent_eval.dataset
+        return {"method.encoder": str(resolve_encoder_path(cfg.method.encoder)),
+                "method.intent_eval.dataset": None if dataset == "dialogs" else dataset}
+
     def load_initial_weights(self, model: Space2Encoder, cfg: Config) -> None:
         model.load_backbone(str(resolve_encoder_path(cfg.method.encoder)))
 

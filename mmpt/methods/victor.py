@@ -142,6 +142,12 @@ class VictorMethod(Method):
         return VictorModel(m.video, text, m.embed_dim, m.cross_layers, m.momentum, m.vsa_temperature,
                            m.learn_temperature, tasks=[name for name, w in m.tasks.model_dump().items() if w])
 
+    def input_paths(self, cfg: Config) -> dict[str, str | None]:
+        m = cfg.method
+        dataset = None if m.retrieval.dataset == "moving_digits" else m.retrieval.dataset
+        return {"method.tokenizer": m.tokenizer, "method.video.backbone_weights": m.video.backbone_weights,
+                "method.retrieval.dataset": dataset, "method.retrieval.video_root": m.retrieval.video_root}
+
     def load_initial_weights(self, model: VictorModel, cfg: Config) -> None:
         weights = cfg.method.video.backbone_weights
         if weights:

@@ -87,3 +87,14 @@ def load_official(model: M2Encoder, path: str | os.PathLike) -> M2Encoder:
         raise CheckpointMismatch(f"{path} does not fit this M2-Encoder config: " + "; ".join(parts))
     model.load_state_dict(state, strict=True)
     return model
+
+
+def load_release_weights(model: M2Encoder, directory: str | os.PathLike) -> M2Encoder:
+    """Load an mmpt release's or finished run's `model.safetensors` strictly (a mismatch names the keys)."""
+    from huggingface_hub import load_torch_model
+
+    result = load_torch_model(model, directory, strict=False, safe=True, weights_only=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointMismatch(f"{directory} does not fit this M2-Encoder config: missing "
+                                 f"{sorted(result.missing_keys)[:8]}, unexpected {sorted(result.unexpected_keys)[:8]}")
+    return model

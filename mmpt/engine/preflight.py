@@ -1,0 +1,53 @@
+"""Every file a config names is checked before any process group starts.
+
+A missing tokenizer, shard set, evaluation set or resume path found after the ranks have started costs
+a cluster allocation and, under a requeueing scheduler, several; found here it is one line naming the
+config key and the path, and exit code 2 (`mmpt.engine.stops`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mmpt.config import Config, ConfigError
+from mmpt.data.shards import DataError, expand_shards
+from mmpt.methods import Method
+from mmpt.release import ReleaseError
+
+WILDCARDS = "*?[{"
+
+
+def check_inputs(cfg: Config, method: Method) -> None:
+    """Raise ConfigError for the first config key whose file or folder does not exist.
+
+    Remote shard URLs are not checked; paths under `data.root` are not when `data.prepare` will build them.
+    """
+    demo_root = Path(cfg.data.root).resolve() if cfg.data.prepare else None
+
+    def built_later(path: str) -> bool:
+        return demo_root is not None and Path(literal_prefix(path)).resolve().is_relative_to(demo_root)
+
+    for index, source in enumerate(cfg.data.train.sources):
+        if built_later(source.shards):
+            continue
+        try:
+            expand_shards(source.shards)
+        except DataError as exc:
+            raise ConfigError(f"config key 'data.train.sources.{index}.shards': {exc}") from None
+    if cfg.run.resume not in ("auto", "none") and not Path(cfg.run.resume).exists():
+        raise ConfigError(f"config key 'run.resume': {cfg.run.resume} does not exist (auto: the newest checkpoint "
+                          "in run.output_dir, if any; none: start afresh)")
+    try:
+        method.resolve_defaults(cfg)
+        paths = method.input_paths(cfg)
+    except (FileNotFoundError, ReleaseError) as exc:  # a path the method could not even resolve (e.g. a package not installed)
+        raise ConfigError(str(exc)) from None
+    for key, path in paths.items():
+        if path is not None and not built_later(path) and not Path(path).exists():
+            raise ConfigError(f"config key '{key}': {path} does not exist")
+
+
+def literal_prefix(pattern: str) -> str:
+    """The part of a path or shard pattern before its first wildcard or brace."""
+    cut = min((pattern.index(c) for c in WILDCARDS if c in pattern), default=len(pattern))
+    return pattern[:cut] or "."

@@ -1,0 +1,64 @@
+"""Every file a config names is checked before the process group starts: exit 2 and one line naming the
+key and the path; the command-line tools end in one line too, never a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, launcher_env, tiny_config, write_config
+
+from mmpt.engine.stops import EXIT_CONFIG
+
+
+def train(config, *overrides):
+    return subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config), *overrides],
+                          cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("method.tokenizer={missing}/tokenizer.json", "method.tokenizer"),
+    ("data.train.sources.1.shards={missing}/zh-{{000000..000003}}.tar", "data.train.sources.1.shards"),
+    ("method.zeroshot.dataset={missing}/imagenet", "method.zeroshot.dataset"),
+    ("method.zeroshot={{dataset: digits, extra_datasets: [digits_unseen, {missing}/cn]}}",
+     "method.zeroshot.extra_datasets.1"),
+    ("run.resume={missing}/checkpoints/step_000000100", "run.resume"),
+])
+def test_a_missing_input_stops_before_the_process_group(tmp_path, digits_root, override, key):
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))
+    missing = tmp_path / "not_here"
+    result = train(config, override.format(missing=missing))
+    output = result.stdout + result.stderr
+    assert result.returncode == EXIT_CONFIG, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("mmpt: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"mmpt: config error: config key '{key}': "), output[-3000:]
+    assert str(missing) in lines[0] and "does not exist" in lines[0]
+    assert "Traceback" not in output and "Initializing TorchBackend" not in output  # no process group was started
+    assert not (tmp_path / "run").exists()
+
+
+def test_m2_init_from_a_missing_download_is_named_before_its_tokenizer(tmp_path, digits_root):
+    cfg = tiny_config(digits_root, tmp_path / "run")
+    cfg["method"] = {"name": "m2_encoder", "model": "m2-encoder-demo", "init_from": str(tmp_path / "official"),
+                     "tokenizer": None, "zeroshot": {"dataset": None}}
+    result = train(write_config(tmp_path / "cfg.yaml", cfg))
+    assert result.returncode == EXIT_CONFIG
+    assert f"mmpt: config error: config key 'method.init_from': {tmp_path / 'official'} does not exist" in result.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["launch/zeroshot.py", "--model", "{run}", "--dataset", "{missing}"],
+    ["launch/zeroshot.py", "--model", "{missing}", "--dataset", "digits"],
+    ["launch/export.py", "--run", "{missing}", "--out", "{out}"],
+    ["launch/embed.py", "--model", "{missing}", "--shards", "{missing}/x.tar", "--modality", "image", "--out", "{out}"],
+    ["launch/intent_eval.py", "--model", "{missing}", "--dataset", "{missing}"],
+    ["launch/make_dialog_shards.py", "--labelled", "{missing}.json", "--out", "{out}"],
+])
+def test_the_command_line_tools_name_a_missing_path_in_one_line(tmp_path, command):
+    values = {"run": tmp_path, "missing": tmp_path / "nowhere", "out": tmp_path / "out"}
+    args = [part.format(**values) for part in command]
+    result = subprocess.run([sys.executable, str(REPO / args[0]), *args[1:]], cwd=REPO, env=launcher_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == EXIT_CONFIG, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("mmpt: ")]
+    assert len(lines) == 1 and "nowhere" in lines[0], result.stderr[-3000:]
