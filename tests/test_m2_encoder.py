@@ -126,3 +126,50 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         (scale * image @ text.T).sum().backward()
         grads.append(model.backbone.vision_embed.proj.weight.grad.clone())
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def m2_config(**method):
+    from mmpt.run_config import validate_config
+
+    return validate_config({
+        "method": {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": {"vocab_size": 300}, **method},
+        "run": {"output_dir": "unused"}, "data": {"train": {"sources": [{"shards": "x.tar"}], "batch_size": 2}},
+        "optim": {"lr": 1e-3}, "train": {"max_steps": 1, "grad_clip": 0.0}})
+
+
+def test_init_from_takes_an_official_folder_a_ckpt_or_a_finished_run_and_brings_its_tokenizer(tmp_path, glm_sp_model):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from mmpt.methods import get_method
+
+    method, source = get_method("m2_encoder"), tiny()
+    official = tmp_path / "M2-Encoder"  # an official download: the .ckpt and the GLM sp.model in its folder
+    official.mkdir()
+    torch.save({"state_dict": source.state_dict()}, official / "m2_encoder_demo.ckpt")
+    shutil.copyfile(glm_sp_model, official / "sp.model")
+    run = tmp_path / "finished_run"  # a finished run: model.safetensors and the run's own tokenizer
+    run.mkdir()
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(run / "model.safetensors"))
+    shutil.copyfile(glm_sp_model, run / "sp.model")
+    for init, kind, weights, tokenizer in [
+        (official, "official-m2", official / "m2_encoder_demo.ckpt", official / "sp.model"),
+        (official / "m2_encoder_demo.ckpt", "official-m2", official / "m2_encoder_demo.ckpt", official / "sp.model"),
+        (run, "mmpt", run, run / "sp.model"),
+    ]:
+        cfg = m2_config(init_from=str(init), tokenizer=None)
+        method.resolve_defaults(cfg)
+        assert cfg.method.tokenizer == str(tokenizer)
+        model = tiny(vocab_size=300)
+        torch.nn.init.zeros_(model.backbone.text_embed.weight)
+        said = method.load_initial_weights(model, cfg)
+        count = len(source.state_dict())
+        assert said == f"initialised {count} of {count} tensors from {weights} ({kind}, strict)"
+        for key, value in source.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="set method.tokenizer .* or method.init_from"):
+        m2_config(tokenizer=None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no .ckpt .* and no model.safetensors"):
+        method.resolve_defaults(m2_config(init_from=str(tmp_path / "empty"), tokenizer=None))

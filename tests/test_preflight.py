@@ -62,3 +62,20 @@ def test_the_command_line_tools_name_a_missing_path_in_one_line(tmp_path, comman
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("mmpt: ")]
     assert len(lines) == 1 and "nowhere" in lines[0], result.stderr[-3000:]
+
+
+def test_a_run_says_what_it_will_do_and_a_finished_run_says_it_is_done(tmp_path, digits_root):
+    cfg = tiny_config(digits_root, tmp_path / "run", train={"max_steps": 2, "save_every": 0})
+    cfg["data"]["train"]["sources"][1].update(name="zh", caption_key="txt")
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+    first = train(config)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = first.stderr[first.stderr.index("run summary"):].splitlines()[1:10]
+    assert [line.strip().split(":")[0].split(" ")[0] for line in summary] == [
+        "ranks", "ZeRO", "batch", "parameters", "initial", "source", "source", "checkpoints", "output"], summary
+    assert "16 per rank x 1 micro-batch(es) x 1 data-parallel rank(s) = 16 samples per step, 2 steps" in summary[2]
+    assert summary[6].strip().startswith("source 'zh': 8 shard(s), ") and summary[6].endswith("caption_key=txt")
+    again = train(config)
+    assert again.returncode == 0
+    assert f"mmpt: {tmp_path / 'run'} already finished at step 2 (train.max_steps=2): nothing to do" in again.stdout
+    assert "run summary" not in again.stderr and "step 3" not in again.stdout

@@ -28,6 +28,7 @@ from mmpt.engine.sequence_parallel import split_sequences
 from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes
 from mmpt.engine.timing import Spans
 from mmpt.engine.preflight import check_inputs
+from mmpt.engine.summary import startup_summary
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
 from mmpt.engine.watchdog import Watchdog
 from mmpt.engine.zero3_guard import partitioned_parameter_guard
@@ -134,7 +135,7 @@ def train(cfg: Config) -> dict[str, Any]:
     checkpoint_dir = checkpoint.find_resume(run_dir, cfg.run.resume)
     elastic = checkpoint_dir is not None and checkpoint.saved_world_size(checkpoint_dir) != world_size
     universal = checkpoint.to_universal(checkpoint_dir, run_dir) if elastic and cfg.train.zero_stage > 0 else None
-    engine = build_engine(cfg, method, run_dir, world_size, load_universal=universal is not None)
+    engine, initial_weights = build_engine(cfg, method, run_dir, world_size, load_universal=universal is not None)
     float_dtype = precision.DTYPES[cfg.train.precision]
     needs = engine.module.needs
     kept_fp32 = needs.fp32_modules + needs.momentum_copies
@@ -147,6 +148,16 @@ def train(cfg: Config) -> dict[str, Any]:
         SkipPolicy(cfg.data.train.max_skip_rate, cfg.data.train.min_samples_for_skip_rate),
     )
     step, batches = resume(cfg, engine, loader, checkpoint_dir, universal or checkpoint_dir, sharded)
+    # Finished: its final checkpoint and weights are written (rank 0's word: other nodes may not share its disk).
+    finished = step >= cfg.train.max_steps and mdist.all_gather_floats([(run_dir / checkpoint.WEIGHTS).is_file()])[0][0]
+    if finished:
+        if rank == 0:
+            print(f"mmpt: {run_dir} already finished at step {step} (train.max_steps={cfg.train.max_steps}): nothing "
+                  "to do; raise train.max_steps to train on, or set run.output_dir to start another run", flush=True)
+        return {}
+    if rank == 0:
+        log.info(startup_summary(cfg, engine.module.model, loader, initial_weights,
+                                 step, checkpoint_dir))
 
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * layout.data_size
     metrics = MetricLogger(run_dir, max_steps=cfg.train.max_steps, start_step=step, global_batch=global_batch,
@@ -249,14 +260,13 @@ def prepare_run_dir(cfg: Config, method: Method, run_dir: Path) -> None:
 
 
 def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, load_universal: bool = False):
+    """(DeepSpeed engine, what `Method.load_initial_weights` said it loaded, or None)."""
     import deepspeed
 
     seed_everything(cfg.train.seed)  # the same initial weights on every rank
     model = method.build_model(cfg, run_dir)
     check_pooled_accumulation(method, model.train(), cfg.train.grad_accum)
     loaded = method.load_initial_weights(model, cfg)
-    if loaded and mdist.get_rank() == 0:
-        log.info(loaded)
     needs = method.engine_needs(model)
     if needs.batch_norm_across_ranks:
         batch_norm_across_ranks(model, mdist.data_parallel_group())
@@ -281,7 +291,7 @@ def build_engine(cfg: Config, method: Method, run_dir: Path, world_size: int, lo
         engine.enable_backward_allreduce = False
         if world_size > 1:
             module.gradient_reduction = BucketedAllReduce(module.parameters())
-    return engine
+    return engine, loaded
 
 
 def resume(cfg: Config, engine, loader: StatefulLoader, checkpoint_dir: Path | None,

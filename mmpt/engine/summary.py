@@ -1,0 +1,54 @@
+"""What a run is about to do, said once on rank 0 before the first step: the block a user reads to catch a
+wrong layout, batch, starting point or data mix before it costs a day."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from mmpt import distributed as mdist
+from mmpt.config import Config
+from mmpt.data.loader import StatefulLoader
+from mmpt.data.shards import count_samples
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(total, trainable) parameters, whole even where ZeRO-3 has partitioned them (`ds_numel`)."""
+    total = trainable = 0
+    for parameter in model.parameters():
+        count = getattr(parameter, "ds_numel", parameter.numel())
+        total += count
+        trainable += count if parameter.requires_grad else 0
+    return total, trainable
+
+
+def startup_summary(cfg: Config, model: nn.Module, loader: StatefulLoader, initial_weights: str | None,
+                    start_step: int, resumed_from: Path | None) -> str:
+    layout, world = mdist.layout(), mdist.get_world_size()
+    per_node = int(mdist.local_world_size())
+    batch, accum = cfg.data.train.batch_size, cfg.train.grad_accum
+    total, trainable = parameter_counts(model)
+    lines = [
+        f"ranks: {world} on {max(1, world // max(1, per_node))} node(s) of {per_node}"
+        + (f", sequence parallel {layout.sequence_parallel}" if layout.sequence_parallel > 1 else ""),
+        f"ZeRO stage {cfg.train.zero_stage}{' with optimizer offload' if cfg.train.offload_optimizer else ''}, "
+        f"precision {cfg.train.precision}",
+        f"batch: {batch} per rank x {accum} micro-batch(es) x {layout.data_size} data-parallel rank(s) = "
+        f"{batch * accum * layout.data_size} samples per step, {cfg.train.max_steps} steps",
+        f"parameters: {total:,} ({trainable:,} trainable)",
+        f"initial weights: {initial_weights or 'random (no init_from)'}",
+    ]
+    if resumed_from is not None:
+        lines.append(f"resuming from {resumed_from} at step {start_step}")
+    for source, spec in zip(cfg.data.train.sources, loader.dataset.spec.sources):
+        samples = count_samples(spec.urls)
+        keys = ", ".join(f"{name}_key={getattr(source, f'{name}_key')}" for name in source.fields_set())
+        lines.append(f"source {spec.name!r}: {len(spec.urls)} shard(s)"
+                     + (f", {samples:,} samples" if samples is not None else "")
+                     + f", weight {spec.weight:g}" + (f", {keys}" if keys else "")
+                     + (f", text {source.text_encoding}" if source.text_encoding != "utf-8" else ""))
+    save = f"every {cfg.train.save_every} steps" if cfg.train.save_every else "at the end"
+    lines.append(f"checkpoints {save} (keep {cfg.train.keep_last}); evaluation at the end")
+    lines.append(f"output: {Path(cfg.run.output_dir).resolve()}")
+    return "run summary\n" + "\n".join(f"  {line}" for line in lines)
