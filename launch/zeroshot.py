@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=".", help="JSON file (*.json) or folder to write the result to "
                         "(default: the current folder, as <task>_<dataset>_<hash of its path>_<language>.json); "
                         "the evaluated run's folder is never written")
+    parser.add_argument("--foreign-class-names", action="store_true",
+                        help="accept class names not written in --language (e.g. English names in Chinese prompts)")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     args = parser.parse_args(argv)
 
@@ -42,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg, method, model = load_run(args.model, device=args.device)
     if not hasattr(method, "zeroshot"):
         parser.error(f"method '{cfg.method_name}' has no zero-shot evaluation")
-    result = method.zeroshot(model, cfg, Path(args.model), args.dataset, args.language, task=args.task)
+    result = method.zeroshot(model, cfg, Path(args.model), args.dataset, args.language, task=args.task,
+                             foreign_class_names=args.foreign_class_names)
     print(json.dumps(result, indent=2, ensure_ascii=False))
     output = Path(args.output)
     if output.suffix == ".json":

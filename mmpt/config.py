@@ -94,12 +94,41 @@ class LoaderConfig(Section):
         return self
 
 
+EVAL_TASKS = ("zeroshot_classification", "zeroshot_retrieval", "intent")
+
+
+class EvalSetConfig(Section):
+    """One evaluation set, run every `train.eval_every` steps and at the end of training."""
+
+    dataset: str = Field(description="a folder or file in any layout launch/zeroshot.py (or, for intent, "
+                         "launch/intent_eval.py) reads, or a demo set name (digits, moving_digits, dialogs)")
+    task: Literal[EVAL_TASKS] = Field(
+        description="zeroshot_classification (images or clips), zeroshot_retrieval (image-text or video-text), "
+        "intent (dialog intent probe); the method must offer it")
+    name: str | None = Field(None, description="reported as eval/<name>/<language>/<metric> (default: the dataset's "
+                             "folder or file name)")
+    languages: list[str] = Field(default_factory=lambda: ["en"], min_length=1)
+    foreign_class_names: bool = Field(False, description="accept class names not written in the prompt language")
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.dataset.rstrip("/")).stem
+
+
 class DataConfig(Section):
     train: LoaderConfig
+    eval: list[EvalSetConfig] = Field(default_factory=list, description="evaluation sets (see train.eval_every)")
     prepare: str | None = Field(
         None, description="name of a demo corpus (mmpt.demo) to build under `root` on first use, e.g. digits"
     )
     root: str = Field("demo_data", description="directory the demo corpus is built in")
+
+    @model_validator(mode="after")
+    def _distinct_eval_names(self) -> DataConfig:
+        labels = [s.label for s in self.eval]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"evaluation sets need distinct names (set 'name'), got {labels}")
+        return self
 
     @field_validator("prepare")
     @classmethod
@@ -151,6 +180,8 @@ class TrainConfig(Section):
         "split the sequence of the transformers the method declares (all-to-all around attention); must divide the "
         "ranks. 1: off")
     log_every: int = Field(10, gt=0)
+    eval_every: int = Field(0, ge=0, description="evaluate the data.eval sets every n steps (0: only at the end); "
+                            "evaluation leaves training exactly as it would be without it")
     save_every: int = Field(0, ge=0, description="checkpoint every n steps (0: only at the end)")
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
     seed: int = 0

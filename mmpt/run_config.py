@@ -36,6 +36,12 @@ def validate_config(data: dict, origins: dict[str, str] | None = None, top_file:
                 reads = ", ".join(f"{f}_key" for f in method.sample_fields) or "no field keys"
                 raise ConfigError(f"{origin(origins, key, top_file)}: config key '{key}': method '{method.name}' "
                                   f"reads {reads}")
+    for index, eval_set in enumerate(cfg.data.eval):
+        if eval_set.task not in method.eval_tasks:
+            key = f"data.eval.{index}.task"
+            offers = ", ".join(method.eval_tasks) or "no evaluation sets"
+            raise ConfigError(f"{origin(origins, key, top_file)}: config key '{key}' = {eval_set.task!r}: method "
+                              f"'{method.name}' offers {offers}")
     try:
         method.check_config(cfg)
     except ValueError as exc:

@@ -118,7 +118,7 @@ def test_msrvtt_csv_and_video_jsonl_layouts(tmp_path):
 def test_clip_benchmark_per_language_folders_and_missing_templates(tmp_path, digits_root, caplog):
     import shutil
 
-    from mmpt.eval.zeroshot import load_classification_set
+    from mmpt.eval.zeroshot import ClassNamesError, load_classification_set
 
     source = digits_root / "zeroshot"
     folder = tmp_path / "digits_cb"
@@ -137,7 +137,7 @@ def test_clip_benchmark_per_language_folders_and_missing_templates(tmp_path, dig
     assert suffixed.templates_from.endswith("zeroshot_classification_templates_zh.txt")
     assert [n for _, n, _ in english.samples()] == [n for _, n, _ in suffixed.samples()]
     (folder / "zh" / "classnames.txt").unlink()
-    with pytest.raises(DataError, match=r"no 'zh' class names \(looked for .*zh/classnames.txt"):
+    with pytest.raises(ClassNamesError, match=r"no 'zh' class names \(looked for .*zh/classnames.txt"):
         load_classification_set(folder, "zh")
 
 
@@ -285,3 +285,39 @@ def test_zeroshot_video_classification_over_class_folders(tmp_path, caplog):
     metrics = video_classification(ColourVideoModel(), colour_tokenize, decode, data, batch_size=3)
     assert metrics["acc1"] == pytest.approx(6 / 7) and metrics["acc5"] == 1.0
     assert metrics["mean_per_class_recall"] == pytest.approx((2 / 3 + 1 + 1) / 3)
+
+
+def image_folder(root, names, per_class=2):
+    from PIL import Image
+
+    for index, name in enumerate(names):
+        (root / name).mkdir(parents=True)
+        for k in range(per_class):
+            Image.new("RGB", (8, 8), color=(index * 40, k * 60, 0)).save(root / name / f"{k}.png")
+    return root
+
+
+def test_class_names_are_checked_by_what_they_are(tmp_path):
+    from mmpt.eval.zeroshot import ClassNamesError, load_classification_set
+
+    synsets = image_folder(tmp_path / "imagenet", ["n01440764", "n01443537", "n01484850"])
+    with pytest.raises(ClassNamesError, match=r"class folders are named by ids \(n01440764, n01443537, n01484850\)"):
+        load_classification_set(synsets, "en")
+    (synsets / "classnames.txt").write_text("tench\ngoldfish\ngreat white shark\n")
+    assert load_classification_set(synsets, "en").classnames == ["tench", "goldfish", "great white shark"]
+    # Chinese prompts: the English names are passed over, and refused unless allowed.
+    with pytest.raises(ClassNamesError, match=r"no 'zh' class names .*classnames.txt is not written in it.*"
+                                              r"foreign_class_names"):
+        load_classification_set(synsets, "zh")
+    assert load_classification_set(synsets, "zh", foreign_class_names=True).classnames[0] == "tench"
+    (synsets / "classnames_zh.txt").write_text("丁鲷\n金鱼\n大白鲨\n", encoding="utf-8")
+    assert load_classification_set(synsets, "zh").classnames == ["丁鲷", "金鱼", "大白鲨"]
+    # CLIP_benchmark's per-language layout: one root per language, a plain classnames.txt in Chinese.
+    zh_root = image_folder(tmp_path / "cifar_zh", ["0", "1"])
+    (zh_root / "classnames.txt").write_text("飞机\n汽车\n", encoding="utf-8")
+    assert load_classification_set(zh_root, "zh").classnames == ["飞机", "汽车"]
+    # English folder names in Chinese prompts.
+    folders = image_folder(tmp_path / "animals", ["cat", "dog"])
+    assert load_classification_set(folders, "en").classnames == ["cat", "dog"]
+    with pytest.raises(ClassNamesError, match=r"the class folders' names \(cat, dog, \.\.\.\) are not written in 'zh'"):
+        load_classification_set(folders, "zh")

@@ -120,6 +120,24 @@ class MetricLogger:
         else:
             print(message, flush=True)
 
+    def write_eval(self, step: int, results: dict[str, float]) -> None:
+        """Rank 0: one evaluation's results (jsonl, TensorBoard, console)."""
+        if self.rank != 0 or not results:
+            return
+        self._jsonl.write(json.dumps({"step": step, **results}) + "\n")
+        self._jsonl.flush()
+        if self._writer is not None:
+            for key, value in results.items():
+                self._writer.add_scalar(key, value, step)
+            self._writer.flush()
+        shown = " ".join(f"{k.removeprefix('eval/')}={v:.4f}" for k, v in results.items() if not k.endswith("/seconds"))
+        seconds = sum(v for k, v in results.items() if k.endswith("/seconds"))
+        message = f"eval step {step} {shown} ({seconds:.1f} s)"
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
     @staticmethod
     def append_summary(run_dir: Path, record: dict) -> None:
         """Final evaluation results: a line in metrics.jsonl (rank 0 calls it once)."""

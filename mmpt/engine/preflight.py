@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mmpt.config import Config, ConfigError
 from mmpt.data.shards import DataError, expand_shards
+from mmpt.eval import DEMO_NAMES
 from mmpt.methods import Method
 from mmpt.release import ReleaseError
 
@@ -37,6 +38,10 @@ def check_inputs(cfg: Config, method: Method) -> None:
     if cfg.run.resume not in ("auto", "none") and not Path(cfg.run.resume).exists():
         raise ConfigError(f"config key 'run.resume': {cfg.run.resume} does not exist (auto: the newest checkpoint "
                           "in run.output_dir, if any; none: start afresh)")
+    for index, eval_set in enumerate(cfg.data.eval):
+        if eval_set.dataset not in DEMO_NAMES and not built_later(eval_set.dataset) \
+                and not Path(eval_set.dataset).exists():
+            raise ConfigError(f"config key 'data.eval.{index}.dataset': {eval_set.dataset} does not exist")
     try:
         method.resolve_defaults(cfg)
         paths = method.input_paths(cfg)
@@ -45,6 +50,10 @@ def check_inputs(cfg: Config, method: Method) -> None:
     for key, path in paths.items():
         if path is not None and not built_later(path) and not Path(path).exists():
             raise ConfigError(f"config key '{key}': {path} does not exist")
+    try:
+        method.check_eval_sets(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def literal_prefix(pattern: str) -> str:

@@ -20,6 +20,7 @@ from mmpt.data import counts as data_counts
 from mmpt.data.loader import SkipPolicy, StatefulLoader
 from mmpt.engine import checkpoint, faults, precision, shm_collectives
 from mmpt.engine.batch_norm import batch_norm_across_ranks
+from mmpt.engine.evaluation import evaluate_sets, evaluate_while_training
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.grad_buckets import BucketedAllReduce
 from mmpt.engine.guards import NonFiniteGuard
@@ -199,6 +200,11 @@ def train(cfg: Config) -> dict[str, Any]:
                     "optimizer_state_mib_per_rank": [round(m[0], 1) for m in state_mib], **momentum})
                 metrics.write(step, record)
                 guard.check(step, {k.removeprefix("loss/"): v for k, v in record.items() if k.startswith("loss/")})
+            if cfg.data.eval and cfg.train.eval_every and step % cfg.train.eval_every == 0 \
+                    and step < cfg.train.max_steps:  # the end of training evaluates in `finish`
+                reached("eval", step)
+                metrics.write_eval(step, evaluate_while_training(method, engine.module.model, cfg, run_dir))
+                reached("eval", step)
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
                 reached("checkpoint", step)
                 state = {"data": loader.state_dict(), "rng": checkpoint.rng_state()}
@@ -396,6 +402,8 @@ def finish(cfg: Config, method: Method, handoff: list, run_dir: Path, step: int,
         return {}
     model = checkpoint.read_weights(method.build_model(cfg, run_dir), run_dir / checkpoint.WEIGHTS).to(device).eval()
     results = method.evaluate(model, cfg, run_dir)
+    with torch.no_grad():
+        results.update(evaluate_sets(method, model.eval(), cfg, run_dir))
     if results:
         MetricLogger.append_summary(run_dir, {"step": step, **results})
         print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items()), flush=True)

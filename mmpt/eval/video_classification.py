@@ -17,18 +17,20 @@ import torch
 from mmpt.data.shards import DataError
 from mmpt.eval.templates import VIDEO_TEMPLATES
 from mmpt.eval.video_retrieval import VIDEO_SUFFIXES
-from mmpt.eval.zeroshot import (ClassificationSet, build_classifier, class_folder_set, classify, first_existing,
-                                language_files, load_templates)
+from mmpt.eval.zeroshot import (ClassificationSet, build_classifier, class_folder_set, classify, language_lines,
+                                load_templates)
 
 
-def load_video_classification_set(path: str | os.PathLike, language: str = "en") -> ClassificationSet:
+def load_video_classification_set(path: str | os.PathLike, language: str = "en",
+                                  foreign_class_names: bool = False) -> ClassificationSet:
     folder = Path(path)
     if not folder.is_dir():
         raise DataError(f"video classification dataset {folder} is not a directory of class folders")
-    names_file = first_existing(language_files(folder, "classnames", language))
+    _, names_file, looked = language_lines(folder, "classnames", language, foreign_class_names)
     templates, templates_from = load_templates(folder, language, VIDEO_TEMPLATES)
     return class_folder_set(folder, names_file, templates, templates_from, VIDEO_SUFFIXES,
-                            "no class folders (expected <class name>/<clip>.mp4)")
+                            "no class folders (expected <class name>/<clip>.mp4)", language, foreign_class_names,
+                            looked)
 
 
 @torch.no_grad()

@@ -3,8 +3,14 @@
 Datasets: the CLIP_benchmark webdataset layout (a folder with `classnames.txt`,
 `zeroshot_classification_templates.txt` and `test/*.tar` of images + `cls`), or an ImageFolder
 (one sub-folder per class). A language's class names and templates are read from CLIP_benchmark's
-per-language folders (`zh/classnames.txt`) or suffixed files (`classnames_zh.txt`); a dataset without
-templates is evaluated with mmpt's defaults for the language, with a warning and a note in the result.
+per-language folders (`zh/classnames.txt`), suffixed files (`classnames_zh.txt`), or the plain file
+(`classnames.txt`) of a dataset root made for that language, as CLIP_benchmark's `--language` reads it;
+a dataset without templates is evaluated with mmpt's defaults for the language, with a warning and a
+note in the result.
+
+Class names are checked by what they are, not only by where they are: names in a script other than the
+language's (English names in Chinese prompts) and folder names that are ids (ImageNet's `n01440764`,
+numbers) are refused unless allowed, since they give a number that measures nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mmpt.config import ConfigError
 from mmpt.data.image_text import IMAGE_FIELDS, decode_image, decode_text, pick_field
 from mmpt.data.shards import DataError
 from mmpt.data.stream import read_shard
@@ -27,6 +35,21 @@ from mmpt.eval.templates import DEFAULT_TEMPLATES
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+ID_LIKE = re.compile(r"^(n\d{8}|\d+)$")  # ImageNet synsets, class numbers
+# Languages whose script tells their text apart from English; others (Latin script) are not checked.
+SCRIPTS = {"zh": re.compile(r"[\u3400-\u9fff]"), "ja": re.compile(r"[\u3040-\u30ff\u3400-\u9fff]"),
+           "ko": re.compile(r"[\uac00-\ud7af]")}
+FOREIGN_HINT = "or allow names in another language (method.zeroshot.foreign_class_names, --foreign-class-names)"
+
+
+class ClassNamesError(ConfigError):
+    """Class names that would make a zero-shot number meaningless: ids, or names in another language."""
+
+
+def written_in(texts: list[str], language: str) -> bool:
+    """Whether most of `texts` are written in `language`'s script (always, for languages not told apart)."""
+    script = SCRIPTS.get(language)
+    return script is None or 2 * sum(bool(script.search(text)) for text in texts) > len(texts)
 
 
 @dataclass
@@ -44,21 +67,38 @@ def _lines(path: Path) -> list[str]:
 
 def language_files(folder: Path, stem: str, language: str) -> list[Path]:
     """Where a language's file may be, in order: CLIP_benchmark's per-language folder (`zh/classnames.txt`),
-    for English the plain file (`classnames.txt`), then the suffixed file (`classnames_zh.txt`)."""
-    return [folder / language / f"{stem}.txt", *([folder / f"{stem}.txt"] if language == "en" else []),
-            folder / f"{stem}_{language}.txt"]
+    for English the plain file (`classnames.txt`), then the suffixed file (`classnames_zh.txt`), then for
+    other languages the plain file (a dataset root made for that language; see `language_lines`)."""
+    plain = [folder / f"{stem}.txt"]
+    return [folder / language / f"{stem}.txt", *(plain if language == "en" else []),
+            folder / f"{stem}_{language}.txt", *(plain if language != "en" else [])]
 
 
-def first_existing(paths: list[Path]) -> Path | None:
-    return next((path for path in paths if path.exists()), None)
+def language_lines(folder: Path, stem: str, language: str, foreign_ok: bool = False,
+                   ) -> tuple[list[str] | None, Path | None, list[Path]]:
+    """(lines, file, files looked at) of the first of `language_files` written in `language` (any, with
+    `foreign_ok`); lines and file are None when there is none. A file in another language's script is passed
+    over: the plain file of a multilingual root is English."""
+    looked = language_files(folder, stem, language)
+    for path in looked:
+        if path.exists():
+            lines = _lines(path)
+            if foreign_ok or written_in(lines, language):
+                return lines, path, looked
+            log.info("%s is not written in '%s'; looking further", path, language)
+    return None, None, looked
+
+
+def foreign_files(looked: list[Path]) -> str:
+    found = [str(path) for path in looked if path.exists()]
+    return f"; {', '.join(found)} {'is' if len(found) == 1 else 'are'} not written in it" if found else ""
 
 
 def load_templates(folder: Path, language: str, defaults: dict[str, list[str]] = DEFAULT_TEMPLATES,
                    ) -> tuple[list[str], str]:
     """(prompt templates, where they came from); mmpt's defaults for the language, with a warning, when
     the dataset has none."""
-    looked = language_files(folder, "zeroshot_classification_templates", language)
-    found = first_existing(looked)
+    _, found, looked = language_lines(folder, "zeroshot_classification_templates", language)
     if found is None:
         templates = defaults.get(language)
         if not templates:
@@ -74,19 +114,23 @@ def load_templates(folder: Path, language: str, defaults: dict[str, list[str]] =
     return templates, str(found)
 
 
-def load_classification_set(path: str | os.PathLike, language: str = "en") -> ClassificationSet:
+def load_classification_set(path: str | os.PathLike, language: str = "en",
+                            foreign_class_names: bool = False) -> ClassificationSet:
+    """A CLIP_benchmark folder or ImageFolder with `language`'s class names and templates.
+
+    `foreign_class_names`: accept class names not written in `language` (e.g. English names in Chinese prompts).
+    """
     folder = Path(path)
     if not folder.is_dir():
         raise DataError(f"zero-shot dataset {str(path)!r} is not a directory (expected a CLIP_benchmark folder or an ImageFolder)")
-    names_candidates = language_files(folder, "classnames", language)
-    names_file = first_existing(names_candidates)
+    names, names_file, looked = language_lines(folder, "classnames", language, foreign_class_names)
     templates, templates_from = load_templates(folder, language)
 
     shards = sorted(glob.glob(str(folder / "test" / "*.tar")))
     if shards:
-        if names_file is None:
-            raise DataError(f"{folder}: no '{language}' class names (looked for "
-                            f"{', '.join(map(str, names_candidates))}); the webdataset layout needs them")
+        if names is None:
+            raise ClassNamesError(f"{folder}: no '{language}' class names (looked for {', '.join(map(str, looked))}"
+                                  f"{foreign_files(looked)}); the webdataset layout needs them, {FOREIGN_HINT}")
 
         def wds_samples() -> Iterator[tuple[bytes, int, str]]:
             for shard in shards:
@@ -95,20 +139,38 @@ def load_classification_set(path: str | os.PathLike, language: str = "en") -> Cl
                     label = int(decode_text(pick_field(sample, ("cls",), "class label")))
                     yield pick_field(sample, IMAGE_FIELDS, "image"), label, f"{shard}:{sample['__key__']}"
 
-        return ClassificationSet(folder.name, _lines(names_file), templates, wds_samples, templates_from)
+        return ClassificationSet(folder.name, names, templates, wds_samples, templates_from)
 
     return class_folder_set(folder, names_file, templates, templates_from, IMAGE_SUFFIXES,
-                            "neither test/*.tar shards nor class sub-folders found")
+                            "neither test/*.tar shards nor class sub-folders found", language, foreign_class_names,
+                            looked)
 
 
 def class_folder_set(folder: Path, names_file: Path | None, templates: list[str], templates_from: str,
-                     suffixes: set[str] | tuple[str, ...], none_found: str) -> ClassificationSet:
-    """One sub-folder per class (files with `suffixes`), named by `names_file` or by the folders' names."""
+                     suffixes: set[str] | tuple[str, ...], none_found: str, language: str = "en",
+                     foreign_class_names: bool = False, looked: list[Path] = ()) -> ClassificationSet:
+    """One sub-folder per class (files with `suffixes`), named by `names_file` or by the folders' names;
+    folder names that are ids, or not written in `language`, are refused (`ClassNamesError`)."""
     # sub-folders are classes, except per-language folders of class names and templates
     class_dirs = sorted(d for d in folder.iterdir() if d.is_dir() and not (d / "classnames.txt").exists())
     if not class_dirs:
         raise DataError(f"{folder}: {none_found}")
-    classnames = _lines(names_file) if names_file is not None else [d.name.replace("_", " ") for d in class_dirs]
+    if names_file is not None:
+        classnames = _lines(names_file)
+    else:
+        classnames = [d.name.replace("_", " ") for d in class_dirs]
+        ids = [d.name for d in class_dirs if ID_LIKE.match(d.name)]
+        missing = f"{folder}: no '{language}' class names (looked for {', '.join(map(str, looked))}{foreign_files(looked)})"
+        if ids and any(path.exists() for path in looked):
+            raise ClassNamesError(f"{missing}, and the class folders are ids: give {language}/classnames.txt, "
+                                  f"{FOREIGN_HINT}")
+        if ids:
+            raise ClassNamesError(f"{folder}: class folders are named by ids ({', '.join(ids[:3])}"
+                                  f"{', ...' if len(ids) > 3 else ''}), which say nothing to a text encoder: give "
+                                  "classnames.txt (one name per line, in the folders' sorted order)")
+        if not (foreign_class_names or written_in(classnames, language)):
+            raise ClassNamesError(f"{missing}, and the class folders' names ({', '.join(classnames[:3])}, ...) are not "
+                                  f"written in '{language}': give {language}/classnames.txt, {FOREIGN_HINT}")
     if len(classnames) != len(class_dirs):
         raise DataError(f"{names_file} lists {len(classnames)} classes but {folder} has {len(class_dirs)} class folders")
 

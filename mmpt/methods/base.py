@@ -18,7 +18,7 @@ from mmpt.config import Section
 from mmpt.models.momentum import MomentumCopy
 
 if TYPE_CHECKING:
-    from mmpt.config import Config
+    from mmpt.config import Config, EvalSetConfig
     from mmpt.data.loader import BatchStream, StreamSpec
 
 
@@ -76,6 +76,7 @@ class Method:
     name: str
     config_class: type[MethodConfig] = MethodConfig
     sample_fields: tuple[str, ...] = ()  # which of a source's caption_key, image_key, video_key the data reads
+    eval_tasks: tuple[str, ...] = ()  # the `data.eval` tasks `evaluate_set` runs
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         """Put what the model needs besides weights (e.g. tokenizer files) into `run_dir`. Rank 0 only."""
@@ -102,6 +103,10 @@ class Method:
         evaluation sets), checked to exist before training starts. Leave out names that are not paths (a demo
         set's name, a package resource)."""
         return {}
+
+    def check_eval_sets(self, cfg: Config) -> None:
+        """Read what each configured evaluation set needs before it can be evaluated (class names, prompts) and
+        raise ValueError naming its config key if it cannot be: found before training, not after it."""
 
     def load_initial_weights(self, model: nn.Module, cfg: Config) -> str | None:
         """Start training from existing weights (e.g. an official checkpoint); not used when loading a run.
@@ -136,6 +141,12 @@ class Method:
     def evaluate(self, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:
         """Evaluation at the end of training, on one process with the full (unsharded) model."""
         return {}
+
+    def evaluate_set(self, model: nn.Module, cfg: Config, run_dir: Path, eval_set: EvalSetConfig,
+                     language: str) -> dict[str, float]:
+        """Metrics of one `data.eval` set in one language (a task of `eval_tasks`), with `model` in eval mode,
+        during training (the engine restores modes and RNG afterwards) or at its end."""
+        raise NotImplementedError
 
 
 def copy_tokenizer(cfg: Config, run_dir: Path, name: str, source: str | None = None) -> None:

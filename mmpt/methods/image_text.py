@@ -14,6 +14,7 @@ from torchvision import transforms as T
 from mmpt.config import Config, Section
 from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, uint8_transform
 from mmpt.data.loader import BatchStream
+from mmpt.data.shards import DataError
 from mmpt.eval import DEMO_SETS, resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
@@ -28,6 +29,9 @@ class ZeroShotConfig(Section):
                                                                         "zeroshot/<folder or set name>/<language>/<metric>")
     languages: list[str] = Field(default_factory=lambda: ["en"])
     batch_size: int = Field(256, gt=0)
+    foreign_class_names: bool = Field(
+        False, description="accept class names not written in the prompt language (English names in Chinese "
+        "prompts); otherwise such sets, and class folders named by ids, are config errors")
 
 
 class PlacementAugment(Section):
@@ -86,8 +90,25 @@ class ImageTextMethod(Method):
         paths = {key: name for key, name in sets.items() if name is not None and name not in DEMO_SETS}
         return {"method.tokenizer": self.tokenizer_source(cfg), **paths}
 
-    def tokenizer_source(self, cfg: Config) -> str:
-        """The tokenizer file a run starts from (`method.tokenizer`); the run keeps its own copy."""
+    def check_eval_sets(self, cfg: Config) -> None:
+        zs = cfg.method.zeroshot
+        end = [("method.zeroshot.dataset", zs.dataset, zs.languages, zs.foreign_class_names),
+               *((f"method.zeroshot.extra_datasets.{i}", d, zs.languages, zs.foreign_class_names)
+                 for i, d in enumerate(zs.extra_datasets))] if zs.dataset is not None else []
+        sets = [(f"data.eval.{i}.dataset", s.dataset, s.languages, s.foreign_class_names)
+                for i, s in enumerate(cfg.data.eval) if s.task == "zeroshot_classification"]
+        for key, dataset, languages, foreign in end + sets:
+            if dataset in DEMO_SETS or not Path(dataset).is_dir():
+                continue  # a demo set (built later) or a retrieval file
+            for language in languages:
+                try:
+                    load_classification_set(dataset, language, foreign)
+                except (DataError, ValueError) as exc:  # ValueError: class names that are ids or foreign
+                    raise ValueError(f"config key '{key}' ({language}): {exc}") from None
+
+    def tokenizer_source(self, cfg: Config) -> str | None:
+        """The tokenizer file a run starts from (`method.tokenizer`; None: the model brings its own); the run
+        keeps its own copy."""
         return cfg.method.tokenizer
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
@@ -132,13 +153,22 @@ class ImageTextMethod(Method):
         return results
 
     sample_fields = ("caption", "image")
+    eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")
+
+    def evaluate_set(self, model: nn.Module, cfg: Config, run_dir: Path, eval_set, language: str) -> dict[str, float]:
+        record = self.zeroshot(model, cfg, run_dir, eval_set.dataset, language, task=eval_set.task,
+                               foreign_class_names=eval_set.foreign_class_names)
+        return record["metrics"]
     caption_normalization = None  # applied to retrieval captions, as the method's official evaluation does
     uses_attention_mask = True  # False: training batches carry no attention mask (the model does not read it)
 
     def zeroshot(self, model: nn.Module, cfg: Config, run_dir: Path, dataset: str, language: str,
-                 task: str = "zeroshot_classification") -> dict[str, Any]:
+                 task: str = "zeroshot_classification", foreign_class_names: bool | None = None) -> dict[str, Any]:
         """One zero-shot run (classification, or retrieval over a jsonl) as a CLIP_benchmark-style record
-        (not saved: the caller decides where)."""
+        (not saved: the caller decides where). `foreign_class_names`: accept class names not written in
+        `language` (None: as `method.zeroshot.foreign_class_names` says)."""
+        if foreign_class_names is None:
+            foreign_class_names = cfg.method.zeroshot.foreign_class_names
         device = next(model.parameters()).device
         common = dict(batch_size=cfg.method.zeroshot.batch_size, device=device)
         tokenizer, transform = self.tokenizer(cfg, run_dir), self.image_transform(cfg, train=False)
@@ -147,7 +177,7 @@ class ImageTextMethod(Method):
                                          normalize_text=self.caption_normalization, **common)
             return eval_record(run_dir, dataset, task, language, metrics)
         if task == "zeroshot_classification":
-            data = load_classification_set(resolve_dataset(dataset, cfg.data.root), language)
+            data = load_classification_set(resolve_dataset(dataset, cfg.data.root), language, foreign_class_names)
             metrics = zeroshot_classification(model, tokenizer, transform, data, **common)
             return eval_record(run_dir, dataset, task, language, metrics, templates=data.templates_from)
         raise ValueError(f"unknown zero-shot task {task!r}")

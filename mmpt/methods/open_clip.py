@@ -33,10 +33,12 @@ class OpenClipMethod(ImageTextMethod):
     config_class = OpenClipConfig
     uses_attention_mask = False  # open_clip's text tower pools at the end token
 
+    def tokenizer_source(self, cfg: Config) -> None:
+        return None  # open_clip brings its own
+
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
-        paths = super().input_paths(cfg)
-        del paths["method.tokenizer"]  # open_clip brings its own
-        return {**paths, "method.model": cfg.method.model if cfg.method.model.endswith(".json") else None}
+        model = cfg.method.model
+        return {**super().input_paths(cfg), "method.model": model if model.endswith(".json") else None}
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         """Nothing to copy: open_clip ships its tokenizer; a JSON model config is read from its path."""

@@ -167,6 +167,18 @@ class Space2Method(Method):
         features = torch.stack([features[:n], features[n:]], dim=1)  # [n, 2, K, d]
         return loss(features, labels)
 
+    eval_tasks = ("intent",)
+
+    def evaluate_set(self, model: Space2Encoder, cfg: Config, run_dir: Path, eval_set, language: str) -> dict[str, float]:
+        """The intent probe of `method.intent_eval` (shots, seeds; no fine-tuning) on another set."""
+        from mmpt.eval.intent import intent_classification, resolve_intent_dataset
+
+        ev = cfg.method.intent_eval
+        encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg), with_mlm=False)
+        result = intent_classification(model, encoder, resolve_intent_dataset(eval_set.dataset, cfg.data.root),
+                                       shots=ev.shots, full=ev.full, seeds=ev.seeds, batch_size=ev.batch_size)
+        return result["metrics"]
+
     def evaluate(self, model: Space2Encoder, cfg: Config, run_dir: Path) -> dict[str, Any]:
         ev = cfg.method.intent_eval
         if ev.dataset is None:

@@ -106,6 +106,12 @@ class VictorMethod(Method):
     name = "victor"
     config_class = VictorConfig
     sample_fields = ("caption", "video")
+    eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")
+
+    def evaluate_set(self, model: VictorModel, cfg: Config, run_dir: Path, eval_set, language: str) -> dict[str, float]:
+        record = self.zeroshot(model, cfg, run_dir, eval_set.dataset, language, task=eval_set.task,
+                               foreign_class_names=eval_set.foreign_class_names)
+        return record["metrics"]
 
     def check_config(self, cfg: Config) -> None:
         if not any(cfg.method.tasks.model_dump().values()):
@@ -146,7 +152,8 @@ class VictorMethod(Method):
         m = cfg.method
         dataset = None if m.retrieval.dataset == "moving_digits" else m.retrieval.dataset
         return {"method.tokenizer": m.tokenizer, "method.video.backbone_weights": m.video.backbone_weights,
-                "method.retrieval.dataset": dataset, "method.retrieval.video_root": m.retrieval.video_root}
+                "method.retrieval.dataset": dataset,  # its video_root is read only with a dataset (csv) to read
+                "method.retrieval.video_root": m.retrieval.video_root if dataset else None}
 
     def load_initial_weights(self, model: VictorModel, cfg: Config) -> None:
         weights = cfg.method.video.backbone_weights
@@ -246,14 +253,15 @@ class VictorMethod(Method):
         return results
 
     def zeroshot(self, model: VictorModel, cfg: Config, run_dir: Path, dataset: str, language: str,
-                 task: str = "zeroshot_retrieval") -> dict[str, Any]:
+                 task: str = "zeroshot_retrieval", foreign_class_names: bool = False) -> dict[str, Any]:
         """Text-to-video and video-to-text retrieval on an annotation file (or the demo's held-out split),
-        or zero-shot classification over a folder of class-named clips."""
+        or zero-shot classification over a folder of class-named clips (`foreign_class_names`: accept class
+        names not written in `language`)."""
         ev = cfg.method.retrieval
         if task == "zeroshot_classification":
             from mmpt.eval.video_classification import load_video_classification_set, video_classification
 
-            data = load_video_classification_set(dataset, language)
+            data = load_video_classification_set(dataset, language, foreign_class_names)
             metrics = video_classification(model, self.tokenizer(cfg, run_dir),
                                            self.video_decoder(cfg, run_dir, train=False).decode_video, data,
                                            batch_size=ev.batch_size, device=next(model.parameters()).device)

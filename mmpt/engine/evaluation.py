@@ -1,0 +1,61 @@
+"""The `data.eval` sets, evaluated every `train.eval_every` steps and at the end of training.
+
+Evaluation must leave training exactly as it would have been without it: the RNG streams (Python,
+NumPy, torch, CUDA) and every module's train/eval mode are put back, no parameter is written, and the
+training loader is not touched. Under ZeRO-3 every rank gathers the parameters for the duration of the
+evaluation (in the training precision) instead of one rank building a whole fp32 copy; every rank runs
+the evaluation, so none waits in a collective while another evaluates, and rank 0 reports it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmpt.config import Config
+from mmpt.engine import checkpoint
+from mmpt.methods import Method
+
+
+def evaluate_sets(method: Method, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, float]:
+    """{eval/<set>/<language>/<metric>: value, eval/<set>/seconds: time} of every `data.eval` set."""
+    results: dict[str, float] = {}
+    for eval_set in cfg.data.eval:
+        started = time.perf_counter()
+        for language in eval_set.languages:
+            metrics = method.evaluate_set(model, cfg, run_dir, eval_set, language)
+            results.update({f"eval/{eval_set.label}/{language}/{name}": value for name, value in metrics.items()
+                            if isinstance(value, (int, float))})
+        results[f"eval/{eval_set.label}/seconds"] = round(time.perf_counter() - started, 3)
+    return results
+
+
+@contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """Every RNG stream and module mode as they were before the block, whatever it did."""
+    rng = checkpoint.rng_state()
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        checkpoint.set_rng_state(rng)
+
+
+def evaluate_while_training(method: Method, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:
+    """`evaluate_sets` on the model being trained (every rank calls it), leaving training untouched."""
+    gathered = nullcontext()
+    if cfg.train.zero_stage == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+    with untouched(model), gathered, torch.no_grad():
+        model.eval()
+        return evaluate_sets(method, model, cfg, run_dir)

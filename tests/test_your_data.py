@@ -1,0 +1,68 @@
+"""The bilingual img2dataset journey: shards with English and Chinese captions in their json, two sources
+reading different json fields, the M²-Encoder demo config trained on 2 ranks and evaluated."""
+
+import json
+
+import pytest
+from conftest import REPO, read_metrics, run_deepspeed, write_config
+from img2dataset_shards import write_set
+
+from mmpt.config import read_config
+
+SHRINK = {  # the M²-Encoder demo config at test size (as the config matrix shrinks it)
+    "method": {"tokenizer": None, "arch": {"vocab_size": None, "width": 32, "heads": 2, "lower_layers": 1,
+                                           "shared_layers": 1, "output_dim": 16, "image_size": 32, "patch_size": 8,
+                                           "text_positions": 32, "context_length": 24, "position_init_std": 0.02},
+               "loss": {"name": "gba_itc", "group_size": "world", "accumulation_steps": 2, "tile_size": 6},
+               "augment": {"crop_scale": [0.8, 1.0], "hflip": False, "randaugment": False}},
+    "train": {"max_steps": 4, "save_every": 2, "log_every": 1, "keep_last": 2, "grad_accum": 2},
+    "optim": {"warmup_steps": 1},
+}
+
+
+def deep_update(base: dict, top: dict) -> dict:
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            deep_update(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(tmp_path, digits_root, zero_stage):
+    pattern = write_set(tmp_path / "web", shards=4, per_shard=24)
+    data, _, _ = read_config(REPO / "configs/m2_encoder/demo.yaml")
+    cfg = deep_update(data, SHRINK)
+    cfg["extends"] = []
+    cfg["method"]["tokenizer"] = str(digits_root / "tokenizer.json")
+    cfg["method"]["zeroshot"] = {"dataset": str(digits_root / "zeroshot"), "languages": ["en", "zh"], "batch_size": 64}
+    cfg["data"] = {"train": {"sources": [
+        {"shards": pattern, "name": "en", "caption_key": "json.caption"},
+        {"shards": pattern, "name": "zh", "caption_key": "json.caption_zh", "weight": 0.5},
+    ], "batch_size": 4, "num_workers": 1, "shuffle_buffer": 20}}
+    cfg["data"]["eval"] = [
+        {"dataset": str(digits_root / "zeroshot"), "task": "zeroshot_classification", "name": "digits",
+         "languages": ["en", "zh"]},
+        {"dataset": str(digits_root / "zeroshot/retrieval_zh.jsonl"), "task": "zeroshot_retrieval",
+         "name": "digits_retrieval", "languages": ["zh"]}]
+    cfg["train"].update(zero_stage=zero_stage, eval_every=2)
+    cfg["run"] = {"output_dir": str(tmp_path / "run"), "progress_bar": False, "tensorboard": False}
+    result = run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
+    output = result.stdout + result.stderr
+    assert "caption_key=json.caption_zh" in output and "source 'en': 4 shard(s), 96 samples" in output
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    for source in ("en", "zh"):
+        counts = summary["data"][source]
+        assert counts["decoded"] > 0 and counts["skipped"] == 0, (source, counts)
+    assert summary["data"]["en"]["decoded"] > summary["data"]["zh"]["decoded"]  # weights 1 : 0.5
+    final = read_metrics(tmp_path / "run")[-1]  # the evaluation at the end
+    for language in ("en", "zh"):
+        assert 0 <= final[f"zeroshot/{language}/acc1"] <= 1
+    evaluated = {r["step"]: r for r in read_metrics(tmp_path / "run") if "eval/digits/seconds" in r}
+    assert set(evaluated) == {2, 4}  # every eval_every steps, and at the end
+    for record in evaluated.values():
+        assert {"eval/digits/en/acc1", "eval/digits/zh/acc1", "eval/digits_retrieval/zh/image_retrieval_recall@1",
+                "eval/digits_retrieval/seconds"} <= set(record)
+    assert "eval step 2 digits/en/acc1=" in result.stdout
