@@ -200,11 +200,24 @@ class TrainConfig(Section):
         raise ValueError("expected a number of ranks >= 2, or 'node'")
 
 
+class WandbConfig(Section):
+    """Weights & Biases logging (the optional `wandb` package: pip install 'mmpt[wandb]')."""
+
+    project: str = Field(description="W&B project")
+    name: str | None = Field(None, description="run name (default: the output folder's name)")
+    entity: str | None = Field(None, description="team or user (default: W&B's default entity)")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="offline: written under output_dir/wandb, for `wandb sync` later (no network)")
+    tags: list[str] = Field(default_factory=list)
+
+
 class RunConfig(Section):
     output_dir: str
     resume: str = Field("auto", description="auto: newest checkpoint in output_dir if any; none; or a checkpoint path")
     tensorboard: bool = True
     progress_bar: bool = True
+    wandb: WandbConfig | None = Field(None, description="log the same scalars as TensorBoard, and the resolved "
+                                      "config, to Weights & Biases; a resumed run continues its W&B run")
 
 
 class Config(Section):

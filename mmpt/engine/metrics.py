@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,14 +18,30 @@ import torch
 from tqdm import tqdm
 
 from mmpt import distributed as mdist
+from mmpt.config import WandbConfig
 from mmpt.data.counts import describe
+
+WANDB_ID_FILE = "wandb_run_id"  # a resumed run continues the W&B run it started
+
+
+def start_wandb(settings: WandbConfig, run_dir: Path, config: dict):
+    """The W&B run of `run_dir` (resumed when the folder already has one), with the resolved config."""
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    if not id_file.is_file():
+        id_file.write_text(uuid.uuid4().hex[:8] + "\n")  # W&B's own id shape: 8 lowercase letters and digits
+    return wandb.init(project=settings.project, entity=settings.entity, name=settings.name or run_dir.name,
+                      mode=settings.mode, tags=settings.tags or None, dir=str(run_dir), config=config,
+                      id=id_file.read_text().strip(), resume="allow")
 
 log = logging.getLogger(__name__)
 
 
 class MetricLogger:
     def __init__(self, run_dir: Path, *, max_steps: int, start_step: int, global_batch: int,
-                 tensorboard: bool, progress_bar: bool, straggler_factor: float = 1.5, straggler_windows: int = 3):
+                 tensorboard: bool, progress_bar: bool, straggler_factor: float = 1.5, straggler_windows: int = 3,
+                 wandb: WandbConfig | None = None, config: dict | None = None):
         self.rank = mdist.get_rank()
         self.run_dir = run_dir
         self.straggler_factor, self.straggler_windows = straggler_factor, straggler_windows
@@ -35,8 +52,10 @@ class MetricLogger:
         self._sums: dict[str, torch.Tensor] = {}
         self._count = 0
         self._window_start = time.perf_counter()
-        self._jsonl = self._writer = self._bar = None
+        self._jsonl = self._writer = self._bar = self._wandb = None
         if self.rank == 0:
+            if wandb is not None:
+                self._wandb = start_wandb(wandb, run_dir, config or {})
             self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
@@ -104,6 +123,7 @@ class MetricLogger:
     def _emit(self, step: int, record: dict) -> None:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
+        self._to_wandb(step, record)
         if self._writer is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
@@ -126,6 +146,7 @@ class MetricLogger:
             return
         self._jsonl.write(json.dumps({"step": step, **results}) + "\n")
         self._jsonl.flush()
+        self._to_wandb(step, results)
         if self._writer is not None:
             for key, value in results.items():
                 self._writer.add_scalar(key, value, step)
@@ -138,11 +159,25 @@ class MetricLogger:
         else:
             print(message, flush=True)
 
-    @staticmethod
-    def append_summary(run_dir: Path, record: dict) -> None:
-        """Final evaluation results: a line in metrics.jsonl (rank 0 calls it once)."""
-        with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+    def write_final(self, step: int, results: dict) -> None:
+        """Rank 0: the evaluation at the end of training, a line in metrics.jsonl (and the W&B run's summary)."""
+        if self.rank != 0:
+            return
+        self._jsonl.write(json.dumps({"step": step, **results}) + "\n")
+        self._jsonl.flush()
+        if self._wandb is not None:
+            self._to_wandb(step, results)
+            self._wandb.summary.update({k: v for k, v in results.items() if isinstance(v, (int, float))})
+
+    def _to_wandb(self, step: int, record: dict) -> None:
+        """The record's scalars, per-rank lists as `<key>/rank<n>`, as TensorBoard gets them."""
+        if self._wandb is None:
+            return
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        for key, value in record.items():
+            if isinstance(value, list):
+                scalars.update({f"{key}/rank{rank}": item for rank, item in enumerate(value)})
+        self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self.rank == 0:
@@ -152,6 +187,9 @@ class MetricLogger:
         for handle in (self._bar, self._writer, self._jsonl):
             if handle is not None:
                 handle.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         for group, counts in self.data_counts.items():  # after the progress bar, on lines of their own
             if self.rank == 0:
                 print(f"data ({'all sources' if group == 'all' else group}): {describe(counts)}", flush=True)

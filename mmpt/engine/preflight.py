@@ -7,6 +7,7 @@ config key and the path, and exit code 2 (`mmpt.engine.stops`).
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from mmpt.config import Config, ConfigError
@@ -38,6 +39,9 @@ def check_inputs(cfg: Config, method: Method) -> None:
     if cfg.run.resume not in ("auto", "none") and not Path(cfg.run.resume).exists():
         raise ConfigError(f"config key 'run.resume': {cfg.run.resume} does not exist (auto: the newest checkpoint "
                           "in run.output_dir, if any; none: start afresh)")
+    if cfg.run.wandb is not None and cfg.run.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("config key 'run.wandb': logging to Weights & Biases needs the wandb package "
+                          "(pip install 'mmpt[wandb]'), or remove the key")
     for index, eval_set in enumerate(cfg.data.eval):
         if eval_set.dataset not in DEMO_NAMES and not built_later(eval_set.dataset) \
                 and not Path(eval_set.dataset).exists():

@@ -163,7 +163,8 @@ def train(cfg: Config) -> dict[str, Any]:
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * layout.data_size
     metrics = MetricLogger(run_dir, max_steps=cfg.train.max_steps, start_step=step, global_batch=global_batch,
                            tensorboard=cfg.run.tensorboard, progress_bar=cfg.run.progress_bar,
-                           straggler_factor=cfg.train.straggler_factor, straggler_windows=cfg.train.straggler_windows)
+                           straggler_factor=cfg.train.straggler_factor, straggler_windows=cfg.train.straggler_windows,
+                           wandb=cfg.run.wandb, config=cfg.to_dict())
     watchdog = Watchdog(run_dir, rank, world_size, cfg.train.watchdog_timeout)
 
     def reached(phase: str, at_step: int) -> str | None:
@@ -209,13 +210,18 @@ def train(cfg: Config) -> dict[str, Any]:
                 reached("checkpoint", step)
                 state = {"data": loader.state_dict(), "rng": checkpoint.rng_state()}
                 checkpoint.save(engine, run_dir, step, state, cfg.train.keep_last, sharded)
+    except BaseException:
+        metrics.close()
+        raise
     finally:
         mdist.GatherClock.spans = None
         watchdog.close()
-        metrics.close()
     handoff = [engine]  # finish() takes the only reference, to free the engine before evaluating
     del engine
-    return finish(cfg, method, handoff, run_dir, step, sharded)
+    try:
+        return finish(cfg, method, handoff, run_dir, step, sharded, metrics)
+    finally:
+        metrics.close()
 
 
 def reduced_data_counts(loader: StatefulLoader) -> dict[str, dict[str, int]]:
@@ -386,7 +392,7 @@ def optimizer_step(engine, micro_batches: list[dict[str, Any]],
 
 
 def finish(cfg: Config, method: Method, handoff: list, run_dir: Path, step: int,
-           sharded: ShardedCopies | None = None) -> dict[str, Any]:
+           sharded: ShardedCopies | None, metrics: MetricLogger) -> dict[str, Any]:
     """Consolidated fp32 weights, then the method's evaluation on a model loaded back from them.
 
     `handoff` holds the only reference to the engine: once the weights are written it is dropped, so the
@@ -405,7 +411,7 @@ def finish(cfg: Config, method: Method, handoff: list, run_dir: Path, step: int,
     with torch.no_grad():
         results.update(evaluate_sets(method, model.eval(), cfg, run_dir))
     if results:
-        MetricLogger.append_summary(run_dir, {"step": step, **results})
+        metrics.write_final(step, results)
         print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items()), flush=True)
     return results
 
