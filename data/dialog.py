@@ -41,6 +41,16 @@ class DialogReport:
     def skip(self, file: str | Path, dialog_id: str, reason: str) -> None:
         self.skipped.append((str(file), str(dialog_id), reason))
 
+    def skip_rate(self) -> float:
+        """Skipped dialogs (or intent rows) as a fraction of all read."""
+        read = self.dialogs + len(self.skipped)
+        return len(self.skipped) / read if read else 0.0
+
+    def commonest_reason(self) -> str:
+        """The most frequent skip reason, its variable parts (names, numbers) left in."""
+        reasons = [reason for _, _, reason in self.skipped]
+        return max(set(reasons), key=reasons.count) if reasons else ""
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "dialogs": self.dialogs, "examples": self.examples, "skipped": len(self.skipped),
@@ -71,7 +81,9 @@ def check_label(label: Any, text: str) -> None:
 
 def _check_value(value: Any, text: str, where: str) -> None:
     if not isinstance(value, dict) or "value" not in value or "span" not in value:
-        raise ValueError(f"{where}: every value must be an object with 'value' and 'span', got {value!r}")
+        raise ValueError(f"{where}: every value must be an object with 'value' and 'span' (null when the text has "
+                         f"no span for it), e.g. {{\"value\": {json.dumps(value, ensure_ascii=False)}, \"span\": null}}, "
+                         f"got {value!r}")
     if not isinstance(value["value"], (str, int, float)):
         raise ValueError(f"{where}: value must be a string or number, got {value['value']!r}")
     span = value["span"]
@@ -112,8 +124,9 @@ def _checked_turns(turns: Any, *, labelled: bool) -> list[Turn]:
 # ----------------------------------------------------------------------------- reading
 
 
-def read_space2_json(path: str | Path, report: DialogReport) -> Iterator[tuple[str, list[Turn]]]:
-    """Dialogs of an official SPACE-2 file: {dialog id: {"turns": [{role, text, label, ...}]}}."""
+def read_space2_json(path: str | Path, report: DialogReport, labelled: bool = True) -> Iterator[tuple[str, list[Turn]]]:
+    """Dialogs of an official SPACE-2 file: {dialog id: {"turns": [{role, text, label, ...}]}} (AnPreDial; with
+    `labelled=False`, UnPreDial's files of the same layout, their labels left out)."""
     path = Path(path)
     if not path.is_file():
         raise MissingDataError(f"{path}: no such SPACE-2 dialog file")
@@ -127,16 +140,25 @@ def read_space2_json(path: str | Path, report: DialogReport) -> Iterator[tuple[s
         try:
             if not isinstance(dialog, dict):
                 raise ValueError(f"a dialog must be an object with 'turns', got {type(dialog).__name__}")
-            turns = _checked_turns(dialog.get("turns"), labelled=True)
+            turns = _checked_turns(dialog.get("turns"), labelled=labelled)
         except ValueError as exc:
             report.skip(path, dialog_id, str(exc))
             continue
         yield str(dialog_id), turns
 
 
+def read_unlabelled(path: str | Path, report: DialogReport) -> Iterator[tuple[str, list[Turn]]]:
+    """Unlabelled dialogs of a `.jsonl` file (`read_unlabelled_jsonl`) or of an UnPreDial `.json` file."""
+    if Path(path).suffix == ".json":
+        return read_space2_json(path, report, labelled=False)
+    return read_unlabelled_jsonl(path, report)
+
+
 def read_unlabelled_jsonl(path: str | Path, report: DialogReport) -> Iterator[tuple[str, list[Turn]]]:
     """Unlabelled dialogs, one per line: {"id": ..., "turns": [{"role", "text"}, ...]}; ids default to line numbers."""
     path = Path(path)
+    if not path.is_file():
+        raise MissingDataError(f"{path}: no such dialog file")
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -226,10 +248,15 @@ def write_examples(dialogs: Iterable[tuple[str, str, list[Turn]]], prefix: str |
 def write_dialog_shards(out_dir: str | Path, *, labelled: Iterable[str | Path] = (), unlabelled: Iterable[str | Path] = (),
                         intent: Iterable[str | Path] = (), trigger_role: str = "user", max_turns: int = 16,
                         shard_size: int = 2000) -> dict[str, DialogReport]:
-    """Shard sets `labelled-*.tar` (SPACE-2 json files and intent CSVs) and `unlabelled-*.tar` (jsonl dialogs).
+    """Shard sets `labelled-*.tar` (SPACE-2 json files and intent CSVs) and `unlabelled-*.tar` (jsonl dialogs, or
+    UnPreDial json files); a missing input file is a `MissingDataError` before anything is written.
 
     Writes `report.json` beside them with the counts and every skipped record.
     """
+    labelled, unlabelled, intent = list(labelled), list(unlabelled), list(intent)
+    for path in [*labelled, *intent, *unlabelled]:  # all of them, before anything is written
+        if not Path(path).is_file():
+            raise MissingDataError(f"{path}: no such dialog file")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     reports: dict[str, DialogReport] = {}
@@ -243,7 +270,7 @@ def write_dialog_shards(out_dir: str | Path, *, labelled: Iterable[str | Path] =
 
     def unlabelled_dialogs(report: DialogReport) -> Iterator[tuple[str, str, list[Turn]]]:
         for path in unlabelled:
-            yield from ((str(path), i, t) for i, t in read_unlabelled_jsonl(path, report))
+            yield from ((str(path), i, t) for i, t in read_unlabelled(path, report))
 
     for name, dialogs in (("labelled", labelled_dialogs), ("unlabelled", unlabelled_dialogs)):
         report = DialogReport()

@@ -1,6 +1,7 @@
 """Dialog corpora to shards, and examples to SPACE-2 encoder inputs (spec §1, §5, §6.1)."""
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -189,3 +190,48 @@ def test_per_source_batches_take_fixed_shares(tmp_path):
                                                     shuffle_buffer=10), decode, collate))
     resumed.load_state_dict(state)
     assert next(iter(resumed)) == expected
+
+
+def test_the_documented_conversion_of_the_official_layout(tmp_path):
+    """docs/space2.md's command on the shipped AnPreDial/UnPreDial files; then plain value lists (3 of 4 labelled
+    dialogs) exit 3 with the reason, and a missing input exits 2 before anything is written."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from mmpt.engine.stops import EXIT_CONFIG, EXIT_DATA
+
+    (command,) = re.findall(r"```bash\n(.*?)\n```", (REPO / "docs/space2.md").read_text(), flags=re.S)
+    words = command.split()
+    assert words[:2] == ["python", "launch/make_dialog_shards.py"]
+    shutil.copytree(REPO / "tests/data", tmp_path / "tests/data")
+
+    def convert(*args):
+        return subprocess.run([sys.executable, str(REPO / words[1]), *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+
+    done = convert(*words[2:])
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "shards/space2/report.json").read_text())
+    assert (report["labelled"]["dialogs"], report["labelled"]["skipped"]) == (4, 0)
+    assert (report["unlabelled"]["dialogs"], report["unlabelled"]["skipped"]) == (2, 0)
+    assert report["labelled"]["examples"] == 5 and report["unlabelled"]["examples"] == 3  # one per user turn
+
+    official = tmp_path / "tests/data/space2/AnPreDial/toy_hotel/train.json"
+    dialogs = json.loads(official.read_text())
+    for dialog in list(dialogs.values())[:3]:  # {slot: [values]}, as a reader of the paper might write it
+        for turn in dialog["turns"]:
+            for intents in turn["label"].values():
+                for slots in intents.values():
+                    for slot, values in slots.items():
+                        slots[slot] = [v["value"] for v in values]
+    official.write_text(json.dumps(dialogs))
+    skipped = convert(*words[2:])
+    assert skipped.returncode == EXIT_DATA and "Traceback" not in skipped.stderr
+    assert re.search(r"mmpt: 3 of 4 labelled dialogs were skipped, more than --max-skip-rate=0.1 \(commonest: "
+                     r"turn 0: label\[.*every value must be an object with 'value' and 'span'", skipped.stderr)
+    missing = convert("--out", "elsewhere", "--labelled", "no/such.json")
+    assert missing.returncode == EXIT_CONFIG and "mmpt: no/such.json: no such dialog file" in missing.stderr
+    assert not (tmp_path / "elsewhere").exists()
