@@ -351,3 +351,50 @@ def test_resize_center_crop_keeps_uint8_and_matches_pil():
         assert (ours.int() - reference).abs().max() <= 2  # rounding of PIL's and torch's antialiased filters
     assert torch.equal(ResizeCenterCrop(32)(frames[:, :32, :32]), torch.from_numpy(frames[:, :32, :32]).permute(0, 3, 1, 2))
 
+
+
+def test_make_video_shards_packs_a_folder_and_its_captions_as_documented(tmp_path):
+    """docs/victor.md's command on a folder of clips and MSR-VTT's caption json; the shards hold the documented
+    caption format and train-decode; a missing folder is exit 2, too many missing clips exit 3."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from mmpt.data.stream import read_shard
+    from mmpt.engine.stops import EXIT_CONFIG, EXIT_DATA
+
+    (command,) = re.findall(r"```bash\n(.*?)\n```", (REPO / "docs/victor.md").read_text(), flags=re.S)
+    words = command.split()
+    (tmp_path / "clips").mkdir()
+    for index in range(3):
+        clip = np.zeros((8, 32, 32), dtype=np.uint8)
+        clip[:, 4 * index:4 * index + 8, 4:12] = 200
+        (tmp_path / "clips" / f"video{index}.mp4").write_bytes(encode_mp4(clip, fps=8))
+    sentences = [{"video_id": f"video{i}", "caption": f"clip {i} take {k}", "sen_id": 2 * i + k}
+                 for i in range(3) for k in range(2)]
+    (tmp_path / "captions.json").write_text(json.dumps({"videos": [], "sentences": sentences}))
+
+    def pack(*args):
+        return subprocess.run([sys.executable, str(REPO / words[1]), *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+
+    done = pack(*words[2:])
+    assert done.returncode == 0, done.stderr
+    samples = [s for url in sorted((tmp_path / "shards/clips").glob("train-*.tar")) for _, s in read_shard(str(url))]
+    assert [s["__key__"] for s in samples] == ["video0", "video1", "video2"]
+    assert json.loads(samples[1]["json"]) == {"sentences": ["clip 1 take 0", "clip 1 take 1"]}
+    assert samples[2]["mp4"] == (tmp_path / "clips/video2.mp4").read_bytes()
+    decoder = VideoTextDecoder(4, None, lambda texts: {"input_ids": torch.zeros(len(texts), 4, dtype=torch.long),
+                                                       "attention_mask": torch.ones(len(texts), 4, dtype=torch.long)},
+                               backend="pyav")
+    assert decoder(samples[0])["frames"].shape == (4, 3, 32, 32)
+
+    (tmp_path / "captions.csv").write_text("video_id,sentence\nvideo0,a\nvideo7,b\n")
+    too_many_missing = pack("--videos", "clips", "--captions", "captions.csv", "--out", "shards/csv/train")
+    assert too_many_missing.returncode == EXIT_DATA and "Traceback" not in too_many_missing.stderr
+    assert "mmpt: 1 of 2 captioned videos are not in clips (e.g. 'video7'), more than --max-skip-rate" in \
+        too_many_missing.stderr
+    no_folder = pack("--videos", "nowhere", "--captions", "captions.json", "--out", "shards/x/train")
+    assert no_folder.returncode == EXIT_CONFIG and "mmpt: --videos nowhere: no such folder" in no_folder.stderr
