@@ -81,9 +81,9 @@ def check_label(label: Any, text: str) -> None:
 
 def _check_value(value: Any, text: str, where: str) -> None:
     if not isinstance(value, dict) or "value" not in value or "span" not in value:
+        example = f'{{"value": {json.dumps(value, ensure_ascii=False)}, "span": null}}'
         raise ValueError(f"{where}: every value must be an object with 'value' and 'span' (null when the text has "
-                         f"no span for it), e.g. {{\"value\": {json.dumps(value, ensure_ascii=False)}, \"span\": null}}, "
-                         f"got {value!r}")
+                         f"no span for it), e.g. {example}, got {value!r}")
     if not isinstance(value["value"], (str, int, float)):
         raise ValueError(f"{where}: value must be a string or number, got {value['value']!r}")
     span = value["span"]

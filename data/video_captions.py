@@ -35,7 +35,8 @@ def read_captions(path: str | Path) -> dict[str, list[str]]:
             with path.open(newline="", encoding="utf-8") as handle:
                 reader = csv.DictReader(handle)
                 if not reader.fieldnames or not {"video_id", "sentence"} <= set(reader.fieldnames):
-                    raise DataError(f"{path}: expected a header with columns video_id,sentence; got {reader.fieldnames}")
+                    raise DataError(f"{path}: expected a header with columns video_id,sentence; got "
+                                    f"{reader.fieldnames}")
                 for number, row in enumerate(reader, 2):
                     add(row["video_id"], row["sentence"], f"{path}:{number}")
         elif path.suffix == ".json":

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-turns", type=int, default=16)
     parser.add_argument("--shard-size", type=int, default=2000)
     parser.add_argument("--max-skip-rate", type=float, default=0.1,
-                        help="fail (exit 3) when more than this fraction of the labelled or unlabelled dialogs are skipped")
+                        help="fail (exit 3) when more than this fraction of the labelled or unlabelled dialogs "
+                             "are skipped")
     args = parser.parse_args(argv)
 
     from mmpt.data.dialog import write_dialog_shards

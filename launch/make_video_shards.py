@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     for video in missing[:20]:
         print(f"missing: {video} (looked for {folder / video}.mp4, .webm, .avi)", file=sys.stderr)
     if missing and len(missing) > args.max_skip_rate * len(captions):
-        raise DataError(f"{len(missing)} of {len(captions)} captioned videos are not in {folder} (e.g. {missing[0]!r}), "
-                        f"more than --max-skip-rate={args.max_skip_rate}")
+        raise DataError(f"{len(missing)} of {len(captions)} captioned videos are not in {folder} "
+                        f"(e.g. {missing[0]!r}), more than --max-skip-rate={args.max_skip_rate}")
     return 0
 
 

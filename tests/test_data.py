@@ -182,7 +182,8 @@ def test_corrupt_sample_is_skipped_and_counted(tmp_path, caplog):
 def test_skip_rate_limit_fails_with_the_last_error(tmp_path):
     pattern = write_set(tmp_path, n=30, per_shard=10, corrupt=set(range(0, 30, 3)))
     spec = StreamSpec([Source.from_pattern(pattern)], batch_size=4, mode="epoch", shuffle_buffer=0, max_epochs=1)
-    with pytest.raises(DataError, match=r"could not be used \(undecodable \d+; commonest: undecodable\), more than max_skip_rate=0.1; "
+    with pytest.raises(DataError, match=r"could not be used \(undecodable \d+; commonest: undecodable\), more than "
+                                        r"max_skip_rate=0.1; "
                                         r"last failure: sample '000\d\d'"):
         list(StatefulLoader(BatchStream(spec, decode), SkipPolicy(max_rate=0.1, min_samples=10)))
 

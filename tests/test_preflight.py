@@ -67,12 +67,17 @@ def test_the_command_line_tools_name_a_missing_path_in_one_line(tmp_path, comman
 def test_a_run_says_what_it_will_do_and_a_finished_run_says_it_is_done(tmp_path, digits_root):
     cfg = tiny_config(digits_root, tmp_path / "run", train={"max_steps": 2, "save_every": 0})
     cfg["data"]["train"]["sources"][1].update(name="zh", caption_key="txt")
+    cfg["data"]["eval"] = [{"dataset": str(digits_root / "zeroshot"), "task": "zeroshot_classification",
+                            "languages": ["en", "zh"]}]
+    cfg["train"]["eval_every"] = 2
     config = write_config(tmp_path / "cfg.yaml", cfg)
     first = train(config)
     assert first.returncode == 0, first.stderr[-3000:]
-    summary = first.stderr[first.stderr.index("run summary"):].splitlines()[1:10]
+    summary = first.stderr[first.stderr.index("run summary"):].splitlines()[1:11]
     assert [line.strip().split(":")[0].split(" ")[0] for line in summary] == [
-        "ranks", "ZeRO", "batch", "parameters", "initial", "source", "source", "checkpoints", "output"], summary
+        "ranks", "ZeRO", "batch", "parameters", "initial", "source", "source", "checkpoints", "evaluation",
+        "output"], summary
+    assert summary[8].strip() == "evaluation every 2 steps and at the end: zeroshot (zeroshot_classification, en/zh)"
     assert "16 per rank x 1 micro-batch(es) x 1 data-parallel rank(s) = 16 samples per step, 2 steps" in summary[2]
     assert summary[6].strip().startswith("source 'zh': 8 shard(s), ") and summary[6].endswith("caption_key=txt")
     again = train(config)

@@ -49,7 +49,7 @@ def check_inputs(cfg: Config, method: Method) -> None:
     try:
         method.resolve_defaults(cfg)
         paths = method.input_paths(cfg)
-    except (FileNotFoundError, ReleaseError) as exc:  # a path the method could not even resolve (e.g. a package not installed)
+    except (FileNotFoundError, ReleaseError) as exc:  # a path the method could not resolve (a package not installed)
         raise ConfigError(str(exc)) from None
     for key, path in paths.items():
         if path is not None and not built_later(path) and not Path(path).exists():

@@ -49,6 +49,10 @@ def startup_summary(cfg: Config, model: nn.Module, loader: StatefulLoader, initi
                      + f", weight {spec.weight:g}" + (f", {keys}" if keys else "")
                      + (f", text {source.text_encoding}" if source.text_encoding != "utf-8" else ""))
     save = f"every {cfg.train.save_every} steps" if cfg.train.save_every else "at the end"
-    lines.append(f"checkpoints {save} (keep {cfg.train.keep_last}); evaluation at the end")
+    lines.append(f"checkpoints {save} (keep {cfg.train.keep_last})")
+    if cfg.data.eval:
+        when = f"every {cfg.train.eval_every} steps and at the end" if cfg.train.eval_every else "at the end"
+        sets = ", ".join(f"{s.label} ({s.task}, {'/'.join(s.languages)})" for s in cfg.data.eval)
+        lines.append(f"evaluation {when}: {sets}")
     lines.append(f"output: {Path(cfg.run.output_dir).resolve()}")
     return "run summary\n" + "\n".join(f"  {line}" for line in lines)

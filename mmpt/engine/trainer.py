@@ -157,8 +157,7 @@ def train(cfg: Config) -> dict[str, Any]:
                   "to do; raise train.max_steps to train on, or set run.output_dir to start another run", flush=True)
         return {}
     if rank == 0:
-        log.info(startup_summary(cfg, engine.module.model, loader, initial_weights,
-                                 step, checkpoint_dir))
+        log.info(startup_summary(cfg, engine.module.model, loader, initial_weights, step, checkpoint_dir))
 
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * layout.data_size
     metrics = MetricLogger(run_dir, max_steps=cfg.train.max_steps, start_step=step, global_batch=global_batch,

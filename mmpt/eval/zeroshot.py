@@ -160,7 +160,8 @@ def class_folder_set(folder: Path, names_file: Path | None, templates: list[str]
     else:
         classnames = [d.name.replace("_", " ") for d in class_dirs]
         ids = [d.name for d in class_dirs if ID_LIKE.match(d.name)]
-        missing = f"{folder}: no '{language}' class names (looked for {', '.join(map(str, looked))}{foreign_files(looked)})"
+        missing = (f"{folder}: no '{language}' class names (looked for {', '.join(map(str, looked))}"
+                   f"{foreign_files(looked)})")
         if ids and any(path.exists() for path in looked):
             raise ClassNamesError(f"{missing}, and the class folders are ids: give {language}/classnames.txt, "
                                   f"{FOREIGN_HINT}")

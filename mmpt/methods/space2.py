@@ -169,7 +169,8 @@ class Space2Method(Method):
 
     eval_tasks = ("intent",)
 
-    def evaluate_set(self, model: Space2Encoder, cfg: Config, run_dir: Path, eval_set, language: str) -> dict[str, float]:
+    def evaluate_set(self, model: Space2Encoder, cfg: Config, run_dir: Path, eval_set,
+                     language: str) -> dict[str, float]:
         """The intent probe of `method.intent_eval` (shots, seeds; no fine-tuning) on another set."""
         from mmpt.eval.intent import intent_classification, resolve_intent_dataset
 
