@@ -4,7 +4,7 @@ reading different json fields, the M²-Encoder demo config trained on 2 ranks an
 import json
 
 import pytest
-from conftest import REPO, read_metrics, run_deepspeed, write_config
+from conftest import REPO, _deep_update, read_metrics, run_deepspeed, write_config
 from img2dataset_shards import write_set
 
 from mmpt.config import read_config
@@ -20,21 +20,12 @@ SHRINK = {  # the M²-Encoder demo config at test size (as the config matrix shr
 }
 
 
-def deep_update(base: dict, top: dict) -> dict:
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            deep_update(base[key], value)
-        else:
-            base[key] = value
-    return base
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(tmp_path, digits_root, zero_stage):
     pattern = write_set(tmp_path / "web", shards=4, per_shard=24)
     data, _, _ = read_config(REPO / "configs/m2_encoder/demo.yaml")
-    cfg = deep_update(data, SHRINK)
+    cfg = _deep_update(data, SHRINK)
     cfg["extends"] = []
     cfg["method"]["tokenizer"] = str(digits_root / "tokenizer.json")
     cfg["method"]["zeroshot"] = {"dataset": str(digits_root / "zeroshot"), "languages": ["en", "zh"], "batch_size": 64}
