@@ -2,8 +2,9 @@
 
     deepspeed --num_gpus 2 tests/matrix_runner.py CELLS.json RESULTS.jsonl
 
-Every cell is a config file and dotted overrides. A cell trains 2 steps (checkpoint at step 2),
-resumes from that checkpoint for a third step, then rank 0 exports the newest checkpoint with
+Every cell is a config file and dotted overrides. A cell trains 2 steps (checkpoint at step 2; its
+data.eval sets evaluated at step 1 and at the end), resumes from that checkpoint for a third step, then
+rank 0 exports the newest checkpoint with
 launch/export.py, loads the release with `mmpt.load` and checks its weights against the run's own
 consolidated model.safetensors. One JSON line per finished cell goes to RESULTS.jsonl; a failing
 cell ends the run with its name printed, so the test can say which one broke.
@@ -43,6 +44,8 @@ def run_cell(cell: dict, results: Path) -> None:
         assert steps == [1, 2, 3], f"logged steps {steps}: the second start did not resume at step 2"
         losses = {r["step"]: r["loss/total"] for r in records if "loss/total" in r}
         assert all(math.isfinite(v) for v in losses.values()), losses
+        evaluated = [r["step"] for r in records if any(key.startswith("eval/") for key in r)]
+        assert evaluated == [1, 2, 3], f"evaluations at steps {evaluated}, not at 1 (eval_every) and at each end"
         release = run_dir.parent / f"{run_dir.name}-release"
         export = runpy.run_path(str(REPO / "launch/export.py"), run_name="export")["main"]
         assert export(["--run", str(run_dir), "--out", str(release), "--checkpoint", "latest"]) == 0

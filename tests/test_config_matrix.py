@@ -25,10 +25,12 @@ pytestmark = pytest.mark.distributed
 
 CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "base" not in p.relative_to(REPO / "configs").parts)
 
+# Every method's evaluation while training runs too (train.eval_every=1: at step 1, and at each run's end).
 COMMON = ["data.prepare=null", "data.train.batch_size=4", "data.train.num_workers=1", "data.train.shuffle_buffer=20",
-          "train.log_every=1", "train.keep_last=2", "run.progress_bar=false", "run.tensorboard=false", "optim.warmup_steps=1"]
+          "train.eval_every=1", "train.log_every=1", "train.keep_last=2", "run.progress_bar=false", "run.tensorboard=false", "optim.warmup_steps=1"]
 
-IMAGE_TEXT_DATA = ['data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}, {{shards: "{digits}/train/zh-*.tar"}}]']
+IMAGE_TEXT_DATA = ['data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}, {{shards: "{digits}/train/zh-*.tar"}}]',
+                   'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [zh]}}]']
 
 # How each method's configs shrink; {digits}, {video}, {dialogs}, {bert} are the test corpora and encoder.
 SHRINK = {
@@ -48,11 +50,13 @@ SHRINK = {
                "method.video.width=32", "method.video.layers=1", "method.video.heads=2", "method.text.width=32",
                "method.text.layers=1", "method.text.heads=2", "method.text.context_length=24",
                "method.text.vocab_size=null", "method.embed_dim=16", "method.cross_layers=1", "method.queue_size=16",
-               "method.frame_queue_size=32", "method.retrieval.dataset=null", "method.backend=pyav"],
+               "method.frame_queue_size=32", "method.retrieval.dataset=null", "method.backend=pyav",
+               'data.eval=[{{dataset: "{video}/test/retrieval_en.jsonl", task: zeroshot_retrieval}}]'],
     "space2": ['data.train.sources=[{{name: labelled, shards: "{dialogs}/shards/labelled-*.tar"}}, '
                '{{name: unlabelled, shards: "{dialogs}/shards/unlabelled-*.tar"}}]',
                "method.encoder={bert}", "method.max_len=64", "method.max_turns=4", "method.max_utt_len=16",
-               "method.intent_eval.dataset=null"],
+               "method.intent_eval.dataset=null", "method.intent_eval.shots=[2]", "method.intent_eval.seeds=1",
+               'data.eval=[{{dataset: "{dialogs}/intent", task: intent}}]'],
 }
 SHRINK["open_clip"] = None  # no shipped config yet; give it overrides when one lands
 
