@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         name = args.model
     else:
         path = resolve_encoder_path(args.encoder)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--encoder {args.encoder}: not a Hugging Face checkpoint folder (no config.json)")
         model = Space2Encoder.from_backbone_dir(str(path))
         model.load_backbone(str(path))
         encoder = DialogEncoder(AutoTokenizer.from_pretrained(path), DialogInputSpec(), with_mlm=False)

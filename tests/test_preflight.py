@@ -51,6 +51,8 @@ def test_m2_init_from_a_missing_download_is_named_before_its_tokenizer(tmp_path,
     ["launch/export.py", "--run", "{missing}", "--out", "{out}"],
     ["launch/embed.py", "--model", "{missing}", "--shards", "{missing}/x.tar", "--modality", "image", "--out", "{out}"],
     ["launch/intent_eval.py", "--model", "{missing}", "--dataset", "{missing}"],
+    ["launch/intent_eval.py", "--encoder", "{missing}", "--dataset", "dialogs"],
+    ["launch/make_video_shards.py", "--videos", "{run}", "--captions", "{missing}.json", "--out", "{out}"],
     ["launch/make_dialog_shards.py", "--labelled", "{missing}.json", "--out", "{out}"],
 ])
 def test_the_command_line_tools_name_a_missing_path_in_one_line(tmp_path, command):

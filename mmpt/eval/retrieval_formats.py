@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mmpt.data.image_text import IMAGE_FIELDS, decode_text, pick_field
-from mmpt.data.shards import DataError
+from mmpt.data.shards import DataError, MissingDataError
 from mmpt.data.stream import read_shard
 
 
@@ -62,7 +62,7 @@ def read_retrieval_set(path: str | os.PathLike) -> RetrievalSet:
     if path.is_dir():
         return RetrievalSet.from_captions(*load_wds_retrieval(path))
     if not path.is_file():
-        raise DataError(f"retrieval dataset {path} does not exist")
+        raise MissingDataError(f"retrieval dataset {path} does not exist")
     if path.name.endswith("_texts.jsonl"):
         return load_chinese_clip(path)
     if path.suffix == ".json":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from mmpt.data.shards import DataError
+from mmpt.data.shards import DataError, MissingDataError
 from mmpt.eval.templates import VIDEO_TEMPLATES
 from mmpt.eval.video_retrieval import VIDEO_SUFFIXES
 from mmpt.eval.zeroshot import (ClassificationSet, build_classifier, class_folder_set, classify, language_lines,
@@ -25,7 +25,7 @@ def load_video_classification_set(path: str | os.PathLike, language: str = "en",
                                   foreign_class_names: bool = False) -> ClassificationSet:
     folder = Path(path)
     if not folder.is_dir():
-        raise DataError(f"video classification dataset {folder} is not a directory of class folders")
+        raise MissingDataError(f"video classification dataset {folder} is not a directory of class folders")
     _, names_file, looked = language_lines(folder, "classnames", language, foreign_class_names)
     templates, templates_from = load_templates(folder, language, VIDEO_TEMPLATES)
     return class_folder_set(folder, names_file, templates, templates_from, VIDEO_SUFFIXES,

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmpt.data.shards import DataError
+from mmpt.data.shards import DataError, MissingDataError
 from mmpt.eval.retrieval import encode_texts, retrieval_ranks
 from mmpt.eval.retrieval_formats import load_retrieval_set
 
@@ -71,7 +71,7 @@ def load_video_retrieval_set(path: str | os.PathLike, video_root: str | os.PathL
     """(video files, captions of each) from a jsonl or an MSR-VTT-style csv."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"retrieval annotation file {path} does not exist")
+        raise MissingDataError(f"retrieval annotation file {path} does not exist")
     if path.suffix == ".json":
         return _didemo(path, Path(video_root) if video_root else path.parent / "videos")
     if path.suffix != ".csv":

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from mmpt.config import ConfigError
 from mmpt.data.image_text import IMAGE_FIELDS, decode_image, decode_text, pick_field
-from mmpt.data.shards import DataError
+from mmpt.data.shards import DataError, MissingDataError
 from mmpt.data.stream import read_shard
 from mmpt.eval.templates import DEFAULT_TEMPLATES
 
@@ -122,7 +122,8 @@ def load_classification_set(path: str | os.PathLike, language: str = "en",
     """
     folder = Path(path)
     if not folder.is_dir():
-        raise DataError(f"zero-shot dataset {str(path)!r} is not a directory (expected a CLIP_benchmark folder or an ImageFolder)")
+        raise MissingDataError(f"zero-shot dataset {str(path)!r} is not a directory (expected a CLIP_benchmark folder "
+                               "or an ImageFolder)")
     names, names_file, looked = language_lines(folder, "classnames", language, foreign_class_names)
     templates, templates_from = load_templates(folder, language)
 
