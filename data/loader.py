@@ -352,10 +352,17 @@ class StatefulLoader:
         return counts.totals(self.counts_by_source())
 
     def _check_skip_rate(self, last_error: str) -> None:
-        """The policy over all of this rank's readers together (each reader checks its own sources)."""
-        broken = self.skip_policy.violation(self.counts())
+        """The policy over all of this rank's readers together, per source, then for all sources (each reader
+        checks its own sources too)."""
+        per_source = self.counts_by_source()
+        for source, source_counts in per_source.items():
+            broken = self.skip_policy.violation(source_counts)
+            if broken:
+                raise DataError(f"source {source!r}: {broken}; last failure: {last_error}")
+        broken = self.skip_policy.violation(counts.totals(per_source))
         if broken:
-            raise DataError(f"{broken}; last failure: {last_error}")
+            worst = max(per_source, key=lambda source: counts.skipped(per_source[source]))
+            raise DataError(f"all sources: {broken}, most from source {worst!r}; last failure: {last_error}")
 
     def __iter__(self) -> Iterator[Any]:
         spec = self.dataset.spec

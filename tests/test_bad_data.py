@@ -176,7 +176,7 @@ def test_too_much_damage_stops_in_one_line_per_rank(tmp_path, digits_root, damag
     assert result.returncode == EXIT_DATA and "Traceback" not in output
     lines = [line for line in output.splitlines() if line.startswith("mmpt: ")]
     assert 1 <= len(lines) <= 2, lines  # the rank(s) whose readers crossed the limit, or one of them and a peer
-    pattern = (r"mmpt: (rank \d: )?data error: (source '(en|zh)': )?\d+ of \d+ samples could not be used "
-               r"\(([a-z_]+ \d+(, )?)+; commonest: [a-z_]+\), more than "
-               r"max_skip_rate=0.02; last failure: sample '(en|zh)\d+' of .*\.tar: .+")
+    pattern = (r"mmpt: (rank \d: )?data error: (source '(en|zh)'|all sources): \d+ of \d+ samples could not be "
+               r"used \(([a-z_]+ \d+(, )?)+; commonest: [a-z_]+\), more than max_skip_rate=0.02"
+               r"(, most from source '(en|zh)')?; last failure: sample '(en|zh)\d+' of .*\.tar: .+")
     assert any(re.fullmatch(pattern, line) for line in lines), lines

@@ -2,6 +2,7 @@
 policy enforced where samples are read, so that no source can hang a run."""
 
 import json
+import re
 import time
 from itertools import islice
 
@@ -130,7 +131,7 @@ def test_a_source_of_undecodable_images_stops_where_samples_are_read(tmp_path, w
     healthy = Source.from_pattern(write_set(tmp_path / "ok", shards=4, per_shard=25), name="ok")
     mix = [broken, healthy][:sources]
     started = time.monotonic()
-    with pytest.raises(DataError, match=r"^source 'broken': none of 20 samples read could be used \(undecodable 20; "
+    with pytest.raises(DataError, match=r"^source 'broken': none of (\d+) samples read could be used \(undecodable \1; "
                                         r"commonest: undecodable\); last failure: sample '\d+' of .*\.tar: "):
         for _ in islice(loader_of(mix, workers=workers, policy=SkipPolicy(max_rate=1.0, min_samples=20)), 50):
             pass
@@ -157,3 +158,36 @@ def test_field_keys_a_method_does_not_read_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"'data.train.sources.0.text_encoding' = 'klingon': 'klingon' is not a text "
                                           r"encoding"):
         load_config(config, ["data.train.sources.0.text_encoding=klingon"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("broken, workers, sources", [("gbk", 2, 1), ("garbage", 0, 2)])
+def test_an_unusable_source_stops_a_two_rank_run_with_exit_3_in_seconds(tmp_path, digits_root, broken, workers,
+                                                                          sources):
+    import subprocess
+
+    from conftest import REPO, deepspeed_command, launcher_env, tiny_config, write_config
+
+    from mmpt.engine.stops import EXIT_DATA
+
+    options = {"text_encoding": "gbk"} if broken == "gbk" else {"image": b"<html>403 Forbidden</html>"}
+    bad = {"shards": write_set(tmp_path / broken, shards=4, per_shard=50, **options), "name": broken}
+    good = {"shards": str(digits_root / "train/en-*.tar"), "name": "digits"}
+    cfg = tiny_config(digits_root, tmp_path / "run")
+    cfg["data"]["train"].update(sources=[bad, good][:sources], num_workers=workers)
+    started = time.monotonic()
+    result = subprocess.run(deepspeed_command(write_config(tmp_path / "cfg.yaml", cfg)), cwd=REPO,
+                            env=launcher_env(), capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == EXIT_DATA and "Traceback" not in output, output[-3000:]
+    assert time.monotonic() - started < 60
+    lines = [line for line in output.splitlines() if line.startswith("mmpt: ")]
+    assert 1 <= len(lines) <= 2, lines  # each rank that found it (the launcher may end the other first)
+    # Found by a reader (that source alone) or by the rank (all its readers' sources together): either way the
+    # line names the source and the commonest reason.
+    reason = "text_encoding" if broken == "gbk" else "undecodable"
+    by_reader = rf"source '{broken}': none of 200 samples read could be used \({reason} 200; commonest: {reason}\)"
+    by_rank = (rf"all sources: \d+ of \d+ samples could not be used \({reason} \d+; commonest: {reason}\), more than "
+               rf"max_skip_rate=0.01, most from source '{broken}'")
+    assert all(re.fullmatch(rf"mmpt: (rank 1: )?data error: ({by_reader}|{by_rank}); last failure: .+", line)
+               for line in lines), lines
