@@ -97,7 +97,7 @@ class SampleFields:
             if isinstance(sample.get(member), bytes):
                 sample[member] = decode_text(sample[member], self.text_encoding, _where(sample, member))
         if self.caption is not None:
-            captions = self._captions(sample)
+            captions = self.captions(sample)
             chosen = captions[int(torch.randint(len(captions), ()))] if len(captions) > 1 else captions[0]
             for member in TEXT_MEMBERS:
                 sample.pop(member, None)
@@ -105,20 +105,22 @@ class SampleFields:
         for keys, members, canonical, what in ((self.image, IMAGE_MEMBERS, "jpg", "image"),
                                                (self.video, VIDEO_MEMBERS, "mp4", "video")):
             if keys is not None:
-                found = next((key for key in keys if key in sample), None)
-                if found is None:
-                    raise MissingFieldError(_missing(sample, what, keys))
-                data = sample[found]
+                data = _first(sample, keys, what)
                 for member in members:
                     sample.pop(member, None)
                 sample[canonical] = data
         return sample
 
-    def _captions(self, sample: dict[str, Any]) -> list[str]:
-        """Every non-empty caption the caption keys hold, in key order."""
+    def image_bytes(self, sample: dict[str, Any]) -> bytes:
+        """The sample's image under the image keys (default: the usual image members), for evaluation sets."""
+        return _first(sample, self.image or IMAGE_MEMBERS, "image")
+
+    def captions(self, sample: dict[str, Any], default: Sequence[str] = ("txt",)) -> list[str]:
+        """Every non-empty caption the caption keys (or the `default` ones) hold, in key order: all of them, as
+        an evaluation set reads them; training draws one (`apply`)."""
         parsed_json: Any = None
         captions: list[str] = []
-        for key in self.caption or ():
+        for key in self.caption or default:
             if key.startswith(JSON_PREFIX):
                 if "json" not in sample:
                     continue
@@ -137,8 +139,15 @@ class SampleFields:
                                  "of strings")
             captions += [v.strip() for v in values if v.strip()]
         if not captions:
-            raise MissingFieldError(_missing(sample, "caption", self.caption or ()))
+            raise MissingFieldError(_missing(sample, "caption", self.caption or default))
         return captions
+
+
+def _first(sample: dict[str, Any], keys: Sequence[str], what: str) -> Any:
+    found = next((key for key in keys if key in sample), None)
+    if found is None:
+        raise MissingFieldError(_missing(sample, what, keys))
+    return sample[found]
 
 
 def _keys(value: str | Sequence[str] | None, media: bool) -> tuple[str, ...] | None:

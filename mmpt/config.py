@@ -28,12 +28,9 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class SourceConfig(Section):
-    """One WebDataset source: a brace pattern of shards and its mixing weight."""
+class FieldKeys(Section):
+    """Where samples of a shard set keep their fields (`mmpt.data.fields`), and how their text is encoded."""
 
-    shards: str = Field(description="brace pattern or comma list of tar shards, e.g. dir/train-{000000..000009}.tar")
-    weight: float = Field(1.0, gt=0, description="relative sampling weight when several sources are mixed")
-    name: str | None = Field(None, description="how the source is called in per-source batches and logs (default: shards)")
     caption_key: str | list[str] | None = Field(
         None, description="where a sample's caption is: a tar member's extension (txt) or a field of its json member "
         "(json.caption_zh); a list, or a field holding a list, gives several captions, one drawn per read "
@@ -41,30 +38,38 @@ class SourceConfig(Section):
     image_key: str | list[str] | None = Field(
         None, description="tar member(s) holding the image, first present wins (e.g. jpg, webp). None: jpg, jpeg, "
         "png, webp")
-    video_key: str | list[str] | None = Field(
-        None, description="tar member(s) holding the video, first present wins. None: mp4, webm, avi")
     text_encoding: str = Field(
         "utf-8", description="encoding of the source's text members (e.g. gbk for legacy corpora); samples not "
         "valid in it are skipped and counted as skipped/text_encoding")
 
-    @field_validator("caption_key", "image_key", "video_key", "text_encoding")
+    @field_validator("*")
     @classmethod
     def _check_field(cls, value: Any, info: ValidationInfo) -> Any:
         from mmpt.data.fields import SampleFields
 
-        if value is not None:
+        if value is not None and (info.field_name.endswith("_key") or info.field_name == "text_encoding"):
             SampleFields.of(**{info.field_name.removesuffix("_key"): value})  # raises ValueError saying what is wrong
         return value
 
     def sample_fields(self):
-        """These keys as the loader's `mmpt.data.fields.SampleFields`."""
+        """These keys as `mmpt.data.fields.SampleFields`."""
         from mmpt.data.fields import SampleFields
 
-        return SampleFields.of(self.caption_key, self.image_key, self.video_key, self.text_encoding)
+        return SampleFields.of(self.caption_key, self.image_key, getattr(self, "video_key", None), self.text_encoding)
 
     def fields_set(self) -> list[str]:
-        """The field keys (caption, image, video) this source names."""
-        return [name for name in ("caption", "image", "video") if getattr(self, f"{name}_key") is not None]
+        """The field keys (caption, image, video) this set names."""
+        return [name for name in ("caption", "image", "video") if getattr(self, f"{name}_key", None) is not None]
+
+
+class SourceConfig(FieldKeys):
+    """One WebDataset source: a brace pattern of shards, its mixing weight, where its samples keep their fields."""
+
+    shards: str = Field(description="brace pattern or comma list of tar shards, e.g. dir/train-{000000..000009}.tar")
+    weight: float = Field(1.0, gt=0, description="relative sampling weight when several sources are mixed")
+    name: str | None = Field(None, description="how the source is called in per-source batches and logs (default: shards)")
+    video_key: str | list[str] | None = Field(
+        None, description="tar member(s) holding the video, first present wins. None: mp4, webm, avi")
 
 
 class LoaderConfig(Section):
@@ -98,11 +103,14 @@ class LoaderConfig(Section):
 EVAL_TASKS = ("zeroshot_classification", "zeroshot_retrieval", "intent")
 
 
-class EvalSetConfig(Section):
-    """One evaluation set, run every `train.eval_every` steps and at the end of training."""
+class EvalSetConfig(FieldKeys):
+    """One evaluation set, run every `train.eval_every` steps and at the end of training. Its field keys say where
+    samples keep their image and captions when the set is read from shards (a retrieval set of tar shards,
+    such as held-out img2dataset output, reads every caption its keys hold)."""
 
     dataset: str = Field(description="a folder or file in any layout launch/zeroshot.py (or, for intent, "
-                         "launch/intent_eval.py) reads, or a demo set name (digits, moving_digits, dialogs)")
+                         "launch/intent_eval.py) reads, tar shards for retrieval (dir/{00000..00003}.tar), or a demo "
+                         "set name (digits, moving_digits, dialogs)")
     task: Literal[EVAL_TASKS] = Field(
         description="zeroshot_classification (images or clips), zeroshot_retrieval (image-text or video-text), "
         "intent (dialog intent probe); the method must offer it")

@@ -37,6 +37,11 @@ def validate_config(data: dict, origins: dict[str, str] | None = None, top_file:
                 raise ConfigError(f"{origin(origins, key, top_file)}: config key '{key}': method '{method.name}' "
                                   f"reads {reads}")
     for index, eval_set in enumerate(cfg.data.eval):
+        for name in eval_set.fields_set():
+            if name not in method.eval_sample_fields:
+                key = f"data.eval.{index}.{name}_key"
+                raise ConfigError(f"{origin(origins, key, top_file)}: config key '{key}': method '{method.name}' reads "
+                                  "no field keys of evaluation sets")
         if eval_set.task not in method.eval_tasks:
             key = f"data.eval.{index}.task"
             offers = ", ".join(method.eval_tasks) or "no evaluation sets"

@@ -158,6 +158,12 @@ def test_field_keys_a_method_does_not_read_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"'data.train.sources.0.text_encoding' = 'klingon': 'klingon' is not a text "
                                           r"encoding"):
         load_config(config, ["data.train.sources.0.text_encoding=klingon"])
+    with pytest.raises(ConfigError, match=r"config key 'data.eval.0.caption_key': method 'space2' reads no field keys "
+                                          r"of evaluation sets"):
+        load_config(config, ["data.eval=[{dataset: dialogs, task: intent, caption_key: txt}]"])
+    with pytest.raises(ConfigError, match=r"config key 'data.eval.0.task' = 'zeroshot_retrieval': method 'space2' "
+                                          r"offers intent"):
+        load_config(config, ["data.eval=[{dataset: dialogs, task: zeroshot_retrieval}]"])
 
 
 @pytest.mark.distributed
@@ -191,3 +197,16 @@ def test_an_unusable_source_stops_a_two_rank_run_with_exit_3_in_seconds(tmp_path
                rf"max_skip_rate=0.01, most from source '{broken}'")
     assert all(re.fullmatch(rf"mmpt: (rank 1: )?data error: ({by_reader}|{by_rank}); last failure: .+", line)
                for line in lines), lines
+
+
+def test_held_out_shards_are_a_retrieval_set_with_the_captions_their_keys_hold(tmp_path):
+    from mmpt.eval.retrieval_formats import read_retrieval_set
+
+    pattern = write_set(tmp_path / "heldout", shards=2, per_shard=5)
+    chinese = read_retrieval_set(pattern, SampleFields.of(caption="json.caption_zh"))
+    assert chinese.texts == [captions(i)[1] for i in range(10)] and len(chinese.images) == 10
+    assert chinese.matches.equal(torch.eye(10, dtype=torch.bool))
+    both = read_retrieval_set(pattern, SampleFields.of(caption=["json.caption", "json.caption_zh"]))
+    assert both.texts[:2] == list(captions(0)) and both.matches.sum(dim=1).tolist() == [2] * 10
+    plain = read_retrieval_set(str(tmp_path / "heldout/00000.tar"))  # no keys: the txt member
+    assert plain.texts == [captions(i)[0] for i in range(5)]

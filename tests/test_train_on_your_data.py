@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, free_port, launcher_env, read_metrics
-from img2dataset_shards import write_set
+from img2dataset_shards import write_set, write_shard
 
 GUIDE = REPO / "docs/train_on_your_data.md"
 # The 0.4b config at test size, on CPU ranks: command-line overrides only, as a user shrinks a config.
@@ -54,6 +54,7 @@ def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def test_the_guide_trains_evaluates_and_releases(tmp_path, digits_root, glm_sp_model):
     os.symlink(REPO / "configs", tmp_path / "configs")
     write_set(tmp_path / "shards/web", shards=4, per_shard=24)
+    write_shard(tmp_path / "shards/heldout", 0, 16, start=1000)
     (tmp_path / "eval").mkdir()
     os.symlink(digits_root / "zeroshot", tmp_path / "eval/my_classes")
     (tmp_path / "my_run.yaml").write_text(blocks("yaml")[0])
@@ -74,7 +75,7 @@ def test_the_guide_trains_evaluates_and_releases(tmp_path, digits_root, glm_sp_m
     assert all(counts[source]["decoded"] > 0 and counts[source]["skipped"] == 0 for source in ("en", "zh"))
     evaluated = {r["step"]: r for r in read_metrics(run_dir) if "eval/my_classes/seconds" in r}
     assert set(evaluated) == {1, 2}  # eval_every 1, and at the end
-    assert all({"eval/my_classes/en/acc1", "eval/my_classes/zh/acc1", "eval/my_pairs/zh/mean_recall"} <= set(r)
+    assert all({"eval/my_classes/en/acc1", "eval/my_classes/zh/acc1", "eval/heldout_zh/zh/mean_recall"} <= set(r)
                for r in evaluated.values())
 
     for line in evaluate.strip().splitlines():

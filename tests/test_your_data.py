@@ -5,7 +5,7 @@ import json
 
 import pytest
 from conftest import REPO, _deep_update, read_metrics, run_deepspeed, write_config
-from img2dataset_shards import write_set
+from img2dataset_shards import write_set, write_shard
 
 from mmpt.config import read_config
 
@@ -37,7 +37,9 @@ def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(
         {"dataset": str(digits_root / "zeroshot"), "task": "zeroshot_classification", "name": "digits",
          "languages": ["en", "zh"]},
         {"dataset": str(digits_root / "zeroshot/retrieval_zh.jsonl"), "task": "zeroshot_retrieval",
-         "name": "digits_retrieval", "languages": ["zh"]}]
+         "name": "digits_retrieval", "languages": ["zh"]},
+        {"dataset": str(write_shard(tmp_path / "heldout", 0, 20, start=1000)), "task": "zeroshot_retrieval",
+         "name": "heldout_zh", "caption_key": "json.caption_zh", "languages": ["zh"]}]
     cfg["train"].update(zero_stage=zero_stage, eval_every=2)
     cfg["run"] = {"output_dir": str(tmp_path / "run"), "progress_bar": False, "tensorboard": False}
     result = run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
@@ -55,5 +57,5 @@ def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(
     assert set(evaluated) == {2, 4}  # every eval_every steps, and at the end
     for record in evaluated.values():
         assert {"eval/digits/en/acc1", "eval/digits/zh/acc1", "eval/digits_retrieval/zh/image_retrieval_recall@1",
-                "eval/digits_retrieval/seconds"} <= set(record)
+                "eval/digits_retrieval/seconds", "eval/heldout_zh/zh/mean_recall"} <= set(record)
     assert "eval step 2 digits/en/acc1=" in result.stdout

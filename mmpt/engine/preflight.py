@@ -13,6 +13,7 @@ from pathlib import Path
 from mmpt.config import Config, ConfigError
 from mmpt.data.shards import DataError, expand_shards
 from mmpt.eval import DEMO_NAMES
+from mmpt.eval.retrieval_formats import is_shard_pattern
 from mmpt.methods import Method
 from mmpt.release import ReleaseError
 
@@ -43,9 +44,16 @@ def check_inputs(cfg: Config, method: Method) -> None:
         raise ConfigError("config key 'run.wandb': logging to Weights & Biases needs the wandb package "
                           "(pip install 'mmpt[wandb]'), or remove the key")
     for index, eval_set in enumerate(cfg.data.eval):
-        if eval_set.dataset not in DEMO_NAMES and not built_later(eval_set.dataset) \
-                and not Path(eval_set.dataset).exists():
-            raise ConfigError(f"config key 'data.eval.{index}.dataset': {eval_set.dataset} does not exist")
+        key, dataset = f"data.eval.{index}.dataset", eval_set.dataset
+        if dataset in DEMO_NAMES or built_later(dataset):
+            continue
+        if is_shard_pattern(dataset):
+            try:
+                expand_shards(dataset)
+            except DataError as exc:
+                raise ConfigError(f"config key '{key}': {exc}") from None
+        elif not Path(dataset).exists():
+            raise ConfigError(f"config key '{key}': {dataset} does not exist")
     try:
         method.resolve_defaults(cfg)
         paths = method.input_paths(cfg)

@@ -79,10 +79,11 @@ def recall_metrics(image_features: torch.Tensor, text_features: torch.Tensor, ma
 
 @torch.no_grad()
 def zeroshot_retrieval(model, tokenize, transform, path: str | os.PathLike, batch_size: int = 256,
-                       device: str | torch.device = "cpu", normalize_text=None) -> dict:
-    """Retrieval metrics of `model` on any layout `read_retrieval_set` reads."""
+                       device: str | torch.device = "cpu", normalize_text=None, fields=None) -> dict:
+    """Retrieval metrics of `model` on any layout `read_retrieval_set` reads (`fields`: where shard samples keep
+    their image and captions)."""
     model.eval()
-    data = read_retrieval_set(path)
+    data = read_retrieval_set(path, fields)
     texts = [normalize_text(t) for t in data.texts] if normalize_text else data.texts
     dtype = next(model.parameters()).dtype
     image_features = []

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from mmpt.data.image_text import IMAGE_FIELDS, decode_text, pick_field
-from mmpt.data.shards import DataError, MissingDataError
+from mmpt.data.image_text import decode_text, pick_field
+from mmpt.data.fields import SampleFields
+from mmpt.data.shards import DataError, MissingDataError, expand_shards
 from mmpt.data.stream import read_shard
 
 
@@ -56,11 +57,14 @@ class RetrievalSet:
         return cls(images, texts, owner[None, :] == torch.arange(len(images))[:, None])
 
 
-def read_retrieval_set(path: str | os.PathLike) -> RetrievalSet:
-    """Any layout of the module docstring, told apart by its name and shape."""
+def read_retrieval_set(path: str | os.PathLike, fields: SampleFields | None = None) -> RetrievalSet:
+    """Any layout of the module docstring, told apart by its name and shape. `fields` says where shard
+    samples keep their image and captions (`mmpt.data.fields`; default: the image members and `txt`)."""
+    if is_shard_pattern(str(path)):
+        return RetrievalSet.from_captions(*load_shard_retrieval(str(path), fields or SampleFields()))
     path = Path(path)
     if path.is_dir():
-        return RetrievalSet.from_captions(*load_wds_retrieval(path))
+        return RetrievalSet.from_captions(*load_wds_retrieval(path, fields=fields))
     if not path.is_file():
         raise MissingDataError(f"retrieval dataset {path} does not exist")
     if path.name.endswith("_texts.jsonl"):
@@ -167,8 +171,30 @@ def load_chinese_clip(texts_file: Path) -> RetrievalSet:
     return RetrievalSet(images, texts, matches)
 
 
-def load_wds_retrieval(folder: Path, split: str = "test") -> tuple[list[ImageBytes], list[list[str]]]:
-    """A CLIP_benchmark webdataset retrieval folder."""
+def is_shard_pattern(text: str) -> bool:
+    """Whether a dataset is named as tar shards (`heldout/{00000..00003}.tar`, `heldout/*.tar`), not a folder
+    or an annotation file."""
+    return text.endswith(".tar") or (".tar" in text and any(c in text for c in "{*,"))
+
+
+def load_shard_retrieval(pattern: str, fields: SampleFields) -> tuple[list[ImageBytes], list[list[str]]]:
+    """Shards such as held-out img2dataset output: each sample an image and every caption its keys hold."""
+    images, captions = [], []
+    for url in expand_shards(pattern):
+        for _, sample in read_shard(url):
+            sample["__shard__"] = url
+            images.append(ImageBytes(fields.image_bytes(sample), f"{url}:{sample['__key__']}"))
+            captions.append(fields.captions(sample))
+    if not images:
+        raise DataError(f"{pattern}: no samples")
+    return images, captions
+
+
+def load_wds_retrieval(folder: Path, split: str = "test", fields: SampleFields | None = None,
+                       ) -> tuple[list[ImageBytes], list[list[str]]]:
+    """A CLIP_benchmark webdataset retrieval folder (its `txt` holds a caption per line, unless `fields` names
+    other caption keys)."""
+    fields = fields or SampleFields()
     kind = folder / "dataset_type.txt"
     if not kind.exists() or kind.read_text().strip().lower() != "retrieval":
         raise DataError(f"{folder}: a retrieval folder needs dataset_type.txt saying 'retrieval' (CLIP_benchmark's layout)")
@@ -180,9 +206,13 @@ def load_wds_retrieval(folder: Path, split: str = "test") -> tuple[list[ImageByt
         for _, sample in read_shard(str(shard)):
             sample["__shard__"] = shard
             name = f"{shard}:{sample['__key__']}"
-            texts = [t.strip() for t in decode_text(pick_field(sample, ("txt",), "caption")).splitlines() if t.strip()]
+            if fields.caption is None:
+                texts = [t.strip() for t in decode_text(pick_field(sample, ("txt",), "caption")).splitlines()
+                         if t.strip()]
+            else:
+                texts = fields.captions(sample)
             if not texts:
                 raise DataError(f"retrieval sample {name}: no captions")
-            images.append(ImageBytes(pick_field(sample, IMAGE_FIELDS, "image"), name))
+            images.append(ImageBytes(fields.image_bytes(sample), name))
             captions.append(texts)
     return images, captions

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from mmpt.config import ConfigError
-from mmpt.data.image_text import IMAGE_FIELDS, decode_image, decode_text, pick_field
+from mmpt.data.fields import SampleFields
+from mmpt.data.image_text import decode_image, decode_text, pick_field
 from mmpt.data.shards import DataError, MissingDataError
 from mmpt.data.stream import read_shard
 from mmpt.eval.templates import DEFAULT_TEMPLATES
@@ -114,12 +115,14 @@ def load_templates(folder: Path, language: str, defaults: dict[str, list[str]] =
     return templates, str(found)
 
 
-def load_classification_set(path: str | os.PathLike, language: str = "en",
-                            foreign_class_names: bool = False) -> ClassificationSet:
+def load_classification_set(path: str | os.PathLike, language: str = "en", foreign_class_names: bool = False,
+                            fields: SampleFields | None = None) -> ClassificationSet:
     """A CLIP_benchmark folder or ImageFolder with `language`'s class names and templates.
 
     `foreign_class_names`: accept class names not written in `language` (e.g. English names in Chinese prompts).
+    `fields`: where the shards' samples keep their image (default: the usual image members).
     """
+    fields = fields or SampleFields()
     folder = Path(path)
     if not folder.is_dir():
         raise MissingDataError(f"zero-shot dataset {str(path)!r} is not a directory (expected a CLIP_benchmark folder "
@@ -138,7 +141,7 @@ def load_classification_set(path: str | os.PathLike, language: str = "en",
                 for _, sample in read_shard(shard):
                     sample["__shard__"] = shard
                     label = int(decode_text(pick_field(sample, ("cls",), "class label")))
-                    yield pick_field(sample, IMAGE_FIELDS, "image"), label, f"{shard}:{sample['__key__']}"
+                    yield fields.image_bytes(sample), label, f"{shard}:{sample['__key__']}"
 
         return ClassificationSet(folder.name, names, templates, wds_samples, templates_from)
 

@@ -77,6 +77,7 @@ class Method:
     config_class: type[MethodConfig] = MethodConfig
     sample_fields: tuple[str, ...] = ()  # which of a source's caption_key, image_key, video_key the data reads
     eval_tasks: tuple[str, ...] = ()  # the `data.eval` tasks `evaluate_set` runs
+    eval_sample_fields: tuple[str, ...] = ()  # which field keys of a `data.eval` set `evaluate_set` reads
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         """Put what the model needs besides weights (e.g. tokenizer files) into `run_dir`. Rank 0 only."""

@@ -13,6 +13,7 @@ from torchvision import transforms as T
 
 from mmpt.config import Config, Section
 from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, uint8_transform
+from mmpt.data.fields import SampleFields
 from mmpt.data.loader import BatchStream
 from mmpt.data.shards import DataError
 from mmpt.eval import DEMO_SETS, resolve_dataset
@@ -154,19 +155,22 @@ class ImageTextMethod(Method):
 
     sample_fields = ("caption", "image")
     eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")
+    eval_sample_fields = ("caption", "image")
 
     def evaluate_set(self, model: nn.Module, cfg: Config, run_dir: Path, eval_set, language: str) -> dict[str, float]:
         record = self.zeroshot(model, cfg, run_dir, eval_set.dataset, language, task=eval_set.task,
-                               foreign_class_names=eval_set.foreign_class_names)
+                               foreign_class_names=eval_set.foreign_class_names, fields=eval_set.sample_fields())
         return record["metrics"]
     caption_normalization = None  # applied to retrieval captions, as the method's official evaluation does
     uses_attention_mask = True  # False: training batches carry no attention mask (the model does not read it)
 
     def zeroshot(self, model: nn.Module, cfg: Config, run_dir: Path, dataset: str, language: str,
-                 task: str = "zeroshot_classification", foreign_class_names: bool | None = None) -> dict[str, Any]:
+                 task: str = "zeroshot_classification", foreign_class_names: bool | None = None,
+                 fields: SampleFields | None = None) -> dict[str, Any]:
         """One zero-shot run (classification, or retrieval over a jsonl) as a CLIP_benchmark-style record
         (not saved: the caller decides where). `foreign_class_names`: accept class names not written in
-        `language` (None: as `method.zeroshot.foreign_class_names` says)."""
+        `language` (None: as `method.zeroshot.foreign_class_names` says); `fields`: where a set read from
+        shards keeps its images and captions."""
         if foreign_class_names is None:
             foreign_class_names = cfg.method.zeroshot.foreign_class_names
         device = next(model.parameters()).device
@@ -174,10 +178,11 @@ class ImageTextMethod(Method):
         tokenizer, transform = self.tokenizer(cfg, run_dir), self.image_transform(cfg, train=False)
         if task == "zeroshot_retrieval":
             metrics = zeroshot_retrieval(model, tokenizer, transform, dataset,
-                                         normalize_text=self.caption_normalization, **common)
+                                         normalize_text=self.caption_normalization, fields=fields, **common)
             return eval_record(run_dir, dataset, task, language, metrics)
         if task == "zeroshot_classification":
-            data = load_classification_set(resolve_dataset(dataset, cfg.data.root), language, foreign_class_names)
+            data = load_classification_set(resolve_dataset(dataset, cfg.data.root), language, foreign_class_names,
+                                           fields)
             metrics = zeroshot_classification(model, tokenizer, transform, data, **common)
             return eval_record(run_dir, dataset, task, language, metrics, templates=data.templates_from)
         raise ValueError(f"unknown zero-shot task {task!r}")
