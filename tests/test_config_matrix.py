@@ -27,7 +27,8 @@ CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "base" not in 
 
 # Every method's evaluation while training runs too (train.eval_every=1: at step 1, and at each run's end).
 COMMON = ["data.prepare=null", "data.train.batch_size=4", "data.train.num_workers=1", "data.train.shuffle_buffer=20",
-          "train.eval_every=1", "train.log_every=1", "train.keep_last=2", "run.progress_bar=false", "run.tensorboard=false", "optim.warmup_steps=1"]
+          "train.eval_every=1", "train.log_every=1", "train.keep_last=2", "run.progress_bar=false",
+          "run.tensorboard=false", "optim.warmup_steps=1"]
 
 IMAGE_TEXT_DATA = ['data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}, {{shards: "{digits}/train/zh-*.tar"}}]',
                    'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [zh]}}]']
