@@ -1,6 +1,7 @@
 """Every file a config names is checked before the process group starts: exit 2 and one line naming the
 key and the path; the command-line tools end in one line too, never a traceback."""
 
+import re
 import subprocess
 import sys
 
@@ -86,3 +87,18 @@ def test_a_run_says_what_it_will_do_and_a_finished_run_says_it_is_done(tmp_path,
     assert again.returncode == 0
     assert f"mmpt: {tmp_path / 'run'} already finished at step 2 (train.max_steps=2): nothing to do" in again.stdout
     assert "run summary" not in again.stderr and "step 3" not in again.stdout
+
+
+def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(tmp_path, digits_root):
+    import torch
+
+    (tmp_path / "official").mkdir()
+    torch.save({"state_dict": {"backbone.other.weight": torch.zeros(2)}}, tmp_path / "official/m2.ckpt")
+    cfg = tiny_config(digits_root, tmp_path / "run")
+    cfg["method"] = {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": {"vocab_size": None},
+                     "tokenizer": str(digits_root / "tokenizer.json"), "init_from": str(tmp_path / "official"),
+                     "loss": {"name": "gba_itc", "group_size": 1}, "zeroshot": {"dataset": None}}
+    result = train(write_config(tmp_path / "cfg.yaml", cfg))
+    assert result.returncode == EXIT_CONFIG and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.search(r"mmpt: config error: .*m2.ckpt does not fit this M2-Encoder config: missing \(\d+\): .*; "
+                     r"unexpected \(1\): backbone.other.weight", result.stderr), result.stderr[-2000:]

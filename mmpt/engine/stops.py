@@ -4,7 +4,7 @@
 |---|---|
 | 0 | finished |
 | 1 | an unexpected error (a bug, or a failure mmpt does not know): the full traceback |
-| 2 | config error: a key, value or combination that cannot work, or a file it names that is not there |
+| 2 | config error: a key, value or combination that cannot work, a file it names that is not there, initial weights that do not fit the model |
 | 3 | data error: a source without a needed field, too many unusable samples |
 | 4 | non-finite training: too many optimizer steps in a row with a NaN/Inf loss or gradient |
 | 5 | checkpoint error: a rank could not write its part of a checkpoint (the previous one stands) |
@@ -26,6 +26,7 @@ from mmpt.config import ConfigError
 from mmpt.data.shards import DataError, MissingDataError
 from mmpt.engine.checkpoint import CheckpointError
 from mmpt.engine.guards import NonFiniteError
+from mmpt.models.m2_official import CheckpointMismatch
 
 EXIT_UNEXPECTED, EXIT_CONFIG, EXIT_DATA, EXIT_NON_FINITE, EXIT_CHECKPOINT, EXIT_HANG = 1, 2, 3, 4, 5, 75
 # Errors a surviving rank gets from its collective library when a peer process is gone.
@@ -43,6 +44,7 @@ class Stop:
 STOPS: dict[type[Exception], Stop] = {  # the first that matches wins
     ConfigError: Stop("config error", EXIT_CONFIG, True),
     MissingDataError: Stop("data error", EXIT_CONFIG, False),
+    CheckpointMismatch: Stop("config error", EXIT_CONFIG, True),  # init_from weights that do not fit the model
     DataError: Stop("data error", EXIT_DATA, False),
     NonFiniteError: Stop("non-finite training", EXIT_NON_FINITE, True),
     CheckpointError: Stop("checkpoint error", EXIT_CHECKPOINT, False),
