@@ -21,7 +21,7 @@ def consolidated_weights(run_dir: Path, tag: str) -> dict:
     """fp32 weights of the model in checkpoint `tag` (keys as the model names them)."""
     import torch
 
-    from mmpt.run_config import load_config
+    from mmpt.config_loader import load_config
 
     cfg = load_config(run_dir / "config.yaml")
     root = run_dir / "checkpoints"

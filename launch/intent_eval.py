@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmpt.models.space2 import Space2Encoder
 
     if args.model:
-        from mmpt.hub import load_run
+        from mmpt.release import load_run
 
         cfg, method, model = load_run(args.model)
         if cfg.method_name != "space2":

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, rank: int) -> int:
     from mmpt.engine.deepspeed_config import check_precision
-    from mmpt.run_config import load_config
+    from mmpt.config_loader import load_config
 
     for module in args.imports:
         try:

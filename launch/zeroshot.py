@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from mmpt.eval import DEMO_SETS
-    from mmpt.hub import load_run
+    from mmpt.release import load_run
     from mmpt.methods.base import save_eval_record
 
     if args.dataset not in DEMO_SETS and args.dataset != "moving_digits" and not Path(args.dataset).exists():

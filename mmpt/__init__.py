@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mmpt.config import Config, ConfigError
-from mmpt.run_config import load_config
+from mmpt.config_loader import load_config
 from mmpt.methods import list_methods
 from mmpt.pretrained import list_models, list_pretrained
 
@@ -28,7 +28,8 @@ def load(name_or_path: str | os.PathLike, device: str = "cpu"):
     The result has the model's own `encode_*` methods, `preprocessors()` (tokenizer and transforms)
     and `save_pretrained(dir)`.
     """
-    from mmpt.release import load_directory, resolve
+    from mmpt.artifacts import resolve
+    from mmpt.release import load_directory
 
     return load_directory(resolve(name_or_path), device)
 

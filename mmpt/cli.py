@@ -10,7 +10,7 @@ from mmpt.config import ConfigError
 from mmpt.data.shards import DataError, MissingDataError
 from mmpt.engine import stops
 from mmpt.models.m2_official import CheckpointMismatch
-from mmpt.release import ReleaseError
+from mmpt.artifacts import ReleaseError
 
 # OSError's path errors: a file or folder named on the command line or in a config that is not there.
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, FileNotFoundError, NotADirectoryError, IsADirectoryError,

@@ -15,11 +15,9 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from mmpt.errors import ConfigError as ConfigError  # re-exported: the schema's error
+
 COMMAND_LINE = "<command line>"
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message is one line meant for the user."""
 
 
 class Section(BaseModel):

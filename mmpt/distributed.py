@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mmpt.config import ConfigError
+from mmpt.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

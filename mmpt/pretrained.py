@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmpt.artifacts import HUB_PREFIX, has_weights, resolve
+
 M2_PREPROCESS = {
     "image_size": 224, "resize": "squash to a square, bicubic", "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5],
     "tokenizer": "GLM SentencePiece (sp.model), [CLS] ... <|endoftext|>, 52 ids, left truncation, pad 50000",
@@ -90,8 +92,6 @@ class InitialWeights:
 def initial_weights(spec: str) -> InitialWeights:
     """Resolve `method.init_from`: an official download folder or `.ckpt`, an mmpt release or finished run
     directory, or `hf-hub:<org>/<name>` (a release, through the hub cache). FileNotFoundError if none fits."""
-    from mmpt.release import HUB_PREFIX, has_weights, resolve
-
     path = resolve(spec) if spec.startswith(HUB_PREFIX) else Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")

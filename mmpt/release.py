@@ -17,19 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmpt.artifacts import RELEASE_CONFIG, RUN_CONFIG, WEIGHTS, ReleaseError, has_weights, shareable
 from mmpt.config import Config
-from mmpt.engine.checkpoint import WEIGHTS, shareable
-from mmpt.run_config import load_config, validate_config
+from mmpt.config_loader import load_config, validate_config
 from mmpt.methods import Method, get_method
 
-RELEASE_CONFIG = "config.json"
-RUN_CONFIG = "config.yaml"
 FORMAT = "mmpt-release"
-HUB_PREFIX = "hf-hub:"
-
-
-class ReleaseError(RuntimeError):
-    """A release that cannot be found or loaded; the message is one line meant for the user."""
 
 
 class PretrainedModel(nn.Module):
@@ -113,10 +106,6 @@ def read_config(directory: Path) -> Config:
     raise ReleaseError(f"{directory} has neither {RELEASE_CONFIG} (a release) nor {RUN_CONFIG} (a training run)")
 
 
-def has_weights(directory: Path) -> bool:
-    return (directory / WEIGHTS).is_file() or (directory / f"{WEIGHTS}.index.json").is_file()
-
-
 def load_directory(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PretrainedModel:
     """The model of a release or finished run directory, weights loaded strictly, in eval mode."""
     from huggingface_hub import load_torch_model
@@ -134,24 +123,7 @@ def load_directory(directory: str | os.PathLike, device: str | torch.device = "c
     return PretrainedModel(model, cfg, directory).to(device).eval()
 
 
-def resolve(name_or_path: str | os.PathLike) -> Path:
-    """A local directory, or `hf-hub:<org>/<name>[@revision]` fetched through the hub cache.
-
-    HF_HUB_OFFLINE=1 is honoured (the cache only); an id that cannot be reached is a one-line ReleaseError.
-    """
-    text = str(name_or_path)
-    if not text.startswith(HUB_PREFIX):
-        path = Path(text)
-        if not path.is_dir():
-            raise ReleaseError(f"{path} is not a directory (use {HUB_PREFIX}<org>/<name> for a hub id)")
-        return path
-    repo, _, revision = text[len(HUB_PREFIX):].partition("@")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        return Path(snapshot_download(repo, revision=revision or None))
-    except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-        why = "not in the local hub cache and HF_HUB_OFFLINE is set" if offline else f"{type(exc).__name__}"
-        raise ReleaseError(f"cannot load {text}: {why} ({' '.join(str(exc).split())[:200]})") from None
+def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[Config, Method, nn.Module]:
+    """(config, method, model in eval mode) of a run or release directory; weights are loaded strictly."""
+    loaded = load_directory(run_dir, device)
+    return loaded.config, loaded.method, loaded.model

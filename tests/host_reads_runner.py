@@ -66,7 +66,7 @@ class HostReads:
 
 def run_cell(cell: dict, results: Path, reads: HostReads) -> None:
     from mmpt import distributed as mdist
-    from mmpt.run_config import load_config
+    from mmpt.config_loader import load_config
     from mmpt.engine import faults, train
 
     cfg = load_config(cell["config"], [*cell["overrides"], f"run.output_dir={cell['run_dir']}"])

@@ -30,7 +30,7 @@ def run_cell(cell: dict, results: Path) -> None:
 
     import mmpt
     from mmpt import distributed as mdist
-    from mmpt.run_config import load_config
+    from mmpt.config_loader import load_config
     from mmpt.engine import train
 
     run_dir = Path(cell["run_dir"])

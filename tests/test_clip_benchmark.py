@@ -43,7 +43,7 @@ def retrieval_folder(source, folder, images=60):
 
 def clip_benchmark(run, dataset_root, task, out, *extra):
     result = subprocess.run(
-        [sys.executable, "-m", "mmpt.eval.clip_benchmark", "eval", "--model_type", "mmpt", "--model", "tiny",
+        [sys.executable, "-m", "mmpt.clip_benchmark", "eval", "--model_type", "mmpt", "--model", "tiny",
          "--pretrained", str(run), "--dataset", "wds/digits", "--dataset_root", str(dataset_root), "--task", task,
          "--no_amp", "--batch_size", "50", "--output", str(out), *extra],
         cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)

@@ -7,7 +7,7 @@ import yaml
 
 from conftest import REPO, deepspeed_command, launcher_env, tiny_config, write_config
 from mmpt.config import ConfigError, save_config
-from mmpt.run_config import load_config
+from mmpt.config_loader import load_config
 
 
 @pytest.fixture

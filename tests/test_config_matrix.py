@@ -67,7 +67,7 @@ STAGES = {"zero0": ["train.zero_stage=0"], "zero1": ["train.zero_stage=1"], "zer
 
 def shipped(config: Path):
     """The config as shipped, validated (validation reads no data or weight file, so it loads anywhere)."""
-    from mmpt.run_config import load_config
+    from mmpt.config_loader import load_config
 
     return load_config(config)
 

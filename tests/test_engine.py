@@ -7,7 +7,7 @@ from torch import nn
 
 from conftest import tiny_config, write_config
 from mmpt.config import ConfigError
-from mmpt.run_config import load_config
+from mmpt.config_loader import load_config
 from mmpt.engine.deepspeed_config import deepspeed_config
 from mmpt.engine.optim import SkippingAdamW, param_groups, warmup_cosine
 from mmpt.engine.trainer import to_device

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, adam_state, deepspeed_command, launcher_env, tiny_config, write_config
-from mmpt.run_config import load_config
+from mmpt.config_loader import load_config
 
 pytestmark = pytest.mark.distributed
 STEPS = dict(zero_stage=2, max_steps=12, save_every=4, keep_last=5, log_every=1)
@@ -131,7 +131,7 @@ def test_shard_with_a_pickle_payload_is_not_unpickled(tmp_path):
 
 def test_config_cannot_execute_code(tmp_path, digits_root):
     from mmpt.config import ConfigError
-    from mmpt.run_config import load_config
+    from mmpt.config_loader import load_config
 
     cfg = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))
     text = cfg.read_text() + "\nextra: !!python/object/apply:os.system ['touch /tmp/mmpt-yaml-ran']\n"

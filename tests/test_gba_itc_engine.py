@@ -21,7 +21,7 @@ ARCH = {"vocab_size": 40, "width": 32, "heads": 2, "lower_layers": 1, "shared_la
 
 
 def make_config(run_dir, stage, accum, micro_rows, group_size, tile):
-    from mmpt.run_config import validate_config
+    from mmpt.config_loader import validate_config
 
     return validate_config({
         "method": {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": ARCH, "tokenizer": "unused.json",

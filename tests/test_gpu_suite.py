@@ -94,7 +94,7 @@ def test_every_config_the_suite_trains_is_valid(profile, tmp_path):
     """The GPU profile's configs (0.4B, base sizes, batch-size trials) are only trained on a GPU: validate them here."""
     import yaml
 
-    from mmpt.run_config import load_config
+    from mmpt.config_loader import load_config
 
     for name, config in stages.training_configs(profile, tmp_path / "data").items():
         path = tmp_path / f"{name}.yaml"

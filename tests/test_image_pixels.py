@@ -19,7 +19,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as dataloader_pin
 
 import mmpt.data.loader as loader_module
 from conftest import REPO
-from mmpt.run_config import validate_config
+from mmpt.config_loader import validate_config
 from mmpt.data import BatchStream, ShardSetWriter, Source, StatefulLoader, StreamSpec
 from mmpt.data.image_text import decode_image
 from mmpt.methods import get_method

@@ -129,7 +129,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def m2_config(**method):
-    from mmpt.run_config import validate_config
+    from mmpt.config_loader import validate_config
 
     return validate_config({
         "method": {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": {"vocab_size": 300}, **method},

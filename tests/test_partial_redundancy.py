@@ -10,7 +10,7 @@ import pytest
 from conftest import read_metrics, tiny_config, write_config
 from mmpt.config import ConfigError
 from mmpt.engine.deepspeed_config import deepspeed_config
-from mmpt.run_config import load_config
+from mmpt.config_loader import load_config
 from test_multinode import node_commands, node_env, run_nodes
 
 WORKER = "tests/hpz_train.py"

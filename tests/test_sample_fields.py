@@ -148,7 +148,7 @@ def test_the_skip_rate_is_checked_per_source():
 
 
 def test_field_keys_a_method_does_not_read_are_config_errors(tmp_path):
-    from mmpt.run_config import load_config
+    from mmpt.config_loader import load_config
 
     config = tmp_path / "c.yaml"
     config.write_text("extends: " + json.dumps(str(__import__("conftest").REPO / "configs/space2/demo.yaml")) + "\n")

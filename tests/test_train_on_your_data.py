@@ -33,7 +33,7 @@ def blocks(language: str) -> list[str]:
 def official_download(folder: Path, config: Path, sp_model: Path) -> None:
     """A checkpoint in the official (Lightning) layout of the shrunk model, with the sp.model beside it."""
     from mmpt.methods import get_method
-    from mmpt.run_config import load_config
+    from mmpt.config_loader import load_config
 
     folder.mkdir(parents=True)
     shutil.copyfile(sp_model, folder / "sp.model")

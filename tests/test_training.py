@@ -79,8 +79,8 @@ def test_plain_python_trains_evaluates_and_zeroshot_cli_reproduces(tmp_path, dig
     # The CLIP_benchmark loader gives the same embeddings as the run's own model.
     import torch
 
-    from mmpt.eval.clip_benchmark import load_mmpt
-    from mmpt.hub import load_run
+    from mmpt.clip_benchmark import load_mmpt
+    from mmpt.release import load_run
 
     model, transform, tokenizer = load_mmpt("mmpt", str(run_dir))
     cfg, method, own = load_run(run_dir)

@@ -140,7 +140,7 @@ def initial_towers(cwd: Path, run: Path) -> dict:
 
     from mmpt.engine.trainer import seed_everything
     from mmpt.methods.victor import METHOD
-    from mmpt.run_config import load_config
+    from mmpt.config_loader import load_config
 
     here = os.getcwd()
     os.chdir(cwd)  # the config's paths are relative to where training ran

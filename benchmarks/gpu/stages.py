@@ -439,7 +439,7 @@ def space2_config(p: Profile, dialogs: Path, encoder: Path) -> dict:
 
 def one_method(ctx: Context, name: str, config: dict, batch: int | None) -> dict[str, Any]:
     """A few steps of a config at its batch (or `batch`), halving the batch while it runs out of memory."""
-    from mmpt.run_config import load_config
+    from mmpt.config_loader import load_config
 
     p = ctx.profile
     config_batch = load_config(config["extends"]).data.train.batch_size  # validating reads no data

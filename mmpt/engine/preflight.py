@@ -15,7 +15,7 @@ from mmpt.data.shards import DataError, expand_shards
 from mmpt.eval import DEMO_NAMES
 from mmpt.eval.retrieval_formats import is_shard_pattern
 from mmpt.methods import Method
-from mmpt.release import ReleaseError
+from mmpt.artifacts import ReleaseError
 
 WILDCARDS = "*?[{"
 

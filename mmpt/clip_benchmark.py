@@ -1,6 +1,6 @@
 """CLIP_benchmark with mmpt models, through CLIP_benchmark's own command line.
 
-    python -m mmpt.eval.clip_benchmark eval --model_type mmpt --pretrained runs/clip-demo \
+    python -m mmpt.clip_benchmark eval --model_type mmpt --pretrained runs/clip-demo \
         --dataset wds/digits --dataset_root data/digits_wds --task zeroshot_classification --no_amp
 
 Registers the model type `mmpt` (`--pretrained`: a run or release directory, or an `hf-hub:` id;

@@ -1,0 +1,148 @@
+"""The package's layers, read from the source: no import cycle between modules, and no module importing a
+layer above its own (function-level imports included: a lazy import is still a dependency).
+
+The layers, lowest first, are the ones docs/architecture.md draws.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Installed package name of each source folder (data/ and losses/ sit beside mmpt/ and install into it).
+PACKAGES = {"mmpt": ROOT / "mmpt", "mmpt.data": ROOT / "data", "mmpt.losses": ROOT / "losses"}
+LAYERS = (
+    ("mmpt.errors", "mmpt.artifacts"),
+    ("mmpt.distributed",),
+    ("mmpt.losses",),
+    ("mmpt.data",),
+    ("mmpt.demo",),
+    ("mmpt.config",),
+    ("mmpt.models",),
+    ("mmpt.eval",),
+    ("mmpt.pretrained",),
+    ("mmpt.methods",),
+    ("mmpt.config_loader",),
+    ("mmpt.release",),
+    ("mmpt.engine",),
+    ("mmpt", "mmpt.cli", "mmpt.clip_benchmark", "mmpt.config_reference"),
+)
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            if package == "mmpt" and parts[0] in ("data", "losses"):
+                continue
+            found[name] = path
+    return found
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The mmpt modules `name` imports anywhere in its file (`from mmpt import x` counts as mmpt.x when x is
+    a module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {module for module in found if module in known and module != name}
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports_of(name, path, set(found)) for name, path in found.items()}
+
+
+def layer_of(module: str) -> int:
+    best, depth = None, -1
+    for index, members in enumerate(LAYERS):
+        for member in members:
+            if (module == member or module.startswith(member + ".")) and len(member) > depth:
+                best, depth = index, len(member)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS (and to docs/architecture.md)")
+    return best
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(edges[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_every_module_has_a_layer():
+    for module in graph():
+        layer_of(module)
+
+
+def test_no_import_cycle():
+    assert cycles(graph()) == []
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward = sorted(f"{source} imports {target}" for source, targets in graph().items() for target in targets
+                    if layer_of(target) > layer_of(source))
+    assert upward == []
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import():
+    """The checks themselves, on a graph with a known cycle and a known upward import."""
+    edges = {"mmpt.methods.a": {"mmpt.engine.b"}, "mmpt.engine.b": {"mmpt.methods.a"}, "mmpt.config": set()}
+    assert cycles(edges) == [["mmpt.engine.b", "mmpt.methods.a"]]
+    assert layer_of("mmpt.engine.b") > layer_of("mmpt.methods.a")
+
+
+@pytest.mark.parametrize("statement,expected", [
+    ("from mmpt import distributed as mdist", {"mmpt.distributed"}),
+    ("from mmpt.data.loader import StatefulLoader", {"mmpt.data.loader"}),
+    ("from . import trainer", {"mmpt.engine.trainer"}),
+    ("from .trainer import train", {"mmpt.engine.trainer"}),
+    ("import mmpt.release", {"mmpt.release"}),
+])
+def test_imports_are_read_as_modules(tmp_path, statement, expected):
+    path = tmp_path / "x.py"
+    path.write_text(f"def f():\n    {statement}\n")
+    known = set(modules())
+    assert imports_of("mmpt.engine.x", path, known) == expected
