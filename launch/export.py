@@ -33,7 +33,7 @@ def consolidated_weights(run_dir: Path, tag: str) -> dict:
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        from mmpt.engine.checkpoint import saved_buffers
+        from mmpt.engine.checkpoint.deepspeed_io import saved_buffers
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
         # zero_to_fp32 takes buffers from rank 0's file as they are: partitioned ones are put back together

@@ -1,72 +1,13 @@
-"""Train a method from a config.
+"""Train a method from a config: the `mmpt-train` command as a file, for launchers that start one.
 
     deepspeed --num_gpus N launch/train.py --config configs/clip/demo.yaml [key.path=value ...]
-    torchrun --nproc_per_node N launch/train.py --config ...
-    python launch/train.py --config ...            (one process)
-    ... launch/train.py --import my_package.my_method --config ...   (a method defined outside mmpt)
 
-The config is validated before any process group starts; an error is one line naming the key.
-Every expected stop (config, data, non-finite training, hang) ends with one line per rank and an
-exit code listed in `mmpt/engine/stops.py`; `MMPT_DEBUG=1` shows tracebacks instead.
+Options and exit codes: `mmpt/commands/train.py`.
 """
 
-from __future__ import annotations
-
-import argparse
-import importlib
-import logging
-import os
 import sys
-import time
 
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                        help="a module to import before the config is read, e.g. one that registers a method "
-                             "(mmpt.methods.register); may repeat")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-4 train.max_steps=100")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        return run(args, rank)
-    except Exception as exc:
-        from mmpt.engine import stops
-
-        end = stops.ending(exc, rank)
-        if end is None or stops.debugging():
-            raise
-        stops.say(end.line)
-        time.sleep(end.linger_s)
-        return end.exit_code
-
-
-def run(args: argparse.Namespace, rank: int) -> int:
-    from mmpt.engine.deepspeed_config import check_precision
-    from mmpt.config_loader import load_config
-
-    for module in args.imports:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            from mmpt.config import ConfigError
-
-            raise ConfigError(f"--import {module}: {exc} (is its folder on PYTHONPATH?)") from None
-    cfg = load_config(args.config, args.overrides)  # validated before any process group starts
-    check_precision(cfg)
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    from mmpt.engine import train
-
-    train(cfg)
-    return 0
-
+from mmpt.commands.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

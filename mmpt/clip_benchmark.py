@@ -61,7 +61,8 @@ class BenchmarkTokenizer:
 def load_mmpt(model_name: str, pretrained: str, cache_dir: str | None = None,
               device: str | torch.device = "cpu") -> tuple[nn.Module, Callable, BenchmarkTokenizer]:
     """CLIP_benchmark's loader signature: (model, image transform, tokenizer) of an mmpt run or release."""
-    from mmpt.release import load_directory, resolve
+    from mmpt.artifacts import resolve
+    from mmpt.release import load_directory
 
     loaded = load_directory(resolve(pretrained), device)
     cfg, method = loaded.config, loaded.method

@@ -7,7 +7,7 @@ A host read is what makes a GPU step wait for the device: `.item()`, `.tolist()`
 nothing, but the same calls would each stall a GPU, so they are counted wherever the calling line is
 in mmpt's code (mmpt/, data/, losses/); reads inside torch or DeepSpeed are theirs. Counting is on
 from the start of step 2 to the end of every step that neither logs nor saves a checkpoint (the
-engine's phases, seen through `faults.inject`, tell where a step is). Each rank writes one JSON line
+engine's phases, seen through `mmpt.engine.hooks.observing`, tell where a step is). Each rank writes one JSON line
 per cell: the reads it saw ("op at file:line": count) and the steps it counted.
 """
 
@@ -67,23 +67,17 @@ class HostReads:
 def run_cell(cell: dict, results: Path, reads: HostReads) -> None:
     from mmpt import distributed as mdist
     from mmpt.config_loader import load_config
-    from mmpt.engine import faults, train
+    from mmpt.engine import train
+    from mmpt.engine.hooks import observing
 
     cfg = load_config(cell["config"], [*cell["overrides"], f"run.output_dir={cell['run_dir']}"])
     quiet = {s for s in range(1, cfg.train.max_steps + 1) if s % cfg.train.log_every
              and s != cfg.train.max_steps and not (cfg.train.save_every and s % cfg.train.save_every == 0)}
     reads.reset(quiet)
-    inject = faults.inject
-
-    def watched(point: str, step: int, rank: int):
-        reads.phase(point, step)
-        return inject(point, step, rank)
-
-    faults.inject = watched
     try:
-        train(cfg)
+        with observing(reads.phase):
+            train(cfg)
     finally:
-        faults.inject = inject
         reads.counting = False
     with results.open("a") as out:
         out.write(json.dumps({"cell": cell["name"], "rank": mdist.get_rank(), "reads": dict(reads.seen),

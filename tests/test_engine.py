@@ -108,12 +108,12 @@ def make_checkpoint(root, step, complete=True, world_size=2):
 
 
 def test_pruning_keeps_the_newest_and_never_later_checkpoints(tmp_path):
-    from mmpt.engine.checkpoint import _prune
+    from mmpt.engine.checkpoint.protocol import prune
 
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4, 9):
         make_checkpoint(root, step)
-    _prune(root, step=4, keep_last=2)
+    prune(root, step=4, keep_last=2)
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step_000000003", "step_000000004", "step_000000009"]
 
 

@@ -51,13 +51,15 @@ def train_and_record(rank, run_dir, stage, accum, group_size, tile):
     """Per step: the full gradient at the accumulation boundary; at the end, on rank 0: how far each weight moved."""
     from deepspeed.utils import safe_get_full_grad
 
+    from mmpt import distributed as mdist
     from mmpt.engine.checkpoint import gathered_state_dict
-    from mmpt.engine.trainer import build_engine, optimizer_step
+    from mmpt.engine.run import build_engine
+    from mmpt.engine.trainer import optimizer_step
     from mmpt.methods import get_method
 
     method = get_method("m2_encoder")
     cfg = make_config(run_dir, stage, accum, ROWS * 4 // accum, group_size, tile)
-    engine, _ = build_engine(cfg, method, run_dir, WORLD)
+    engine, _ = build_engine(cfg, method, mdist.layout(), WORLD)
     named = list(engine.module.model.named_parameters())
     initial = gathered_state_dict(engine.module.model)
     gradients = []

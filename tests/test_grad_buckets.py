@@ -55,7 +55,7 @@ def check_bucketed_all_reduce(rank, shared_memory, bucket_bytes):
     for step in range(2):
         reduction.start_step()
         for index, x in enumerate(batches(rank, step)):
-            reduction.reducing = index == 1
+            reduction.reduce_during_backward(index == 1)
             model(x).backward()
         found_inf = reduction.finish()
         assert found_inf.item() == 0.0
@@ -80,7 +80,7 @@ def check_non_finite_gradient_is_flagged(rank):
     model = Model()
     reduction = grad_buckets.BucketedAllReduce(model.parameters(), bucket_bytes=100)
     reduction.start_step()
-    reduction.reducing = True
+    reduction.reduce_during_backward(True)
     (model(batches(rank, 0)[0]) * (float("inf") if rank == 1 else 1.0)).backward()
     assert reduction.finish().item() == 1.0  # every rank learns it: the all-reduce spread the inf
 

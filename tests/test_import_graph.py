@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Installed package name of each source folder (data/ and losses/ sit beside mmpt/ and install into it).
 PACKAGES = {"mmpt": ROOT / "mmpt", "mmpt.data": ROOT / "data", "mmpt.losses": ROOT / "losses"}
 LAYERS = (
-    ("mmpt.errors", "mmpt.artifacts"),
+    ("mmpt.errors", "mmpt.artifacts", "mmpt.registry"),
     ("mmpt.distributed",),
     ("mmpt.losses",),
     ("mmpt.data",),
@@ -28,7 +28,7 @@ LAYERS = (
     ("mmpt.config_loader",),
     ("mmpt.release",),
     ("mmpt.engine",),
-    ("mmpt", "mmpt.cli", "mmpt.clip_benchmark", "mmpt.config_reference"),
+    ("mmpt", "mmpt.cli", "mmpt.commands", "mmpt.clip_benchmark", "mmpt.config_reference"),
 )
 
 

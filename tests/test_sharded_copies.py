@@ -45,7 +45,8 @@ def whole_key(model) -> dict[str, torch.Tensor]:
 def check_sharded_copy_matches_a_whole_one(rank):
     import deepspeed
 
-    from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes, whole_from_partitions
+    from mmpt.engine.checkpoint.parts import whole_from_partitions
+    from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.manual_seed(0)

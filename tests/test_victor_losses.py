@@ -208,7 +208,7 @@ def test_queue_pointers_come_back_with_its_state():
 
 
 def test_a_queue_whose_buffers_alone_are_restored_continues_where_it_was_saved():
-    from mmpt.engine.checkpoint import restore_buffers  # what a resume on another number of ranks does
+    from mmpt.engine.checkpoint.deepspeed_io import restore_buffers  # what a resume on another number of ranks does
 
     saved = torch.nn.ModuleDict({"queue": MemoryQueue(5, 2), "head": torch.nn.Linear(2, 2)})
     saved["queue"].push(torch.ones(3, 2))

@@ -138,7 +138,7 @@ def initial_towers(cwd: Path, run: Path) -> dict:
     """The query towers' weights before step 1, as the engine built them (seeded with `train.seed`)."""
     import os
 
-    from mmpt.engine.trainer import seed_everything
+    from mmpt.engine.run import seed_everything
     from mmpt.methods.victor import METHOD
     from mmpt.config_loader import load_config
 

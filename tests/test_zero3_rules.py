@@ -8,7 +8,7 @@ from torch import nn
 
 from conftest import run_on_gloo_ranks
 from mmpt.config import ConfigError
-from mmpt.engine.trainer import check_pooled_accumulation
+from mmpt.engine.run import check_pooled_accumulation
 from mmpt.methods import get_method
 
 

@@ -8,7 +8,7 @@ start them). RESULT.json gets: status (ok, oom, error), the error line, the peak
 
 `--mmpt` benchmarks an mmpt run: the steps are what is measured, so the run's final checkpoint
 (several GB of optimizer state for a 0.4B model) and the consolidation of its weights are skipped
-by replacing `mmpt.engine.checkpoint.save` and `mmpt.engine.trainer.finish`; the peak is read where
+by replacing `mmpt.engine.checkpoint.Checkpointer.save` and `mmpt.engine.trainer.finish`; the peak is read where
 `finish` would start, right after the last step.
 """
 
@@ -49,22 +49,23 @@ def reset_device_memory() -> None:
 @contextmanager
 def steps_only(record: dict[str, Any]) -> Iterator[None]:
     """mmpt without its final checkpoint and weight consolidation; the peak is recorded after the last step."""
-    from mmpt.engine import checkpoint, trainer
+    from mmpt.engine import trainer
+    from mmpt.engine.checkpoint import Checkpointer
 
-    for module, name in ((checkpoint, "save"), (trainer, "finish")):
-        if not callable(getattr(module, name, None)):
-            raise RuntimeError(f"{module.__name__}.{name} is gone: update benchmarks/gpu/probe.py to the engine")
-    saved = checkpoint.save, trainer.finish
+    for owner, name in ((Checkpointer, "save"), (trainer, "finish")):
+        if not callable(getattr(owner, name, None)):
+            raise RuntimeError(f"{owner.__name__}.{name} is gone: update benchmarks/gpu/probe.py to the engine")
+    saved = Checkpointer.save, trainer.finish
 
     def finish(*args: Any, **kwargs: Any) -> dict:
         record.update(device_memory())
         return {}
 
-    checkpoint.save, trainer.finish = (lambda *args, **kwargs: None), finish
+    Checkpointer.save, trainer.finish = (lambda *args, **kwargs: None), finish
     try:
         yield
     finally:
-        checkpoint.save, trainer.finish = saved
+        Checkpointer.save, trainer.finish = saved
 
 
 def is_oom(exc: BaseException) -> bool:

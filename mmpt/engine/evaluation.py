@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mmpt.config import Config
-from mmpt.engine import checkpoint
+from mmpt.engine.checkpoint.rng import rng_state, set_rng_state
 from mmpt.methods import Method
 
 
@@ -39,14 +39,14 @@ def evaluate_sets(method: Method, model: nn.Module, cfg: Config, run_dir: Path) 
 @contextmanager
 def untouched(model: nn.Module) -> Iterator[None]:
     """Every RNG stream and module mode as they were before the block, whatever it did."""
-    rng = checkpoint.rng_state()
+    rng = rng_state()
     modes = [(module, module.training) for module in model.modules()]
     try:
         yield
     finally:
         for module, training in modes:
             module.training = training
-        checkpoint.set_rng_state(rng)
+        set_rng_state(rng)
 
 
 def evaluate_while_training(method: Method, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:

@@ -1,13 +1,13 @@
-"""Fault injection, for the tests that prove mmpt survives faults. Inert unless MMPT_INJECT_FAULT is set.
+"""Fault injection, for the tests that prove mmpt survives faults. Installed only when MMPT_INJECT_FAULT is set.
 
     MMPT_INJECT_FAULT="kill@save:after_engine,step=4,rank=1"     SIGKILL this rank at that point
     MMPT_INJECT_FAULT="sleep=30@forward,step=3,rank=1"           sleep there (a hung or slow rank)
-    MMPT_INJECT_FAULT="nan@loss,step=3,rank=0"                   make the loss NaN there
+    MMPT_INJECT_FAULT="nan@backward,step=3,rank=0"               make the loss about to be backpropagated NaN
     MMPT_INJECT_FAULT="fail@save:after_engine,step=4,rank=1"     raise OSError there (e.g. a full disk)
 
 Several faults are separated by `;`. A fault without `step`/`rank` fires at every step / on every rank;
 `once=PATH` makes it fire only while PATH does not exist (it is created first), so a restarted run
-gets past it.
+gets past it. The points are those `mmpt.engine.hooks` is told of.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+
+import torch
 
 ENV = "MMPT_INJECT_FAULT"
 
@@ -40,23 +42,38 @@ def parse(text: str) -> list[Fault]:
     return faults
 
 
-_FAULTS = parse(os.environ.get(ENV, ""))
+class FaultInjector:
+    """Carries out the faults configured for this rank as the run reaches their points."""
 
+    def __init__(self, faults: list[Fault], rank: int):
+        self.faults, self.rank = faults, rank
+        self._poison_next_loss = False
 
-def inject(point: str, step: int, rank: int) -> str | None:
-    """Carry out a fault configured for this point; returns the action ('nan') the caller must apply."""
-    for fault in _FAULTS:
-        if fault.point != point or fault.step not in (None, step) or fault.rank not in (None, rank):
-            continue
-        if fault.once is not None:
-            if os.path.exists(fault.once):
+    @classmethod
+    def from_environment(cls, rank: int) -> FaultInjector | None:
+        faults = parse(os.environ.get(ENV, ""))
+        return cls(faults, rank) if faults else None
+
+    def reached(self, point: str, step: int) -> None:
+        for fault in self.faults:
+            if fault.point != point or fault.step not in (None, step) or fault.rank not in (None, self.rank):
                 continue
-            open(fault.once, "w").close()
-        if fault.action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if fault.action == "fail":
-            raise OSError(f"injected write failure at {point}, step {step}")
-        if fault.action.startswith("sleep="):
-            time.sleep(float(fault.action.split("=", 1)[1]))
-        return fault.action
-    return None
+            if fault.once is not None:
+                if os.path.exists(fault.once):
+                    continue
+                open(fault.once, "w").close()
+            if fault.action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.action == "fail":
+                raise OSError(f"injected write failure at {point}, step {step}")
+            if fault.action.startswith("sleep="):
+                time.sleep(float(fault.action.split("=", 1)[1]))
+            if fault.action == "nan":
+                self._poison_next_loss = True
+            return
+
+    def loss(self, total: torch.Tensor) -> torch.Tensor:
+        if not self._poison_next_loss:
+            return total
+        self._poison_next_loss = False
+        return total * float("nan")

@@ -30,8 +30,8 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
 class BucketedAllReduce:
-    """Per optimizer step: `start_step()`, then `reducing = True` before the step's last backward (earlier
-    micro-batches only accumulate) and `finish()` after it."""
+    """Per optimizer step: `start_step()`, then `reduce_during_backward(last)` before each micro-batch's
+    backward (only the step's last one reduces; earlier ones accumulate) and `finish()` after the last."""
 
     def __init__(self, parameters: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES):
         self.world = dist.get_world_size()
@@ -83,6 +83,10 @@ class BucketedAllReduce:
         self.ready = [0] * len(self.buckets)
         self.next_bucket = 0
         self.handles = []
+
+    def reduce_during_backward(self, reduce: bool) -> None:
+        """Whether the next backward launches each bucket's all-reduce as soon as its gradients are complete."""
+        self.reducing = reduce
 
     def _gradient_ready(self, param: nn.Parameter) -> None:
         if not self.reducing or self.shared_memory:

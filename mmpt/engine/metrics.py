@@ -1,7 +1,7 @@
 """Training metrics: per-step loss terms averaged over ranks, throughput, per-rank step time.
 
-Rank 0 writes `metrics.jsonl` (one line per logged step), TensorBoard scalars and a progress bar.
-`log` is a collective: every rank calls it at the same steps. Loss terms are summed on the device
+Rank 0 writes `metrics.jsonl` (one line per logged step), TensorBoard scalars, W&B and a progress bar.
+`log_window` is a collective: every rank calls it at the same steps. Loss terms are summed on the device
 and read only there, so steps between logging steps never wait for the host.
 """
 
@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from mmpt import distributed as mdist
 from mmpt.config import WandbConfig
+from mmpt.data import counts as data_counts
 from mmpt.data.counts import describe
 
 WANDB_ID_FILE = "wandb_run_id"  # a resumed run continues the W&B run it started
@@ -72,6 +73,26 @@ class MetricLogger:
         self._count += 1
         if self._bar is not None:
             self._bar.update(1)
+
+    def log_window(self, step: int, lr: float, times: dict[str, float], counts: dict[str, dict[str, int]],
+                   sources: list[str], skipped_steps: int, state_bytes: tuple[float, float] | None) -> dict:
+        """Reduce the window over ranks and write it (rank 0); returns the record. Every rank calls it.
+
+        `counts`: this rank's sample counts by source (`sources` in order); `state_bytes`: this rank's
+        (optimizer state, momentum copies) bytes, the second None when the model keeps no momentum copies.
+        """
+        local = data_counts.flatten(counts, sources)
+        summed = mdist.all_reduce_sum(torch.tensor(local, dtype=torch.float64), mdist.data_parallel_group()).tolist()
+        self.data_counts = data_counts.nest(summed, sources)
+        optimizer_bytes, momentum_bytes = state_bytes or (0.0, None)
+        mib = mdist.all_gather_floats([optimizer_bytes / 2**20, (momentum_bytes or 0.0) / 2**20])
+        extra: dict = {**data_counts.metrics(self.data_counts), "skipped_steps": skipped_steps,
+                       "optimizer_state_mib_per_rank": [round(m[0], 1) for m in mib]}
+        if momentum_bytes is not None:
+            extra["momentum_copy_mib_per_rank"] = [round(m[1], 3) for m in mib]
+        record = self.reduce(step, lr, times, extra)
+        self.write(step, record)
+        return record
 
     def reduce(self, step: int, lr: float, times: dict[str, float], extra: dict[str, float] | None = None) -> dict:
         """The window reduced over ranks, as a record (on every rank); `write` emits it.

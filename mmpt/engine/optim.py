@@ -41,6 +41,11 @@ class SkippingAdamW(torch.optim.AdamW):
         self.skipped: torch.Tensor | None = None
         self.checked: torch.Tensor | None = None  # the next step's flag, when the gradients' reduction found it
 
+    def take_found_inf(self, flag: torch.Tensor) -> None:
+        """The next step's non-finite flag, found by whoever reduced the gradients (a device tensor, 1.0 or
+        0.0): the step then skips its own check."""
+        self.checked = flag
+
     @torch.no_grad()
     def step(self, closure=None):
         if self.checked is not None:

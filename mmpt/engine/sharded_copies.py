@@ -126,7 +126,7 @@ class ShardedCopies:
     @torch.no_grad()
     def load_whole(self, module: nn.Module, whole: dict[str, torch.Tensor]) -> None:
         """Refill the partitions of `module`'s copies from whole tensors (state-dict names), each cut for this
-        rank; a resume on another layout rebuilds them with `whole_from_partitions`."""
+        rank; a resume on another layout rebuilds them with `checkpoint.parts.whole_from_partitions`."""
         for name, tensor in module.state_dict(keep_vars=True).items():
             if id(tensor) in self._shards:
                 tensor.copy_(self._cut(whole[name].to(tensor.device, tensor.dtype), self._shards[id(tensor)]))
@@ -135,18 +135,6 @@ class ShardedCopies:
         """{state-dict name: full shape} of `module`'s partitioned tensors, for readers of a checkpoint."""
         return {name: list(self._shards[id(t)].shape) for name, t in module.state_dict(keep_vars=True).items()
                 if id(t) in self._shards}
-
-
-def whole_from_partitions(name: str, parts: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
-    """The tensor `name` of `shape` from the flat partitions every rank saved (rank order, ZeRO-3's layout),
-    or as saved when a run kept it whole."""
-    if tuple(parts[0].shape) == tuple(shape):
-        return parts[0]
-    whole = torch.cat([p.reshape(-1) for p in parts])[:math.prod(shape)]
-    if whole.numel() != math.prod(shape):
-        raise ValueError(f"'{name}': the saved partitions hold {whole.numel()} elements, the model needs "
-                         f"{math.prod(shape)} (shape {tuple(shape)})")
-    return whole.reshape(shape)
 
 
 def momentum_bytes(copies: Iterable[MomentumCopy]) -> int:

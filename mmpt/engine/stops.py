@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from mmpt.config import ConfigError
 from mmpt.data.shards import DataError, MissingDataError
-from mmpt.engine.checkpoint import CheckpointError
+from mmpt.engine.checkpoint.protocol import CheckpointError
 from mmpt.engine.guards import NonFiniteError
 from mmpt.models.m2_official import CheckpointMismatch
 

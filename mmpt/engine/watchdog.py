@@ -49,6 +49,12 @@ class Watchdog:
         self._progress = (step, phase, time.time())  # one assignment: the thread never sees half of it
         self._last = time.monotonic()
 
+    def reached(self, point: str, step: int) -> None:
+        """A step hook (`mmpt.engine.hooks`): the step's phases are progress; the save protocol's inner points
+        (`save:...`) are not, the "checkpoint" phase before them covers the save."""
+        if ":" not in point:
+            self.beat(step, point)
+
     @property
     def step(self) -> int:
         return self._progress[0]

@@ -21,6 +21,7 @@ from mmpt.losses import ContrastiveLoss
 from mmpt.methods.base import MethodConfig
 from mmpt.methods.image_text import ImageTextMethod, PlacementAugment, ZeroShotConfig
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
+from mmpt.methods import register
 
 
 class ClipConfig(MethodConfig):
@@ -62,4 +63,4 @@ class ClipMethod(ImageTextMethod):
         return ContrastiveLoss()
 
 
-METHOD = ClipMethod()
+METHOD = register(ClipMethod())

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from torch import nn
 from torchvision import transforms as T
 
@@ -24,6 +24,8 @@ from mmpt.methods.image_text import ImageTextMethod, PlacementAugment, ZeroShotC
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 from mmpt.models.m2_official import load_official, load_release_weights
 from mmpt.pretrained import initial_weights
+from mmpt.methods import register
+from mmpt.registry import NotRegistered
 
 OFFICIAL_MEAN, OFFICIAL_STD = M2Encoder.image_mean, M2Encoder.image_std  # the official inception_normalize
 
@@ -47,7 +49,7 @@ class AugmentConfig(PlacementAugment):
 
 class M2Config(MethodConfig):
     name: Literal["m2_encoder"] = "m2_encoder"
-    model: Literal["m2-encoder-demo", "m2-encoder-0.4b", "m2-encoder-1b", "m2-encoder-10b"] = "m2-encoder-0.4b"
+    model: str = Field("m2-encoder-0.4b", description=f"architecture preset: {', '.join(PRESETS.names())}")
     arch: M2EncoderConfig = Field(default_factory=M2EncoderConfig,
                                   description="architecture; keys given here override the `model` preset")
     tokenizer: str | None = Field(
@@ -67,11 +69,21 @@ class M2Config(MethodConfig):
                              "weights that come with one")
         return self
 
+    @field_validator("model")
+    @classmethod
+    def _a_preset(cls, name: str) -> str:
+        try:
+            PRESETS.get(name)
+        except NotRegistered as exc:
+            raise ValueError(str(exc)) from None
+        return name
+
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, values: Any) -> Any:
         if isinstance(values, dict):
-            preset = PRESETS.get(values.get("model", "m2-encoder-0.4b"), {})
+            name = values.get("model", "m2-encoder-0.4b")
+            preset = PRESETS[name] if name in PRESETS else {}  # an unknown name is the `model` field's error
             arch = values.get("arch") or {}
             if isinstance(arch, dict):
                 values = {**values, "arch": {**preset, **arch}}
@@ -165,4 +177,4 @@ class M2EncoderMethod(ImageTextMethod):
         return loss.pool(images, texts)
 
 
-METHOD = M2EncoderMethod()
+METHOD = register(M2EncoderMethod())

@@ -19,6 +19,7 @@ from mmpt.losses import ContrastiveLoss
 from mmpt.methods.base import MethodConfig
 from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig
 from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer, preprocess_settings
+from mmpt.methods import register
 
 
 class OpenClipConfig(MethodConfig):
@@ -65,4 +66,4 @@ class OpenClipMethod(ImageTextMethod):
         return ContrastiveLoss()
 
 
-METHOD = OpenClipMethod()
+METHOD = register(OpenClipMethod())

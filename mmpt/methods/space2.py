@@ -28,6 +28,7 @@ from mmpt.losses.tree_contrastive import TreeContrastiveLoss
 from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, VIEWS, LabelCodes
 from mmpt.methods.base import Method, MethodConfig, stream_spec
 from mmpt.models.space2 import Space2Encoder
+from mmpt.methods import register
 
 BACKBONE_DIR = "encoder"  # the backbone's config and tokenizer files inside a run directory
 BACKBONE_FILES = ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -195,4 +196,4 @@ class Space2Method(Method):
         return {f"intent/{k}": v for k, v in result["metrics"].items()}
 
 
-METHOD = Space2Method()
+METHOD = register(Space2Method())

@@ -44,6 +44,7 @@ from mmpt.methods.base import (EngineNeeds, Method, MethodConfig, copy_tokenizer
                                save_eval_record, stream_spec)
 from mmpt.models.clip import TextTowerConfig
 from mmpt.models.victor import VictorModel, VideoTowerConfig, load_backbone_weights
+from mmpt.methods import register
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -279,4 +280,4 @@ class VictorMethod(Method):
         return eval_record(run_dir, dataset, task, language, metrics)
 
 
-METHOD = VictorMethod()
+METHOD = register(VictorMethod())

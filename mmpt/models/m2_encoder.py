@@ -1,6 +1,6 @@
 """The M²-Encoder multiway transformer (arXiv 2401.15896), compatible with the official checkpoints.
 
-Follows the official inference code as described in `m2_encoder_architecture.md`: a lower stack of
+Follows the official inference code (docs/m2_encoder.md says what is known from it and the paper): a lower stack of
 pre-LN Sub-LN (Magneto) layers in which every module has a vision copy `A` and a text copy `B`,
 then a shared top stack in which both modalities use the `A` copies. Image and text features are
 the CLS token of the top stack through the `itc_vl_*` projections, L2-normalised.
@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mmpt.config import Section
+from mmpt.registry import Registry
 
 VISION, TEXT = "A", "B"
 FIRST_POSITION = 2  # fairseq convention: position rows 0 and 1 are never used
@@ -58,13 +59,12 @@ class M2EncoderConfig(Section):
         return (self.image_size // self.patch_size) ** 2
 
 
-PRESETS: dict[str, dict] = {
-    "m2-encoder-demo": dict(width=64, heads=4, lower_layers=2, shared_layers=1, output_dim=64, image_size=32,
-                            patch_size=4, text_positions=64, context_length=24),
-    "m2-encoder-0.4b": dict(width=768, heads=12, lower_layers=9, shared_layers=3, output_dim=768),
-    "m2-encoder-1b": dict(width=1024, heads=16, lower_layers=21, shared_layers=3, output_dim=1024),
-    "m2-encoder-10b": dict(width=4096, heads=32, lower_layers=21, shared_layers=3, output_dim=1024),
-}
+PRESETS: Registry[dict] = Registry("M2-Encoder model")
+PRESETS.register("m2-encoder-demo", dict(width=64, heads=4, lower_layers=2, shared_layers=1, output_dim=64,
+                                         image_size=32, patch_size=4, text_positions=64, context_length=24))
+PRESETS.register("m2-encoder-0.4b", dict(width=768, heads=12, lower_layers=9, shared_layers=3, output_dim=768))
+PRESETS.register("m2-encoder-1b", dict(width=1024, heads=16, lower_layers=21, shared_layers=3, output_dim=1024))
+PRESETS.register("m2-encoder-10b", dict(width=4096, heads=32, lower_layers=21, shared_layers=3, output_dim=1024))
 
 
 class Multiway(nn.Module):

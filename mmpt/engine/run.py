@@ -1,0 +1,295 @@
+"""Everything one training run holds, built once: the process group and layout, the DeepSpeed engine, what the
+method needs from the engine, the batches, the checkpointer with the run's stateful parts registered, the
+metrics, the step hooks. `trainer.train` drives it; nothing is threaded through the loop by hand."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmpt import distributed as mdist
+from mmpt.artifacts import WEIGHTS
+from mmpt.config import Config, ConfigError, save_config
+from mmpt.data.loader import SkipPolicy, StatefulLoader
+from mmpt.engine import precision, shm_collectives
+from mmpt.engine.batch_norm import batch_norm_across_ranks
+from mmpt.engine.checkpoint import Checkpointer, RngState, deepspeed_io, find_resume, saved_world_size
+from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
+from mmpt.engine.faults import FaultInjector
+from mmpt.engine.grad_buckets import BucketedAllReduce
+from mmpt.engine.guards import NonFiniteGuard
+from mmpt.engine.hooks import StepHooks
+from mmpt.engine.metrics import MetricLogger
+from mmpt.engine.optim import SkippingAdamW, build_optimizer, warmup_cosine
+from mmpt.engine.preflight import check_inputs
+from mmpt.engine.sequence_parallel import split_sequences
+from mmpt.engine.sharded_copies import ShardedCopies
+from mmpt.engine.summary import startup_summary
+from mmpt.engine.timing import Spans
+from mmpt.engine.watchdog import Watchdog
+from mmpt.methods import EngineNeeds, Method, get_method
+
+log = logging.getLogger(__name__)
+
+
+class TrainingModule(nn.Module):
+    """Model + loss as one module, with what the method needs from the engine (`needs`). Every method hook
+    that reads parameters (the step pool, `training_step`) runs inside this module's forward, and the
+    engine calls it only through DeepSpeed's forward: that is where ZeRO-3 gathers partitioned
+    parameters, including ones read as tensors outside a module call."""
+
+    def __init__(self, method: Method, model: nn.Module, loss: nn.Module, needs: EngineNeeds):
+        super().__init__()
+        self.method, self.model, self.loss, self.needs = method, model, loss, needs
+        self.gradient_reduction: BucketedAllReduce | None = None  # set by `build_engine` where it replaces DeepSpeed's
+
+    def forward(self, batch: Any, pool: Any = None, index: int = 0, pool_pass: bool = False) -> Any:
+        if pool_pass:  # `batch` is then the step's list of micro-batches
+            return self.needs.step_pool(self.model, self.loss, batch)
+        return self.method.training_step(self.model, self.loss, batch, pool, index)
+
+
+class Batches:
+    """The loader as the loop reads it, and the data position as a checkpoint part: a loaded position starts
+    the loader's iterator before the RNG part is restored (starting it draws from the RNG)."""
+
+    def __init__(self, loader: StatefulLoader):
+        self.loader = loader
+        self._iterator: Iterator | None = None
+
+    def start(self) -> None:
+        self._iterator = iter(self.loader)
+
+    def __next__(self) -> Any:
+        assert self._iterator is not None, "Batches.start() first"
+        return next(self._iterator)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+        self.start()
+
+    def load_resharded(self, states: list[dict[str, Any]], step: int) -> None:
+        """Readers saved by another layout, one per data-parallel rank (sequence-parallel ranks share one)."""
+        self.loader.reshard(states[::len(states) // states[0]["world_size"]])
+        self.start()
+
+
+@dataclass
+class Run:
+    cfg: Config
+    method: Method
+    run_dir: Path
+    layout: mdist.ParallelLayout
+    engine: Any  # the DeepSpeed engine; None once `trainer.finish` has freed it
+    batches: Batches
+    checkpointer: Checkpointer
+    hooks: StepHooks
+    metrics: MetricLogger
+    watchdog: Watchdog
+    momentum: ShardedCopies | None  # momentum copies sharded like their parameters (ZeRO-3), else None
+    float_dtype: torch.dtype
+    step: int = 0
+    guard: NonFiniteGuard = field(init=False)
+    spans: Spans = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.guard = NonFiniteGuard(self.cfg.train.max_bad_steps, self.engine.device)
+        self.spans = Spans(cuda=self.engine.device.type == "cuda")
+
+    @property
+    def needs(self) -> EngineNeeds:
+        return self.engine.module.needs
+
+    @property
+    def rank(self) -> int:
+        return mdist.get_rank()
+
+    def due(self, every: int) -> bool:
+        """Whether the step just taken is one of every `every` (0: never), or the last."""
+        return bool(every) and self.step % every == 0 or self.step == self.cfg.train.max_steps
+
+    def close(self) -> None:
+        self.watchdog.close()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def start(cfg: Config) -> tuple[Run | None, int]:
+    """(the run, ready to train from its step; None when it already finished) and the step it stands at."""
+    check_precision(cfg)
+    method = get_method(cfg.method_name)
+    check_inputs(cfg, method)  # before the process group: a missing file is one line and exit 2, not a requeue
+    rank, world_size = start_process_group()
+    layout = mdist.set_sequence_parallel(cfg.train.sequence_parallel)
+    run_dir = Path(cfg.run.output_dir)
+    if rank == 0:
+        prepare_run_dir(cfg, method, run_dir)
+    mdist.barrier()
+
+    checkpoint = find_resume(run_dir, cfg.run.resume)
+    elastic = checkpoint is not None and saved_world_size(checkpoint) != world_size
+    universal = deepspeed_io.to_universal(checkpoint, run_dir) if elastic and cfg.train.zero_stage > 0 else None
+    engine, initial_weights = build_engine(cfg, method, layout, world_size, load_universal=universal is not None)
+    float_dtype = precision.DTYPES[cfg.train.precision]
+    needs = engine.module.needs
+    kept_fp32 = needs.fp32_modules + needs.momentum_copies
+    precision.match_buffer_precision(engine.module, float_dtype, kept_fp32)
+    precision.compute_in(kept_fp32, float_dtype, engine.device.type)
+    momentum = ShardedCopies(needs.momentum_copies) if cfg.train.zero_stage == 3 and needs.momentum_copies else None
+
+    seed_everything(cfg.train.seed + layout.data_rank)  # ranks splitting one batch draw the same masks
+    loader = StatefulLoader(
+        method.train_data(cfg, run_dir, rank=layout.data_rank, world_size=layout.data_size),
+        SkipPolicy(cfg.data.train.max_skip_rate, cfg.data.train.min_samples_for_skip_rate),
+    )
+    batches = Batches(loader)
+    watchdog = Watchdog(run_dir, rank, world_size, cfg.train.watchdog_timeout)
+    hooks = StepHooks([watchdog.reached], FaultInjector.from_environment(rank))
+    spec = loader.dataset.spec
+    checkpointer = Checkpointer(run_dir, cfg.train.keep_last, (spec.world_size, spec.num_workers), hooks.reached,
+                                partitioned=momentum)
+    checkpointer.register("data", batches)
+    checkpointer.register("rng", RngState(lambda at: seed_everything(cfg.train.seed + layout.data_rank + 7919 * at)))
+
+    step = 0
+    if checkpoint is None:
+        batches.start()
+    else:
+        step, saved = checkpointer.restore(engine, checkpoint, universal or checkpoint)
+        if rank == 0:
+            same = saved == checkpointer.layout
+            log.warning("resumed from %s at step %d" + ("" if same else ", saved by %d ranks x %d workers, on %d x %d: "
+                        "data readers restart at epoch %d"), checkpoint, step,
+                        *(() if same else (*saved, spec.world_size, spec.num_workers, spec.start_epoch)))
+    # Finished: its final checkpoint and weights are written (rank 0's word: other nodes may not share its disk).
+    if step >= cfg.train.max_steps and mdist.all_gather_floats([(run_dir / WEIGHTS).is_file()])[0][0]:
+        watchdog.close()
+        if rank == 0:
+            print(f"mmpt: {run_dir} already finished at step {step} (train.max_steps={cfg.train.max_steps}): nothing "
+                  "to do; raise train.max_steps to train on, or set run.output_dir to start another run", flush=True)
+        return None, step
+    if rank == 0:
+        log.info(startup_summary(cfg, engine.module.model, loader, initial_weights, step, checkpoint))
+
+    global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * layout.data_size
+    metrics = MetricLogger(run_dir, max_steps=cfg.train.max_steps, start_step=step, global_batch=global_batch,
+                           tensorboard=cfg.run.tensorboard, progress_bar=cfg.run.progress_bar,
+                           straggler_factor=cfg.train.straggler_factor, straggler_windows=cfg.train.straggler_windows,
+                           wandb=cfg.run.wandb, config=cfg.to_dict())
+    return Run(cfg, method, run_dir, layout, engine, batches, checkpointer, hooks, metrics, watchdog, momentum,
+               float_dtype, step), step
+
+
+def start_process_group() -> tuple[int, int]:
+    """NCCL on GPUs, gloo on CPU; a plain `python` start becomes a world of one."""
+    import deepspeed
+
+    mdist.ensure_rendezvous_env()
+    use_cuda = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(mdist.process_info().local_rank)
+    mdist.barrier()
+    release_cpu_allreduce_buffer()
+    if shm_collectives.route_deepspeed_collectives() and mdist.get_rank() == 0:
+        log.info("all %d CPU ranks on this host: gradient all-reduces and ZeRO's gathers go through DeepSpeed's "
+                 "shared-memory kernel", mdist.get_world_size())
+    return mdist.get_rank(), mdist.get_world_size()
+
+
+def release_cpu_allreduce_buffer() -> None:
+    """Unlink this rank's DeepSpeed CPU all-reduce buffer from /dev/shm once every rank has mapped it.
+
+    DeepSpeed's shared-memory all-reduce (CPU ranks) creates one ~70 MB file per rank and run,
+    named after the rendezvous port, and never removes it: every run, killed ones most of all,
+    would leave its buffers behind until /dev/shm fills memory. Every peer maps all buffers while
+    the process group starts (the barrier before this call), so the name is no longer needed;
+    the memory goes when the last rank exits.
+    """
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{mdist.get_rank()}")
+    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def prepare_run_dir(cfg: Config, method: Method, run_dir: Path) -> None:
+    """Rank 0: demo data if asked, the resolved config, and the method's files (tokenizer)."""
+    if cfg.data.prepare:
+        from mmpt import demo
+
+        demo.build(cfg.data.prepare, cfg.data.root)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    method.prepare(cfg, run_dir)
+
+
+def check_pooled_accumulation(method: Method, model: nn.Module, grad_accum: int) -> None:
+    """Pooled accumulation is exact only if both passes over a micro-batch compute the same features:
+    refuse modules whose training-mode forward is random (dropout, drop-path) or counts each batch
+    (batch norm statistics would be updated twice)."""
+    if method.engine_needs(model).step_pool is None or grad_accum == 1:
+        return
+    for name, module in model.named_modules():
+        reason = None
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            reason = f"dropout p={module.p}"
+        elif isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
+            reason = f"attention dropout {module.dropout}"
+        elif isinstance(getattr(module, "drop_prob", None), float) and module.drop_prob > 0:
+            reason = f"drop-path {module.drop_prob}"
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            reason = "batch norm in training mode"
+        if reason:
+            raise ConfigError(f"method '{method.name}' pools train.grad_accum={grad_accum} micro-batches per step, which "
+                              f"needs the same features in its pool and gradient passes, but model module '{name}' has "
+                              f"{reason}: turn it off or set train.grad_accum=1")
+
+
+def build_engine(cfg: Config, method: Method, layout: mdist.ParallelLayout, world_size: int,
+                 load_universal: bool = False) -> tuple[Any, str | None]:
+    """(DeepSpeed engine, what `Method.load_initial_weights` said it loaded, or None)."""
+    import deepspeed
+
+    seed_everything(cfg.train.seed)  # the same initial weights on every rank
+    model = method.build_model(cfg, Path(cfg.run.output_dir))
+    check_pooled_accumulation(method, model.train(), cfg.train.grad_accum)
+    loaded = method.load_initial_weights(model, cfg)
+    needs = method.engine_needs(model)
+    if needs.batch_norm_across_ranks:
+        batch_norm_across_ranks(model, mdist.data_parallel_group())
+    if layout.sequence_parallel > 1:
+        if not needs.sequence_parallel:
+            raise ConfigError(f"config key 'train.sequence_parallel': method '{method.name}' declares no transformer "
+                              "to split along the sequence; set it to 1")
+        split_sequences(needs.sequence_parallel, layout.sequence_group, layout.sequence_parallel)
+    module = TrainingModule(method, model, method.build_loss(cfg), needs)
+    optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio, cfg.optim.decay)
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=schedule,
+        config=deepspeed_config(cfg, world_size, load_universal=load_universal),
+    )
+    if cfg.train.zero_stage == 0 and (world_size == 1 or isinstance(engine.optimizer, SkippingAdamW)):
+        # Averaging over one rank: nothing to do. Over several, with the plain (fp32) optimizer: buckets that
+        # reduce while backward runs, without DeepSpeed's flatten and copy back (see grad_buckets.py).
+        engine.enable_backward_allreduce = False
+        if world_size > 1:
+            module.gradient_reduction = BucketedAllReduce(module.parameters())
+    return engine, loaded
