@@ -1,69 +1,8 @@
-"""Zero-shot evaluation of a finished run, written as CLIP_benchmark-style JSON.
+"""The `mmpt-zeroshot` command as a file, for a checkout: see `mmpt/commands/zeroshot.py`."""
 
-    python launch/zeroshot.py --model runs/clip-demo --dataset digits \
-        --task zeroshot_classification --language zh --output results/
-
---dataset is, for classification, a CLIP_benchmark webdataset folder, an ImageFolder or a demo corpus
-name (digits), or for a video model (victor) a folder of class-named clip folders; for retrieval,
-any layout of mmpt/eval/retrieval_formats.py (M²-Encoder jsonl, Karpathy or ALBEF/BLIP json,
-Chinese-CLIP texts jsonl + imgs tsv, CLIP_benchmark folder), or for a video model a jsonl of
-{"video": path, "caption": [...]} lines, an MSR-VTT csv (video_id,sentence, e.g. the 1k-A JSFusion
-list; clips in videos/ beside it), DiDeMo's json (paragraph-to-video) or the demo's held-out clips
-(moving_digits).
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from pathlib import Path
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="run directory (config.yaml + model.safetensors)")
-    parser.add_argument("--dataset", required=True)
-    parser.add_argument("--task", default="zeroshot_classification", choices=["zeroshot_classification", "zeroshot_retrieval"])
-    parser.add_argument("--language", default="en")
-    parser.add_argument("--output", default=".", help="JSON file (*.json) or folder to write the result to "
-                        "(default: the current folder, as <task>_<dataset>_<hash of its path>_<language>.json); "
-                        "the evaluated run's folder is never written")
-    parser.add_argument("--foreign-class-names", action="store_true",
-                        help="accept class names not written in --language (e.g. English names in Chinese prompts)")
-    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    args = parser.parse_args(argv)
-
-    from mmpt.eval import DEMO_SETS
-    from mmpt.release import load_run
-    from mmpt.methods.base import save_eval_record
-
-    if args.dataset not in DEMO_SETS and args.dataset != "moving_digits" and not Path(args.dataset).exists():
-        raise FileNotFoundError(f"--dataset {args.dataset} does not exist (a dataset folder or file, or a demo set: "
-                                f"{', '.join([*DEMO_SETS, 'moving_digits'])})")
-    cfg, method, model = load_run(args.model, device=args.device)
-    if not hasattr(method, "zeroshot"):
-        parser.error(f"method '{cfg.method_name}' has no zero-shot evaluation")
-    result = method.zeroshot(model, cfg, Path(args.model), args.dataset, args.language, task=args.task,
-                             foreign_class_names=args.foreign_class_names)
-    print(json.dumps(result, indent=2, ensure_ascii=False))
-    output = Path(args.output)
-    if output.suffix == ".json":
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    else:
-        output = save_eval_record(result, output)
-    print(f"written to {output}", file=sys.stderr)
-    return 0
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
+from mmpt.commands.zeroshot import run
 
 if __name__ == "__main__":
-    from mmpt import cli
-
-    sys.exit(cli.run(main))
+    sys.exit(run())

@@ -29,10 +29,10 @@ from mmpt.engine.grad_buckets import BucketedAllReduce
 from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.hooks import StepHooks
 from mmpt.engine.metrics import MetricLogger
-from mmpt.engine.optim import SkippingAdamW, build_optimizer, warmup_cosine
+from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
 from mmpt.engine.preflight import check_inputs
 from mmpt.engine.sequence_parallel import split_sequences
-from mmpt.engine.sharded_copies import ShardedCopies
+from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes
 from mmpt.engine.summary import startup_summary
 from mmpt.engine.timing import Spans
 from mmpt.engine.watchdog import Watchdog
@@ -119,6 +119,12 @@ class Run:
     def due(self, every: int) -> bool:
         """Whether the step just taken is one of every `every` (0: never), or the last."""
         return bool(every) and self.step % every == 0 or self.step == self.cfg.train.max_steps
+
+    def state_bytes(self) -> tuple[float, float | None]:
+        """This rank's bytes of optimizer state and of momentum copies (None when the model keeps none)."""
+        copies = self.needs.momentum_copies
+        return (float(optimizer_state_bytes(self.engine.optimizer, self.engine.module)),
+                float(momentum_bytes(copies)) if copies else None)
 
     def close(self) -> None:
         self.watchdog.close()

@@ -14,8 +14,7 @@ from mmpt.engine import run as runs
 from mmpt.engine.checkpoint import read_weights
 from mmpt.engine.evaluation import evaluate_sets, evaluate_while_training
 from mmpt.engine.hooks import StepHooks
-from mmpt.engine.optim import SkippingAdamW, optimizer_state_bytes
-from mmpt.engine.sharded_copies import momentum_bytes
+from mmpt.engine.optim import SkippingAdamW
 from mmpt.engine.timing import Spans
 from mmpt.engine.zero3_guard import partitioned_parameter_guard
 
@@ -78,11 +77,8 @@ def log_window(run: runs.Run) -> None:
     run.hooks.reached("log", run.step)
     times = run.spans.take()  # waits for the window's work: the one host sync of a logging window
     loader = run.batches.loader
-    copies = run.needs.momentum_copies
-    state = (float(optimizer_state_bytes(run.engine.optimizer, run.engine.module)),
-             float(momentum_bytes(copies)) if copies else None)
     record = run.metrics.log_window(run.step, run.engine.get_lr()[0], times, loader.counts_by_source(),
-                                    loader.source_names, run.guard.read(), state)
+                                    loader.source_names, run.guard.read(), run.state_bytes())
     run.guard.check(run.step, {k.removeprefix("loss/"): v for k, v in record.items() if k.startswith("loss/")})
 
 
