@@ -10,7 +10,7 @@ One batch is B clips of T frames with one sentence each. A step runs:
 then enqueues the key features (every rank's) into the three queues. Each task has a weight in
 `method.tasks`; 0 turns it off and skips its computation. Every term is logged on its own.
 
-What the paper states and what is our design is listed in the README's VICTOR section.
+What the paper states and what is our design is listed in docs/victor.md.
 """
 
 from __future__ import annotations
