@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import torch
 from torch import nn
@@ -70,14 +70,22 @@ class EngineNeeds:
     batch_norm_across_ranks: bool = False
 
 
-class Method:
-    """Interface of a training method. Subclass it, set ``name`` and ``config_class``."""
+SectionT = TypeVar("SectionT")  # a method's own `method:` section (its `config_class`)
+
+
+class Method(Generic[SectionT]):
+    """Interface of a training method. Subclass it as ``Method[MyConfig]``, set ``name`` and ``config_class``."""
 
     name: str
     config_class: type[MethodConfig] = MethodConfig
     sample_fields: tuple[str, ...] = ()  # which of a source's caption_key, image_key, video_key the data reads
     eval_tasks: tuple[str, ...] = ()  # the `data.eval` tasks `evaluate_set` runs
     eval_sample_fields: tuple[str, ...] = ()  # which field keys of a `data.eval` set `evaluate_set` reads
+
+    def settings(self, cfg: Config) -> SectionT:
+        """This method's `method:` section of `cfg`, with its own schema's type (the shared schema types the
+        section only as a model: it cannot know the methods built on it)."""
+        return cast(SectionT, cfg.method)
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         """Put what the model needs besides weights (e.g. tokenizer files) into `run_dir`. Rank 0 only."""
@@ -150,10 +158,12 @@ class Method:
         raise NotImplementedError
 
 
-def copy_tokenizer(cfg: Config, run_dir: Path, name: str, source: str | None = None) -> None:
-    """Copy `source` (default: the file `method.tokenizer` names) into the run directory as `name`: a run is
-    self-contained."""
-    source = Path(source or cfg.method.tokenizer)
+def copy_tokenizer(run_dir: Path, name: str, source: str | None) -> None:
+    """Copy `source` (the file `method.tokenizer` names, or the one that came with the initial weights) into
+    the run directory as `name`: a run is self-contained."""
+    if source is None:
+        raise FileNotFoundError("config key 'method.tokenizer' is not set")
+    source = Path(source)
     if not source.is_file():
         raise FileNotFoundError(f"config key 'method.tokenizer': {source} does not exist")
     target = run_dir / name

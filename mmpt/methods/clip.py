@@ -37,23 +37,26 @@ class ClipConfig(MethodConfig):
     zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
 
 
-class ClipMethod(ImageTextMethod):
+class ClipMethod(ImageTextMethod[ClipConfig]):
     name = "clip"
     config_class = ClipConfig
 
     def tokenizer_file_name(self, cfg: Config) -> str:
         return "tokenizer.json"
 
+    def tokenizer_source(self, cfg: Config) -> str | None:
+        return self.settings(cfg).tokenizer
+
     def load_tokenizer(self, path: Path, cfg: Config) -> TextTokenizer:
-        return TextTokenizer(path, cfg.method.text.context_length)
+        return TextTokenizer(path, self.settings(cfg).text.context_length)
 
     def image_transform(self, cfg: Config, train: bool):
-        m = cfg.method
+        m = self.settings(cfg)
         transform = image_transform(m.image.image_size, is_train=train, mean=m.image_mean, std=m.image_std)
         return m.augment.apply_to(transform) if train else transform
 
     def build_model(self, cfg: Config, run_dir: Path) -> ClipModel:
-        m = cfg.method
+        m = self.settings(cfg)
         text = m.text
         if text.vocab_size is None:
             text = text.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})

@@ -4,7 +4,7 @@ features-and-scale training step, and bilingual zero-shot classification."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from pydantic import Field
@@ -66,7 +66,17 @@ def model_images(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return normalize_pixels(images, model.image_mean, model.image_std, next(model.parameters()).dtype)
 
 
-class ImageTextMethod(Method):
+class ImageTextSettings(Protocol):
+    """What every image-text method's section has (its other keys are its own)."""
+
+    @property
+    def zeroshot(self) -> ZeroShotConfig: ...
+
+
+SettingsT = TypeVar("SettingsT", bound=ImageTextSettings)
+
+
+class ImageTextMethod(Method[SettingsT]):
     """Subclasses supply `tokenizer_file_name`, `load_tokenizer`, `image_transform`, `build_model`, `build_loss`.
 
     The model must have `encode_image`, `encode_text`, `image_mean` and `image_std` (what its inputs are
@@ -85,14 +95,14 @@ class ImageTextMethod(Method):
         raise NotImplementedError
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
-        zs = cfg.method.zeroshot
+        zs = self.settings(cfg).zeroshot
         sets = {"method.zeroshot.dataset": zs.dataset,
                 **{f"method.zeroshot.extra_datasets.{i}": name for i, name in enumerate(zs.extra_datasets)}}
         paths = {key: name for key, name in sets.items() if name is not None and name not in DEMO_SETS}
         return {"method.tokenizer": self.tokenizer_source(cfg), **paths}
 
     def check_eval_sets(self, cfg: Config) -> None:
-        zs = cfg.method.zeroshot
+        zs = self.settings(cfg).zeroshot
         end = [("method.zeroshot.dataset", zs.dataset, zs.languages, zs.foreign_class_names),
                *((f"method.zeroshot.extra_datasets.{i}", d, zs.languages, zs.foreign_class_names)
                  for i, d in enumerate(zs.extra_datasets))] if zs.dataset is not None else []
@@ -110,10 +120,10 @@ class ImageTextMethod(Method):
     def tokenizer_source(self, cfg: Config) -> str | None:
         """The tokenizer file a run starts from (`method.tokenizer`; None: the model brings its own); the run
         keeps its own copy."""
-        return cfg.method.tokenizer
+        raise NotImplementedError
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
-        copy_tokenizer(cfg, run_dir, self.tokenizer_file_name(cfg), self.tokenizer_source(cfg))
+        copy_tokenizer(run_dir, self.tokenizer_file_name(cfg), self.tokenizer_source(cfg))
 
     def release_files(self, cfg: Config) -> list[str]:
         return [self.tokenizer_file_name(cfg)]
@@ -141,7 +151,7 @@ class ImageTextMethod(Method):
         return {"contrastive": loss(image_features, text_features, scale, pool=pool, slot=index)}
 
     def evaluate(self, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        zs = cfg.method.zeroshot
+        zs = self.settings(cfg).zeroshot
         if zs.dataset is None:
             return {}
         results = {}
@@ -172,9 +182,9 @@ class ImageTextMethod(Method):
         `language` (None: as `method.zeroshot.foreign_class_names` says); `fields`: where a set read from
         shards keeps its images and captions."""
         if foreign_class_names is None:
-            foreign_class_names = cfg.method.zeroshot.foreign_class_names
+            foreign_class_names = self.settings(cfg).zeroshot.foreign_class_names
         device = next(model.parameters()).device
-        common = dict(batch_size=cfg.method.zeroshot.batch_size, device=device)
+        common = dict(batch_size=self.settings(cfg).zeroshot.batch_size, device=device)
         tokenizer, transform = self.tokenizer(cfg, run_dir), self.image_transform(cfg, train=False)
         if task == "zeroshot_retrieval":
             metrics = zeroshot_retrieval(model, tokenizer, transform, dataset,

@@ -90,13 +90,13 @@ class M2Config(MethodConfig):
         return values
 
 
-class M2EncoderMethod(ImageTextMethod):
+class M2EncoderMethod(ImageTextMethod[M2Config]):
     name = "m2_encoder"
     config_class = M2Config
     caption_normalization = staticmethod(official_caption_normalization)
 
     def check_config(self, cfg: Config) -> None:
-        k = cfg.method.loss.accumulation_steps
+        k = self.settings(cfg).loss.accumulation_steps
         if k is not None and k != cfg.train.grad_accum:
             raise ValueError(f"method.loss.accumulation_steps={k} differs from train.grad_accum={cfg.train.grad_accum}")
 
@@ -106,9 +106,9 @@ class M2EncoderMethod(ImageTextMethod):
     def tokenizer_source(self, cfg: Config) -> str:
         """`method.tokenizer`, else the tokenizer that comes with `method.init_from` (found on disk, so only
         once training or evaluation starts; config validation reads no file)."""
-        if cfg.method.tokenizer is not None:
-            return cfg.method.tokenizer
-        init = cfg.method.init_from
+        if self.settings(cfg).tokenizer is not None:
+            return self.settings(cfg).tokenizer
+        init = self.settings(cfg).init_from
         try:
             found = initial_weights(init).tokenizer
         except FileNotFoundError as exc:
@@ -119,11 +119,11 @@ class M2EncoderMethod(ImageTextMethod):
         return str(found)
 
     def load_tokenizer(self, path: Path, cfg: Config):
-        length = cfg.method.arch.context_length
+        length = self.settings(cfg).arch.context_length
         return TextTokenizer(path, length) if path.suffix == ".json" else GLMTokenizer(path, length)
 
     def image_transform(self, cfg: Config, train: bool):
-        size, augment = cfg.method.arch.image_size, cfg.method.augment
+        size, augment = self.settings(cfg).arch.image_size, self.settings(cfg).augment
         finish = [T.ToTensor(), T.Normalize(OFFICIAL_MEAN, OFFICIAL_STD)]
         if not train:  # official eval: squash to a square, no crop
             return T.Compose([T.Resize((size, size), interpolation=T.InterpolationMode.BICUBIC), *finish])
@@ -135,27 +135,27 @@ class M2EncoderMethod(ImageTextMethod):
         return augment.apply_to(T.Compose([*steps, *finish]))
 
     def build_model(self, cfg: Config, run_dir: Path) -> M2Encoder:
-        arch = cfg.method.arch
+        arch = self.settings(cfg).arch
         if arch.vocab_size is None:
             arch = arch.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
         return M2Encoder(arch)
 
     def resolve_defaults(self, cfg: Config) -> None:
-        init = cfg.method.init_from
-        if cfg.method.tokenizer is None and (init.startswith("hf-hub:") or Path(init).exists()):  # else preflight says
-            cfg.method.tokenizer = self.tokenizer_source(cfg)
+        init = self.settings(cfg).init_from
+        if self.settings(cfg).tokenizer is None and (init.startswith("hf-hub:") or Path(init).exists()):  # else preflight says
+            self.settings(cfg).tokenizer = self.tokenizer_source(cfg)
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
-        init = cfg.method.init_from
+        init = self.settings(cfg).init_from
         weights = {"method.init_from": None if init is None or init.startswith("hf-hub:") else init}
         if weights["method.init_from"] and not Path(init).exists():
             return weights  # said before the tokenizer it would bring
         return {**weights, **super().input_paths(cfg)}
 
     def load_initial_weights(self, model: M2Encoder, cfg: Config) -> str | None:
-        if not cfg.method.init_from:
+        if not self.settings(cfg).init_from:
             return None
-        source = initial_weights(cfg.method.init_from)
+        source = initial_weights(self.settings(cfg).init_from)
         if source.kind == "official-m2":
             load_official(model, source.path)
         else:
@@ -164,7 +164,7 @@ class M2EncoderMethod(ImageTextMethod):
         return f"initialised {count} of {count} tensors from {source.path} ({source.kind}, strict)"
 
     def build_loss(self, cfg: Config) -> nn.Module:
-        spec = cfg.method.loss
+        spec = self.settings(cfg).loss
         size = {"world": None, "auto": mdist.local_world_size()}.get(spec.group_size, spec.group_size)
         return GroupedContrastiveLoss(mdist.contiguous_group(size), tile_size=spec.tile_size)
 

@@ -29,7 +29,7 @@ class OpenClipConfig(MethodConfig):
     zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
 
 
-class OpenClipMethod(ImageTextMethod):
+class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     name = "open_clip"
     config_class = OpenClipConfig
     uses_attention_mask = False  # open_clip's text tower pools at the end token
@@ -38,7 +38,7 @@ class OpenClipMethod(ImageTextMethod):
         return None  # open_clip brings its own
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
-        model = cfg.method.model
+        model = self.settings(cfg).model
         return {**super().input_paths(cfg), "method.model": model if model.endswith(".json") else None}
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
@@ -48,7 +48,7 @@ class OpenClipMethod(ImageTextMethod):
         return []
 
     def tokenizer(self, cfg: Config, run_dir: Path) -> OpenClipTokenizer:
-        return OpenClipTokenizer(cfg.method.model)
+        return OpenClipTokenizer(self.settings(cfg).model)
 
     def image_transform(self, cfg: Config, train: bool):
         visual = self._preprocess(cfg)
@@ -57,10 +57,10 @@ class OpenClipMethod(ImageTextMethod):
 
     def _preprocess(self, cfg: Config) -> dict:
         """open_clip's preprocessing settings of the model; the model normalises training images with the same."""
-        return preprocess_settings(cfg.method.model, cfg.method.image_size)
+        return preprocess_settings(self.settings(cfg).model, self.settings(cfg).image_size)
 
     def build_model(self, cfg: Config, run_dir: Path) -> OpenClipModel:
-        return OpenClipModel(cfg.method.model, cfg.method.image_size)
+        return OpenClipModel(self.settings(cfg).model, self.settings(cfg).image_size)
 
     def build_loss(self, cfg: Config) -> nn.Module:
         return ContrastiveLoss()

@@ -85,16 +85,16 @@ class Space2Loss(nn.Module):
         self.contrastive, self.mlm_weight, self.supervised = contrastive, mlm_weight, supervised
 
 
-class Space2Method(Method):
+class Space2Method(Method[Space2Config]):
     name = "space2"
     config_class = Space2Config
 
     def check_config(self, cfg: Config) -> None:
-        if not cfg.method.project and len(cfg.method.views) != 1:
+        if not self.settings(cfg).project and len(self.settings(cfg).views) != 1:
             raise ValueError("method.project = false uses the combined tree score: set method.views to one entry")
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
-        source = resolve_encoder_path(cfg.method.encoder)
+        source = resolve_encoder_path(self.settings(cfg).encoder)
         if not (source / "config.json").is_file():
             raise FileNotFoundError(f"config key 'method.encoder': {source} is not a Hugging Face checkpoint directory")
         target = run_dir / BACKBONE_DIR
@@ -116,24 +116,24 @@ class Space2Method(Method):
         return AutoTokenizer.from_pretrained(Path(run_dir) / BACKBONE_DIR)
 
     def input_spec(self, cfg: Config) -> DialogInputSpec:
-        m = cfg.method
+        m = self.settings(cfg)
         return DialogInputSpec(m.max_utt_len, m.max_turns, m.max_len, m.mlm_probability, m.max_label_elements)
 
     def build_model(self, cfg: Config, run_dir: Path) -> Space2Encoder:
-        m = cfg.method
+        m = self.settings(cfg)
         return Space2Encoder.from_backbone_dir(str(run_dir / BACKBONE_DIR), subspace_dim=m.subspace_dim,
                                                dropout=m.dropout)
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
-        dataset = cfg.method.intent_eval.dataset
-        return {"method.encoder": str(resolve_encoder_path(cfg.method.encoder)),
+        dataset = self.settings(cfg).intent_eval.dataset
+        return {"method.encoder": str(resolve_encoder_path(self.settings(cfg).encoder)),
                 "method.intent_eval.dataset": None if dataset == "dialogs" else dataset}
 
     def load_initial_weights(self, model: Space2Encoder, cfg: Config) -> None:
-        model.load_backbone(str(resolve_encoder_path(cfg.method.encoder)))
+        model.load_backbone(str(resolve_encoder_path(self.settings(cfg).encoder)))
 
     def build_loss(self, cfg: Config) -> Space2Loss:
-        m = cfg.method
+        m = self.settings(cfg)
         contrastive = TreeContrastiveLoss([VIEWS.index(v) for v in m.views], combined=not m.project,
                                           temperature=m.temperature)
         return Space2Loss(contrastive, m.mlm_weight, m.supervised)
@@ -175,14 +175,14 @@ class Space2Method(Method):
         """The intent probe of `method.intent_eval` (shots, seeds; no fine-tuning) on another set."""
         from mmpt.eval.intent import intent_classification, resolve_intent_dataset
 
-        ev = cfg.method.intent_eval
+        ev = self.settings(cfg).intent_eval
         encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg), with_mlm=False)
         result = intent_classification(model, encoder, resolve_intent_dataset(eval_set.dataset, cfg.data.root),
                                        shots=ev.shots, full=ev.full, seeds=ev.seeds, batch_size=ev.batch_size)
         return result["metrics"]
 
     def evaluate(self, model: Space2Encoder, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        ev = cfg.method.intent_eval
+        ev = self.settings(cfg).intent_eval
         if ev.dataset is None:
             return {}
         from mmpt.eval.intent import FineTuning, intent_classification, resolve_intent_dataset

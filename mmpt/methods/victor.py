@@ -103,7 +103,7 @@ class VictorLoss(nn.Module):
         self.frame_queue = MemoryQueue(cfg.frame_queue_size, cfg.video.width)
 
 
-class VictorMethod(Method):
+class VictorMethod(Method[VictorConfig]):
     name = "victor"
     config_class = VictorConfig
     sample_fields = ("caption", "video")
@@ -115,22 +115,22 @@ class VictorMethod(Method):
         return record["metrics"]
 
     def check_config(self, cfg: Config) -> None:
-        if not any(cfg.method.tasks.model_dump().values()):
+        if not any(self.settings(cfg).tasks.model_dump().values()):
             raise ValueError("method.tasks: every task weight is 0; turn at least one task on")
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
-        copy_tokenizer(cfg, run_dir, TOKENIZER_FILE)
+        copy_tokenizer(run_dir, TOKENIZER_FILE, self.settings(cfg).tokenizer)
 
     def release_files(self, cfg: Config) -> list[str]:
         return [TOKENIZER_FILE]
 
     def tokenizer(self, cfg: Config, run_dir: Path) -> TextTokenizer:
-        return TextTokenizer(Path(run_dir) / TOKENIZER_FILE, cfg.method.text.context_length)
+        return TextTokenizer(Path(run_dir) / TOKENIZER_FILE, self.settings(cfg).text.context_length)
 
     def video_decoder(self, cfg: Config, run_dir: Path, train: bool) -> VideoTextDecoder:
         """Frames resized and centre-cropped, the same way for training and evaluation: no flips, since the
         direction of motion is what captions describe. They stay uint8; the model normalises them."""
-        m = cfg.method
+        m = self.settings(cfg)
         return VideoTextDecoder(m.video.num_frames, None, self.tokenizer(cfg, run_dir), backend=m.backend,
                                 train=train, min_frames=m.min_frames, clip_transform=ResizeCenterCrop(m.video.image_size),
                                 features_field="npy" if m.video.backbone is None else None)
@@ -142,7 +142,7 @@ class VictorMethod(Method):
                 "video": self.video_decoder(cfg, run_dir, train=False).decode_video}
 
     def build_model(self, cfg: Config, run_dir: Path) -> VictorModel:
-        m = cfg.method
+        m = self.settings(cfg)
         text = m.text
         if text.vocab_size is None:
             text = text.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
@@ -150,14 +150,14 @@ class VictorMethod(Method):
                            m.learn_temperature, tasks=[name for name, w in m.tasks.model_dump().items() if w])
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
-        m = cfg.method
+        m = self.settings(cfg)
         dataset = None if m.retrieval.dataset == "moving_digits" else m.retrieval.dataset
         return {"method.tokenizer": m.tokenizer, "method.video.backbone_weights": m.video.backbone_weights,
                 "method.retrieval.dataset": dataset,  # its video_root is read only with a dataset (csv) to read
                 "method.retrieval.video_root": m.retrieval.video_root if dataset else None}
 
     def load_initial_weights(self, model: VictorModel, cfg: Config) -> None:
-        weights = cfg.method.video.backbone_weights
+        weights = self.settings(cfg).video.backbone_weights
         if weights:
             load_backbone_weights(model.unimodal.frame_encoder.backbone, weights)
             model.key.reset()  # the key network starts from the loaded weights too
@@ -177,8 +177,8 @@ class VictorMethod(Method):
                            batch_norm_across_ranks=True)
 
     def build_loss(self, cfg: Config) -> VictorLoss:
-        tokenizer = TextTokenizer(cfg.method.tokenizer, cfg.method.text.context_length)
-        return VictorLoss(cfg.method, tokenizer.token_id("[MASK]"), cfg.method.text.vocab_size or tokenizer.vocab_size)
+        tokenizer = TextTokenizer(self.settings(cfg).tokenizer, self.settings(cfg).text.context_length)
+        return VictorLoss(self.settings(cfg), tokenizer.token_id("[MASK]"), self.settings(cfg).text.vocab_size or tokenizer.vocab_size)
 
     def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
         return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size),
@@ -242,7 +242,7 @@ class VictorMethod(Method):
         return terms
 
     def evaluate(self, model: VictorModel, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        ev = cfg.method.retrieval
+        ev = self.settings(cfg).retrieval
         if ev.dataset is None:
             return {}
         results = {}
@@ -258,7 +258,7 @@ class VictorMethod(Method):
         """Text-to-video and video-to-text retrieval on an annotation file (or the demo's held-out split),
         or zero-shot classification over a folder of class-named clips (`foreign_class_names`: accept class
         names not written in `language`)."""
-        ev = cfg.method.retrieval
+        ev = self.settings(cfg).retrieval
         if task == "zeroshot_classification":
             from mmpt.eval.video_classification import load_video_classification_set, video_classification
 
