@@ -205,3 +205,10 @@ def adam_state(run_dir, step):
         visit(torch.load(path, map_location="cpu", weights_only=False))
     assert len(counts) == 1, counts
     return counts.pop(), squares ** 0.5
+
+
+def pytest_collection_modifyitems(config, items):
+    """The quick tier is what remains once launches and slow tests are set aside: `python -m pytest -m fast`."""
+    for item in items:
+        if not any(item.get_closest_marker(name) for name in ("distributed", "slow", "matrix")):
+            item.add_marker(pytest.mark.fast)

@@ -2,9 +2,9 @@
 
 Each YAML under configs/ (the base fragments aside) is shrunk by dotted overrides only, no edit of
 the file: a tiny architecture of the same code path, the test corpora, batch 4, no end-of-run
-evaluation. A cell then trains 2 steps on 2 ranks under the deepspeed launcher (gloo), resumes one
-step from the checkpoint and exports the checkpoint to a release (see matrix_runner.py). A config
-added later is picked up by the glob; a new method needs its shrink overrides in SHRINK.
+evaluation (the method's own `tiny_overrides`). A cell then trains 2 steps on 2 ranks under the deepspeed
+launcher (gloo), resumes one step from the checkpoint and exports the checkpoint to a release (see
+matrix_runner.py). A config added later is picked up by the glob; a new method declares its tiny overrides.
 
 Default run: every config at ZeRO-3 with grad_accum 2 in bf16 (one launcher start). The full matrix,
 ZeRO 0/1/2/3 (and 3 with optimizer offload) x grad_accum 1/2 in each config's own precision, is
@@ -30,37 +30,6 @@ COMMON = ["data.prepare=null", "data.train.batch_size=4", "data.train.num_worker
           "train.eval_every=1", "train.log_every=1", "train.keep_last=2", "run.progress_bar=false",
           "run.tensorboard=false", "optim.warmup_steps=1"]
 
-IMAGE_TEXT_DATA = ['data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}, {{shards: "{digits}/train/zh-*.tar"}}]',
-                   'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [zh]}}]']
-
-# How each method's configs shrink; {digits}, {video}, {dialogs}, {bert} are the test corpora and encoder.
-SHRINK = {
-    "clip": [*IMAGE_TEXT_DATA, "method.tokenizer={digits}/tokenizer.json", "method.embed_dim=16",
-             "method.image.image_size=32", "method.text.width=32", "method.text.layers=1", "method.text.heads=2",
-             "method.zeroshot.dataset=null"],
-    "m2_encoder": [*IMAGE_TEXT_DATA, "method.tokenizer={digits}/tokenizer.json", "method.init_from=null",
-                   "method.arch.vocab_size=null", "method.arch.width=32", "method.arch.heads=2",
-                   "method.arch.lower_layers=1", "method.arch.shared_layers=1", "method.arch.output_dim=16",
-                   "method.arch.image_size=32", "method.arch.patch_size=8", "method.arch.text_positions=32",
-                   "method.arch.context_length=24", "method.arch.position_init_std=0.02",
-                   "method.loss.accumulation_steps=null", "method.loss.tile_size=6", "method.zeroshot.dataset=null",
-                   "method.augment.randaugment=false"],
-    "victor": ['data.train.sources=[{{shards: "{video}/train/en-*.tar"}}, {{shards: "{video}/train/zh-*.tar"}}]',
-               "method.tokenizer={video}/tokenizer.json", "method.video.backbone=resnet10t",
-               "method.video.backbone_weights=null", "method.video.image_size=32", "method.video.num_frames=4",
-               "method.video.width=32", "method.video.layers=1", "method.video.heads=2", "method.text.width=32",
-               "method.text.layers=1", "method.text.heads=2", "method.text.context_length=24",
-               "method.text.vocab_size=null", "method.embed_dim=16", "method.cross_layers=1", "method.queue_size=16",
-               "method.frame_queue_size=32", "method.retrieval.dataset=null", "method.backend=pyav",
-               'data.eval=[{{dataset: "{video}/test/retrieval_en.jsonl", task: zeroshot_retrieval}}]'],
-    "space2": ['data.train.sources=[{{name: labelled, shards: "{dialogs}/shards/labelled-*.tar"}}, '
-               '{{name: unlabelled, shards: "{dialogs}/shards/unlabelled-*.tar"}}]',
-               "method.encoder={bert}", "method.max_len=64", "method.max_turns=4", "method.max_utt_len=16",
-               "method.intent_eval.dataset=null", "method.intent_eval.shots=[2]", "method.intent_eval.seeds=1",
-               'data.eval=[{{dataset: "{dialogs}/intent", task: intent}}]'],
-}
-SHRINK["open_clip"] = None  # no shipped config yet; give it overrides when one lands
-
 STAGES = {"zero0": ["train.zero_stage=0"], "zero1": ["train.zero_stage=1"], "zero2": ["train.zero_stage=2"],
           "zero3": ["train.zero_stage=3"], "zero3_offload": ["train.zero_stage=3", "train.offload_optimizer=true"]}
 
@@ -73,10 +42,11 @@ def shipped(config: Path):
 
 
 def shrink(config: Path, corpora: dict) -> list[str]:
-    method = shipped(config).method_name
-    overrides = SHRINK.get(method)
-    assert overrides is not None, f"{config}: method '{method}' has no shrink overrides in test_config_matrix.SHRINK"
-    return [*COMMON, *(o.format(**corpora) for o in overrides)]
+    from mmpt.methods import get_method
+
+    method = get_method(shipped(config).method_name)
+    assert method.tiny_overrides, f"{config}: method '{method.name}' declares no tiny_overrides"
+    return [*COMMON, *(o.format(**corpora) for o in method.tiny_overrides)]
 
 
 def cell(config: Path, corpora: dict, root: Path, stage: str, accum: int, precision: str | None) -> dict:
@@ -129,8 +99,11 @@ def tiny_bert(directory: Path) -> Path:
 
 def test_every_config_is_in_the_matrix():
     names = {str(c.relative_to(REPO / "configs")) for c in CONFIGS}
-    assert {"clip/demo.yaml", "m2_encoder/10b.yaml", "victor/base.yaml", "space2/base.yaml"} <= names
-    assert {shipped(c).method_name for c in CONFIGS} <= {m for m, o in SHRINK.items() if o is not None}
+    assert {"clip/demo.yaml", "open_clip/demo.yaml", "m2_encoder/10b.yaml", "victor/base.yaml",
+            "space2/base.yaml"} <= names
+    from mmpt.methods import list_methods
+
+    assert {shipped(c).method_name for c in CONFIGS} == set(list_methods())  # every method has a shipped config
 
 
 def test_every_config_trains_resumes_and_exports_at_zero3_with_accumulation_in_bf16(corpora, tmp_path):

@@ -81,6 +81,10 @@ class Method(Generic[SectionT]):
     sample_fields: tuple[str, ...] = ()  # which of a source's caption_key, image_key, video_key the data reads
     eval_tasks: tuple[str, ...] = ()  # the `data.eval` tasks `evaluate_set` runs
     eval_sample_fields: tuple[str, ...] = ()  # which field keys of a `data.eval` set `evaluate_set` reads
+    # Dotted overrides that shrink any of this method's configs to a test-sized model on the demo corpora,
+    # with no edit of the file (the tests train every config and every method with them). Placeholders:
+    # {digits}, {video}, {dialogs} (demo corpora folders), {bert} (a small BERT-family checkpoint).
+    tiny_overrides: tuple[str, ...] = ()
 
     def settings(self, cfg: Config) -> SectionT:
         """This method's `method:` section of `cfg`, with its own schema's type (the shared schema types the

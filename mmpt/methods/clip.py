@@ -19,7 +19,7 @@ from mmpt.config import Config
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.losses import ContrastiveLoss
 from mmpt.methods.base import MethodConfig
-from mmpt.methods.image_text import ImageTextMethod, PlacementAugment, ZeroShotConfig
+from mmpt.methods.image_text import TINY_IMAGE_TEXT_DATA, ImageTextMethod, PlacementAugment, ZeroShotConfig
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
 from mmpt.methods import register
 
@@ -40,6 +40,9 @@ class ClipConfig(MethodConfig):
 class ClipMethod(ImageTextMethod[ClipConfig]):
     name = "clip"
     config_class = ClipConfig
+    tiny_overrides = (*TINY_IMAGE_TEXT_DATA, "method.tokenizer={digits}/tokenizer.json", "method.embed_dim=16",
+                      "method.image.image_size=32", "method.text.width=32", "method.text.layers=1",
+                      "method.text.heads=2", "method.zeroshot.dataset=null")
 
     def tokenizer_file_name(self, cfg: Config) -> str:
         return "tokenizer.json"

@@ -66,6 +66,11 @@ def model_images(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return normalize_pixels(images, model.image_mean, model.image_std, next(model.parameters()).dtype)
 
 
+# The image-text methods' test data: both languages of the digits corpus, and its zero-shot set while training.
+TINY_IMAGE_TEXT_DATA = ('data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}, {{shards: "{digits}/train/zh-*.tar"}}]',
+                        'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [zh]}}]')
+
+
 class ImageTextSettings(Protocol):
     """What every image-text method's section has (its other keys are its own)."""
 

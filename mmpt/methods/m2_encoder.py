@@ -20,7 +20,7 @@ from mmpt.data.tokenizer import TextTokenizer
 from mmpt.eval.retrieval import official_caption_normalization
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.methods.base import EngineNeeds, MethodConfig
-from mmpt.methods.image_text import ImageTextMethod, PlacementAugment, ZeroShotConfig, model_images
+from mmpt.methods.image_text import TINY_IMAGE_TEXT_DATA, ImageTextMethod, PlacementAugment, ZeroShotConfig, model_images
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 from mmpt.models.m2_official import load_official, load_release_weights
 from mmpt.pretrained import initial_weights
@@ -93,6 +93,13 @@ class M2Config(MethodConfig):
 class M2EncoderMethod(ImageTextMethod[M2Config]):
     name = "m2_encoder"
     config_class = M2Config
+    tiny_overrides = (*TINY_IMAGE_TEXT_DATA, "method.tokenizer={digits}/tokenizer.json", "method.init_from=null",
+                      "method.arch.vocab_size=null", "method.arch.width=32", "method.arch.heads=2",
+                      "method.arch.lower_layers=1", "method.arch.shared_layers=1", "method.arch.output_dim=16",
+                      "method.arch.image_size=32", "method.arch.patch_size=8", "method.arch.text_positions=32",
+                      "method.arch.context_length=24", "method.arch.position_init_std=0.02",
+                      "method.loss.accumulation_steps=null", "method.loss.tile_size=6", "method.zeroshot.dataset=null",
+                      "method.augment.randaugment=false")
     caption_normalization = staticmethod(official_caption_normalization)
 
     def check_config(self, cfg: Config) -> None:

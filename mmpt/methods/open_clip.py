@@ -32,6 +32,10 @@ class OpenClipConfig(MethodConfig):
 class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     name = "open_clip"
     config_class = OpenClipConfig
+    # The model is named by an open_clip config (no size keys to shrink): its configs name a small one.
+    tiny_overrides = ('data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}]',
+                      'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [en]}}]',
+                      "method.zeroshot.dataset=null")
     uses_attention_mask = False  # open_clip's text tower pools at the end token
 
     def tokenizer_source(self, cfg: Config) -> None:

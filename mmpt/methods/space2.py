@@ -88,6 +88,11 @@ class Space2Loss(nn.Module):
 class Space2Method(Method[Space2Config]):
     name = "space2"
     config_class = Space2Config
+    tiny_overrides = ('data.train.sources=[{{name: labelled, shards: "{dialogs}/shards/labelled-*.tar"}}, '
+                      '{{name: unlabelled, shards: "{dialogs}/shards/unlabelled-*.tar"}}]',
+                      "method.encoder={bert}", "method.max_len=64", "method.max_turns=4", "method.max_utt_len=16",
+                      "method.intent_eval.dataset=null", "method.intent_eval.shots=[2]", "method.intent_eval.seeds=1",
+                      'data.eval=[{{dataset: "{dialogs}/intent", task: intent}}]')
 
     def check_config(self, cfg: Config) -> None:
         if not self.settings(cfg).project and len(self.settings(cfg).views) != 1:

@@ -106,6 +106,15 @@ class VictorLoss(nn.Module):
 class VictorMethod(Method[VictorConfig]):
     name = "victor"
     config_class = VictorConfig
+    tiny_overrides = ('data.train.sources=[{{shards: "{video}/train/en-*.tar"}}, {{shards: "{video}/train/zh-*.tar"}}]',
+                      "method.tokenizer={video}/tokenizer.json", "method.video.backbone=resnet10t",
+                      "method.video.backbone_weights=null", "method.video.image_size=32", "method.video.num_frames=4",
+                      "method.video.width=32", "method.video.layers=1", "method.video.heads=2", "method.text.width=32",
+                      "method.text.layers=1", "method.text.heads=2", "method.text.context_length=24",
+                      "method.text.vocab_size=null", "method.embed_dim=16", "method.cross_layers=1",
+                      "method.queue_size=16", "method.frame_queue_size=32", "method.retrieval.dataset=null",
+                      "method.backend=pyav",
+                      'data.eval=[{{dataset: "{video}/test/retrieval_en.jsonl", task: zeroshot_retrieval}}]')
     sample_fields = ("caption", "video")
     eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")
 
