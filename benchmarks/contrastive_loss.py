@@ -48,8 +48,13 @@ class Traffic:
         self._originals = {}
 
     def __enter__(self):
-        for name, factor in (("all_gather", 1), ("all_gather_into_tensor", 1), ("reduce_scatter", 1),
-                             ("reduce_scatter_tensor", 1), ("all_reduce", 2)):
+        for name, factor in (
+            ("all_gather", 1),
+            ("all_gather_into_tensor", 1),
+            ("reduce_scatter", 1),
+            ("reduce_scatter_tensor", 1),
+            ("all_reduce", 2),
+        ):
             original = getattr(dist, name)
             self._originals[name] = original
             setattr(dist, name, self._counting(original, factor))
@@ -75,6 +80,7 @@ class Traffic:
                 full = max(t.numel() * t.element_size() for t in tensors)
             self.bytes += factor * full * (size - 1) // size
             return original(*args, **kwargs)
+
         return wrapper
 
     def __exit__(self, *exc):
@@ -148,8 +154,14 @@ def measure(loss, rows: int, repeats: int) -> dict:
             times.append(elapsed)
             peaks.append(memory.extra_mb)
             forward_bytes, backward_bytes = forward_traffic.bytes, backward_traffic.bytes
-    return {"time_s": statistics.median(times), "time_min_s": min(times), "time_max_s": max(times),
-            "peak_mb": statistics.median(peaks), "forward_bytes": forward_bytes, "backward_bytes": backward_bytes}
+    return {
+        "time_s": statistics.median(times),
+        "time_min_s": min(times),
+        "time_max_s": max(times),
+        "peak_mb": statistics.median(peaks),
+        "forward_bytes": forward_bytes,
+        "backward_bytes": backward_bytes,
+    }
 
 
 def worker(rank: int, world: int, port: int, batches: list[int], repeats: int, queue):
@@ -162,8 +174,16 @@ def worker(rank: int, world: int, port: int, batches: list[int], repeats: int, q
                 result = measure(loss, rows, repeats if rows < 4096 else max(1, repeats - 1))
                 if rank == 0:
                     expected = 2 * (group - 1) * rows * DIM * 4
-                    queue.put({"N": world, "b": rows, "variant": name, "G": group,
-                               "expected_forward_bytes": expected, **result})
+                    queue.put(
+                        {
+                            "N": world,
+                            "b": rows,
+                            "variant": name,
+                            "G": group,
+                            "expected_forward_bytes": expected,
+                            **result,
+                        }
+                    )
     finally:
         dist.destroy_process_group()
         if rank == 0:
@@ -190,9 +210,12 @@ def run_world(world: int, batches: list[int], repeats: int, memory_pass: bool = 
     rows = []
     while (item := queue.get()) is not None:
         rows.append(item)
-        print(f"{'memory ' if memory_pass else ''}N={item['N']} b={item['b']:5d} {item['variant']:16s} {item['time_s'] * 1000:9.1f} ms "
-              f"{item['peak_mb']:8.1f} MB  fwd {item['forward_bytes'] / 2**20:7.2f} MiB "
-              f"(expected {item['expected_forward_bytes'] / 2**20:7.2f})", flush=True)
+        print(
+            f"{'memory ' if memory_pass else ''}N={item['N']} b={item['b']:5d} {item['variant']:16s} {item['time_s'] * 1000:9.1f} ms "
+            f"{item['peak_mb']:8.1f} MB  fwd {item['forward_bytes'] / 2**20:7.2f} MiB "
+            f"(expected {item['expected_forward_bytes'] / 2**20:7.2f})",
+            flush=True,
+        )
     for p in processes:
         p.join()
     return rows
@@ -219,7 +242,8 @@ def write_report(rows: list[dict]) -> None:
             f"| {r['N']} | {r['b']} | {r['variant']} | {r['G']} | {r['time_s'] * 1e3:.1f} "
             f"({r['time_min_s'] * 1e3:.1f}-{r['time_max_s'] * 1e3:.1f}) | {r['time_s'] / base['time_s']:.2f} | "
             f"{r['peak_mb']:.1f} | {r['peak_mb'] / max(base['peak_mb'], 1e-9):.2f} | {r['forward_bytes'] / 2**20:.2f} | "
-            f"{r['expected_forward_bytes'] / 2**20:.2f} | {r['backward_bytes'] / 2**20:.2f} |")
+            f"{r['expected_forward_bytes'] / 2**20:.2f} | {r['backward_bytes'] / 2**20:.2f} |"
+        )
     (RESULTS / "contrastive_loss.md").write_text("\n".join(lines) + "\n")
     plot(rows)
 
@@ -234,7 +258,9 @@ def plot(rows: list[dict]) -> None:
     fig, axes = plt.subplots(2, len(worlds), figsize=(5 * len(worlds), 7), squeeze=False)
     for col, world in enumerate(worlds):
         for name in dict.fromkeys(r["variant"] for r in rows if r["N"] == world):
-            series = sorted((r["b"], r["time_s"] * 1e3, r["peak_mb"]) for r in rows if r["N"] == world and r["variant"] == name)
+            series = sorted(
+                (r["b"], r["time_s"] * 1e3, r["peak_mb"]) for r in rows if r["N"] == world and r["variant"] == name
+            )
             axes[0][col].plot([s[0] for s in series], [s[1] for s in series], marker="o", label=name)
             axes[1][col].plot([s[0] for s in series], [s[2] for s in series], marker="o", label=name)
         for row, label in enumerate(("time per fwd+bwd (ms)", "peak extra memory (MB)")):
@@ -258,8 +284,11 @@ def main() -> None:
     worlds, batches = ([2], [256]) if args.quick else ([2, 4], [256, 1024, 4096])
     rows = [row for world in worlds for row in run_world(world, batches, args.repeats)]
     print("memory pass", flush=True)
-    peaks = {(r["N"], r["b"], r["variant"]): r["peak_mb"]
-             for world in worlds for r in run_world(world, batches, 1, memory_pass=True)}
+    peaks = {
+        (r["N"], r["b"], r["variant"]): r["peak_mb"]
+        for world in worlds
+        for r in run_world(world, batches, 1, memory_pass=True)
+    }
     for row in rows:
         row["peak_mb"] = peaks[(row["N"], row["b"], row["variant"])]
     write_report(rows)
@@ -267,8 +296,10 @@ def main() -> None:
     clip = next(r for r in at if r["variant"] == "clip")
     for r in at:
         if r["variant"] != "clip":
-            print(f"N={r['N']} b={r['b']} {r['variant']}: time x{r['time_s'] / clip['time_s']:.2f}, "
-                  f"peak memory x{r['peak_mb'] / max(clip['peak_mb'], 1e-9):.2f} of ClipLoss")
+            print(
+                f"N={r['N']} b={r['b']} {r['variant']}: time x{r['time_s'] / clip['time_s']:.2f}, "
+                f"peak memory x{r['peak_mb'] / max(clip['peak_mb'], 1e-9):.2f} of ClipLoss"
+            )
 
 
 if __name__ == "__main__":

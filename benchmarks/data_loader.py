@@ -62,8 +62,14 @@ def mmpt_loader(pattern: str, workers: int, pixels: str):
     from mmpt.data.image_text import ImageTextDecoder
 
     image, tokenizer = transforms(pixels)
-    spec = StreamSpec([Source.from_pattern(pattern)], batch_size=BATCH, mode="resampled", shuffle_buffer=1000,
-                      num_workers=workers, seed=0)
+    spec = StreamSpec(
+        [Source.from_pattern(pattern)],
+        batch_size=BATCH,
+        mode="resampled",
+        shuffle_buffer=1000,
+        num_workers=workers,
+        seed=0,
+    )
     # as the open_clip method trains: no attention mask (the plain pipeline has none either)
     return iter(StatefulLoader(BatchStream(spec, ImageTextDecoder(image, tokenizer, attention_mask=False))))
 
@@ -82,9 +88,14 @@ def plain_loader(pattern: str, workers: int, pixels: str):
     from mmpt.data import expand_shards
 
     image, tokenizer = transforms(pixels)
-    dataset = (wds.WebDataset(expand_shards(pattern), resampled=True, shardshuffle=False)
-               .shuffle(1000).decode("pil").to_tuple("png", "txt").map_tuple(image, TokenizeOne(tokenizer))
-               .batched(BATCH))
+    dataset = (
+        wds.WebDataset(expand_shards(pattern), resampled=True, shardshuffle=False)
+        .shuffle(1000)
+        .decode("pil")
+        .to_tuple("png", "txt")
+        .map_tuple(image, TokenizeOne(tokenizer))
+        .batched(BATCH)
+    )
     return iter(wds.WebLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None))
 
 
@@ -129,8 +140,13 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, nargs="*", default=[1, 2])
-    parser.add_argument("--pixels", nargs="*", choices=PIXELS, default=list(PIXELS),
-                        help="image formats through worker IPC: float32 (normalised in the workers), uint8, or both")
+    parser.add_argument(
+        "--pixels",
+        nargs="*",
+        choices=PIXELS,
+        default=list(PIXELS),
+        help="image formats through worker IPC: float32 (normalised in the workers), uint8, or both",
+    )
     parser.add_argument("--image-size", type=int, default=96, help="stored image size (decode cost)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for data_loader.{json,md}")
     args = parser.parse_args()
@@ -150,46 +166,74 @@ def main() -> int:
                     rate, per_sample = time_loader(make(pattern, workers, pixels), args.warmup, args.batches)
                     results.setdefault(key, []).append(rate)
                     ipc_bytes[f"{name} {pixels}"] = per_sample
-                    print(f"repeat {repeat}: {key}: {rate:.0f} samples/s, {per_sample:.0f} tensor bytes/sample",
-                          flush=True)
+                    print(
+                        f"repeat {repeat}: {key}: {rate:.0f} samples/s, {per_sample:.0f} tensor bytes/sample",
+                        flush=True,
+                    )
     normalize_ms = normalize_seconds() * 1000 if "uint8" in args.pixels else None
 
     import webdataset
 
     median = {k: statistics.median(v) for k, v in results.items()}
-    ratios = {f"mmpt / plain, {p} w{w}": median[f"mmpt {p} w{w}"] / median[f"plain {p} w{w}"]
-              for p in args.pixels for w in args.workers}
+    ratios = {
+        f"mmpt / plain, {p} w{w}": median[f"mmpt {p} w{w}"] / median[f"plain {p} w{w}"]
+        for p in args.pixels
+        for w in args.workers
+    }
     if set(PIXELS) <= set(args.pixels):
-        ratios.update({f"mmpt uint8 / float32, w{w}": median[f"mmpt uint8 w{w}"] / median[f"mmpt float32 w{w}"]
-                       for w in args.workers})
+        ratios.update(
+            {
+                f"mmpt uint8 / float32, w{w}": median[f"mmpt uint8 w{w}"] / median[f"mmpt float32 w{w}"]
+                for w in args.workers
+            }
+        )
     record = {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "webdataset": getattr(webdataset, "__version__", "?")},
-        "setup": {"batch": BATCH, "stored_image_size": args.image_size, "crop": CROP, "batches": args.batches,
-                  "warmup": args.warmup, "repeats": args.repeats, "pixels": args.pixels},
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "webdataset": getattr(webdataset, "__version__", "?"),
+        },
+        "setup": {
+            "batch": BATCH,
+            "stored_image_size": args.image_size,
+            "crop": CROP,
+            "batches": args.batches,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "pixels": args.pixels,
+        },
         "ipc_bytes_per_sample": ipc_bytes,
         "normalize_uint8_batch_ms_cpu": normalize_ms,
-        "samples_per_s": {k: {"min": min(v), "median": median[k], "max": max(v), "runs": v}
-                          for k, v in results.items()},
+        "samples_per_s": {
+            k: {"min": min(v), "median": median[k], "max": max(v), "runs": v} for k, v in results.items()
+        },
         "ratios": ratios,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "data_loader.json").write_text(json.dumps(record, indent=2) + "\n")
-    lines = ["# Image-text loading: mmpt reader vs plain webdataset + torchvision, float32 vs uint8 images\n",
-             f"{record['date']}, {record['machine']}; " + ", ".join(f"{k} {v}" for k, v in record["versions"].items())
-             + f". Batch {BATCH}, {args.image_size} px PNG, RandomResizedCrop {CROP}, open_clip tokenizer; "
-             f"{args.batches} batches timed after {args.warmup}, {args.repeats} runs each (alternating). "
-             "float32: ToTensor + Normalize in the workers; uint8: pixels, normalised by the training step. "
-             "Produced by `benchmarks/data_loader.py`.\n",
-             "| pipeline, images, workers | IPC bytes/sample | samples/s min | median | max |", "|---|---|---|---|---|"]
+    lines = [
+        "# Image-text loading: mmpt reader vs plain webdataset + torchvision, float32 vs uint8 images\n",
+        f"{record['date']}, {record['machine']}; "
+        + ", ".join(f"{k} {v}" for k, v in record["versions"].items())
+        + f". Batch {BATCH}, {args.image_size} px PNG, RandomResizedCrop {CROP}, open_clip tokenizer; "
+        f"{args.batches} batches timed after {args.warmup}, {args.repeats} runs each (alternating). "
+        "float32: ToTensor + Normalize in the workers; uint8: pixels, normalised by the training step. "
+        "Produced by `benchmarks/data_loader.py`.\n",
+        "| pipeline, images, workers | IPC bytes/sample | samples/s min | median | max |",
+        "|---|---|---|---|---|",
+    ]
     for key, s in record["samples_per_s"].items():
-        lines.append(f"| {key} | {ipc_bytes[key.rsplit(' ', 1)[0]]:.0f} | {s['min']:.0f} | {s['median']:.0f} | "
-                     f"{s['max']:.0f} |")
+        lines.append(
+            f"| {key} | {ipc_bytes[key.rsplit(' ', 1)[0]]:.0f} | {s['min']:.0f} | {s['median']:.0f} | {s['max']:.0f} |"
+        )
     lines.append("")
     if normalize_ms is not None:
-        lines.append(f"Normalising one uint8 batch ({BATCH}x3x{CROP}x{CROP}) to float32 in the main process on this "
-                     f"CPU: {normalize_ms:.2f} ms (not in the figures above; on a GPU rank it runs on the device).\n")
+        lines.append(
+            f"Normalising one uint8 batch ({BATCH}x3x{CROP}x{CROP}) to float32 in the main process on this "
+            f"CPU: {normalize_ms:.2f} ms (not in the figures above; on a GPU rank it runs on the device).\n"
+        )
     lines += [f"{k}: **{v:.3f}x**" for k, v in ratios.items()]
     (args.out / "data_loader.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -27,10 +27,14 @@ import time
 from demo_runs import REPO, train_demo
 
 RESULTS = REPO / "benchmarks" / "results"
-DEMOS = {"clip": ("configs/clip/demo.yaml", "runs/clip-demo"),
-         "m2_encoder": ("configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo")}
-VARIANTS = {"random placement (as configured)": [],
-            "no placement": ["method.augment.affine_scale=null", "method.augment.affine_translate=0"]}
+DEMOS = {
+    "clip": ("configs/clip/demo.yaml", "runs/clip-demo"),
+    "m2_encoder": ("configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo"),
+}
+VARIANTS = {
+    "random placement (as configured)": [],
+    "no placement": ["method.augment.affine_scale=null", "method.augment.affine_translate=0"],
+}
 SETS = {"digits": "zeroshot", "digits_unseen": "zeroshot/digits_unseen"}
 
 
@@ -48,22 +52,40 @@ def main() -> None:
         for variant, overrides in VARIANTS.items():
             seconds, records = train_demo(config, run, overrides)
             final = records[-1]
-            rows.append({"demo": demo, "variant": variant, "seconds": seconds,
-                         "acc1": {f"{name}/{language}": final[f"{prefix}/{language}/acc1"]
-                                  for name, prefix in SETS.items() for language in ("en", "zh")}})
+            rows.append(
+                {
+                    "demo": demo,
+                    "variant": variant,
+                    "seconds": seconds,
+                    "acc1": {
+                        f"{name}/{language}": final[f"{prefix}/{language}/acc1"]
+                        for name, prefix in SETS.items()
+                        for language in ("en", "zh")
+                    },
+                }
+            )
             print(rows[-1], flush=True)
-    machine = (f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 CPU ranks (gloo), ZeRO-2, fp32; "
-               f"python {sys.version.split()[0]}, torch {torch.__version__}")
+    machine = (
+        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 CPU ranks (gloo), ZeRO-2, fp32; "
+        f"python {sys.version.split()[0]}, torch {torch.__version__}"
+    )
     RESULTS.mkdir(exist_ok=True)
     rows.sort(key=lambda row: list(DEMOS).index(row["demo"]))
-    (RESULTS / "digits_demos.json").write_text(json.dumps({"machine": machine, "variants": VARIANTS, "rows": rows}, indent=2))
-    lines = [f"{machine}. Zero-shot top-1 on 359 held-out scans (chance 0.10). Produced by `benchmarks/digits_demos.py`.", "",
-             "| demo | training | digits EN | digits ZH | digits_unseen EN | digits_unseen ZH | wall time (min) |",
-             "|---|---|---|---|---|---|---|"]
+    (RESULTS / "digits_demos.json").write_text(
+        json.dumps({"machine": machine, "variants": VARIANTS, "rows": rows}, indent=2)
+    )
+    lines = [
+        f"{machine}. Zero-shot top-1 on 359 held-out scans (chance 0.10). Produced by `benchmarks/digits_demos.py`.",
+        "",
+        "| demo | training | digits EN | digits ZH | digits_unseen EN | digits_unseen ZH | wall time (min) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         acc = row["acc1"]
-        lines.append(f"| {row['demo']} | {row['variant']} | {acc['digits/en']:.3f} | {acc['digits/zh']:.3f} | "
-                     f"{acc['digits_unseen/en']:.3f} | {acc['digits_unseen/zh']:.3f} | {row['seconds'] / 60:.1f} |")
+        lines.append(
+            f"| {row['demo']} | {row['variant']} | {acc['digits/en']:.3f} | {acc['digits/zh']:.3f} | "
+            f"{acc['digits_unseen/en']:.3f} | {acc['digits_unseen/zh']:.3f} | {row['seconds'] / 60:.1f} |"
+        )
     (RESULTS / "digits_demos.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -75,11 +75,16 @@ def main() -> int:
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     seconds = statistics.median(times)
     record = {
-        "date": time.strftime("%Y-%m-%d"), "device": name, "torch": torch.__version__, "batch": args.batch,
+        "date": time.strftime("%Y-%m-%d"),
+        "device": name,
+        "torch": torch.__version__,
+        "batch": args.batch,
         "step_s": {"min": min(times), "median": seconds, "max": max(times)},
-        "samples_per_s": args.batch / seconds, "tflops_per_step": flops / 1e12,
+        "samples_per_s": args.batch / seconds,
+        "tflops_per_step": flops / 1e12,
         "achieved_tflops": flops / seconds / 1e12,
-        "mfu": None if peak is None else flops / seconds / 1e12 / peak, "peak_bf16_tflops": peak,
+        "mfu": None if peak is None else flops / seconds / 1e12 / peak,
+        "peak_bf16_tflops": peak,
     }
     print(json.dumps(record, indent=2))
     if not args.dry_run:
@@ -87,8 +92,10 @@ def main() -> int:
         history = json.loads((RESULTS / "gpu_step.json").read_text()) if (RESULTS / "gpu_step.json").is_file() else []
         (RESULTS / "gpu_step.json").write_text(json.dumps(history + [record], indent=2) + "\n")
         rows = "".join(_row(r) for r in history + [record])
-        (RESULTS / "gpu_step.md").write_text("# ViT-B/16 CLIP step, bf16\n\n| date | device | batch | samples/s | "
-                                             "TFLOP/step | MFU |\n|---|---|---|---|---|---|\n" + rows)
+        (RESULTS / "gpu_step.md").write_text(
+            "# ViT-B/16 CLIP step, bf16\n\n| date | device | batch | samples/s | "
+            "TFLOP/step | MFU |\n|---|---|---|---|---|---|\n" + rows
+        )
     return 0
 
 

@@ -77,8 +77,9 @@ def worker(rank: int, port: int, queue) -> None:
     from mmpt.engine.sequence_parallel import split_sequences
     from mmpt.models.victor import Transformer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(RANKS))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(RANKS)
+    )
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
@@ -91,8 +92,10 @@ def worker(rank: int, port: int, queue) -> None:
             result = measure(model, length)
             if rank == 0:
                 queue.put({"length": length, "sequence_parallel": sp, **result})
-                print(f"L={length:5d} SP={sp} saved {result['saved_mib']:8.1f} MiB  {result['time_s'] * 1e3:8.1f} ms",
-                      flush=True)
+                print(
+                    f"L={length:5d} SP={sp} saved {result['saved_mib']:8.1f} MiB  {result['time_s'] * 1e3:8.1f} ms",
+                    flush=True,
+                )
     dist.barrier()
     if rank == 0:
         queue.put(None)
@@ -100,20 +103,33 @@ def worker(rank: int, port: int, queue) -> None:
 
 def write_report(rows: list[dict]) -> None:
     RESULTS.mkdir(exist_ok=True)
-    meta = {"width": WIDTH, "heads": HEADS, "layers": LAYERS, "batch": BATCH, "ranks": RANKS,
-            "machine": f"{os.cpu_count()} cores, {platform.machine()}", "torch": torch.__version__}
+    meta = {
+        "width": WIDTH,
+        "heads": HEADS,
+        "layers": LAYERS,
+        "batch": BATCH,
+        "ranks": RANKS,
+        "machine": f"{os.cpu_count()} cores, {platform.machine()}",
+        "torch": torch.__version__,
+    }
     (RESULTS / "sequence_parallel.json").write_text(json.dumps({"setup": meta, "rows": rows}, indent=1))
     by = {(r["length"], r["sequence_parallel"]): r for r in rows}
-    lines = ["# Activation memory per rank: Ulysses sequence parallelism (SP) against the whole sequence", "",
-             f"VICTOR's transformer, width {WIDTH}, {HEADS} heads, {LAYERS} layers, batch {BATCH}, fp32, {RANKS} CPU "
-             f"ranks (gloo), torch {torch.__version__}, {meta['machine']}. Saved: bytes autograd keeps for backward "
-             "inside the transformer, on rank 0 (exact). Time: median fwd+bwd on shared cores.", "",
-             "| tokens L | saved MiB, SP 1 | saved MiB, SP 2 | SP 2 / SP 1 | ms, SP 1 | ms, SP 2 |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# Activation memory per rank: Ulysses sequence parallelism (SP) against the whole sequence",
+        "",
+        f"VICTOR's transformer, width {WIDTH}, {HEADS} heads, {LAYERS} layers, batch {BATCH}, fp32, {RANKS} CPU "
+        f"ranks (gloo), torch {torch.__version__}, {meta['machine']}. Saved: bytes autograd keeps for backward "
+        "inside the transformer, on rank 0 (exact). Time: median fwd+bwd on shared cores.",
+        "",
+        "| tokens L | saved MiB, SP 1 | saved MiB, SP 2 | SP 2 / SP 1 | ms, SP 1 | ms, SP 2 |",
+        "|---|---|---|---|---|---|",
+    ]
     for length in LENGTHS:
         one, two = by[(length, 1)], by[(length, RANKS)]
-        lines.append(f"| {length} | {one['saved_mib']:.1f} | {two['saved_mib']:.1f} | "
-                     f"{two['saved_mib'] / one['saved_mib']:.3f} | {one['time_s'] * 1e3:.0f} | {two['time_s'] * 1e3:.0f} |")
+        lines.append(
+            f"| {length} | {one['saved_mib']:.1f} | {two['saved_mib']:.1f} | "
+            f"{two['saved_mib'] / one['saved_mib']:.3f} | {one['time_s'] * 1e3:.0f} | {two['time_s'] * 1e3:.0f} |"
+        )
     (RESULTS / "sequence_parallel.md").write_text("\n".join(lines) + "\n")
     plot(rows)
 

@@ -41,19 +41,46 @@ def train(name: str, overrides: list[str], runs: Path) -> tuple[Path, float]:
     if (run / "model.safetensors").is_file():  # reused: its config is written at the start, the weights at the end
         return run, (run / "model.safetensors").stat().st_mtime - (run / "config.yaml").stat().st_mtime
     launcher = str(Path(sys.executable).with_name("deepspeed"))
-    command = [launcher, "--num_gpus", "2", str(REPO / "launch/train.py"), "--config",
-               str(REPO / "configs/space2/demo.yaml"), f"run.output_dir={run}", "run.progress_bar=false",
-               "method.intent_eval.dataset=null", *overrides]
+    command = [
+        launcher,
+        "--num_gpus",
+        "2",
+        str(REPO / "launch/train.py"),
+        "--config",
+        str(REPO / "configs/space2/demo.yaml"),
+        f"run.output_dir={run}",
+        "run.progress_bar=false",
+        "method.intent_eval.dataset=null",
+        *overrides,
+    ]
     started = time.time()
     subprocess.run(command, cwd=REPO, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return run, time.time() - started
 
 
 def evaluate(source: list[str], out: Path) -> dict:
-    subprocess.run([sys.executable, str(REPO / "launch/intent_eval.py"), *source, "--dataset", "dialogs",
-                    "--data-root", str(REPO / "demo_data"), "--shots", "10", "--seeds", "3",
-                    "--finetune-epochs", str(FINETUNE_EPOCHS), "--output", str(out)],
-                   cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/intent_eval.py"),
+            *source,
+            "--dataset",
+            "dialogs",
+            "--data-root",
+            str(REPO / "demo_data"),
+            "--shots",
+            "10",
+            "--seeds",
+            "3",
+            "--finetune-epochs",
+            str(FINETUNE_EPOCHS),
+            "--output",
+            str(out),
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     return json.loads(out.read_text())
 
 
@@ -64,33 +91,53 @@ def main() -> int:
     args = parser.parse_args()
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
-    rows = {"none": {"label": "no pretraining (MiniLM as shipped)", "train_seconds": 0.0,
-                     **evaluate(["--encoder", ENCODER], runs / "none.json")}}
+    rows = {
+        "none": {
+            "label": "no pretraining (MiniLM as shipped)",
+            "train_seconds": 0.0,
+            **evaluate(["--encoder", ENCODER], runs / "none.json"),
+        }
+    }
     variants = {**VARIANTS, **(ABLATIONS if args.ablations else {})}
     for name, (label, overrides) in variants.items():
         run, seconds = train(name, overrides, runs)
-        rows[name] = {"label": label, "train_seconds": seconds, **evaluate(["--model", str(run)], runs / f"{name}.json")}
+        rows[name] = {
+            "label": label,
+            "train_seconds": seconds,
+            **evaluate(["--model", str(run)], runs / f"{name}.json"),
+        }
 
     RESULTS.mkdir(exist_ok=True)
-    record = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version(),
-              "config": "configs/space2/demo.yaml", "results": rows}
+    record = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "python": platform.python_version(),
+        "config": "configs/space2/demo.yaml",
+        "results": rows,
+    }
     (RESULTS / "space2_fewshot.json").write_text(json.dumps(record, indent=2) + "\n")
-    lines = ["| encoder | 10-shot, linear probe (mean ± std, 3 draws) | per draw | full data, linear probe "
-             "| 10-shot, fine-tuned | full data, fine-tuned | training |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| encoder | 10-shot, linear probe (mean ± std, 3 draws) | per draw | full data, linear probe "
+        "| 10-shot, fine-tuned | full data, fine-tuned | training |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows.values():
         m = row["metrics"]
         draws = ", ".join(f"{100 * a:.1f}" for a in row["runs"]["10shot"])
         seconds = row["train_seconds"]
         trained = "-" if seconds == 0 else f"{seconds / 60:.1f} min"
-        lines.append(f"| {row['label']} | {100 * m['10shot/accuracy_mean']:.1f} ± {100 * m['10shot/accuracy_std']:.1f} "
-                     f"| {draws} | {100 * m['full/accuracy']:.1f} | {100 * m['10shot/finetuned_accuracy']:.1f} "
-                     f"| {100 * m['full/finetuned_accuracy']:.1f} | {trained} |")
-    header = (f"# SPACE-2 demo: few-shot intent classification\n\n{record['machine']}, Python {record['python']}; "
-              f"{rows['none']['intents']} intents, {rows['none']['test']} test utterances (chance "
-              f"{100 / rows['none']['intents']:.1f}%). Linear probe: a logistic-regression head on the frozen "
-              f"encoder. Fine-tuned: the whole encoder and a linear head, {FINETUNE_EPOCHS} epochs (AdamW, encoder "
-              "lr 3e-5, head 1e-3, batch 32; one run, on the first 10-shot draw). Produced by "
-              "`benchmarks/space2_fewshot.py`.\n\n")
+        lines.append(
+            f"| {row['label']} | {100 * m['10shot/accuracy_mean']:.1f} ± {100 * m['10shot/accuracy_std']:.1f} "
+            f"| {draws} | {100 * m['full/accuracy']:.1f} | {100 * m['10shot/finetuned_accuracy']:.1f} "
+            f"| {100 * m['full/finetuned_accuracy']:.1f} | {trained} |"
+        )
+    header = (
+        f"# SPACE-2 demo: few-shot intent classification\n\n{record['machine']}, Python {record['python']}; "
+        f"{rows['none']['intents']} intents, {rows['none']['test']} test utterances (chance "
+        f"{100 / rows['none']['intents']:.1f}%). Linear probe: a logistic-regression head on the frozen "
+        f"encoder. Fine-tuned: the whole encoder and a linear head, {FINETUNE_EPOCHS} epochs (AdamW, encoder "
+        "lr 3e-5, head 1e-3, batch 32; one run, on the first 10-shot draw). Produced by "
+        "`benchmarks/space2_fewshot.py`.\n\n"
+    )
     (RESULTS / "space2_fewshot.md").write_text(header + "\n".join(lines) + "\n")
     print("\n".join(lines))
     gain = rows["space2"]["metrics"]["10shot/accuracy_mean"] - rows["none"]["metrics"]["10shot/accuracy_mean"]

@@ -52,9 +52,23 @@ OPEN_CLIP_DEPS = REPO / "benchmarks" / ".open_clip_train_deps"
 
 def open_clip_deps() -> Path:
     if not (OPEN_CLIP_DEPS / "webdataset").is_dir():
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
-                        str(OPEN_CLIP_DEPS), "webdataset==0.2.86"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(OPEN_CLIP_DEPS),
+                "webdataset==0.2.86",
+            ],
+            check=True,
+        )
     return OPEN_CLIP_DEPS
+
+
 BATCH, LR, WD, WARMUP_LR_STEPS = 32, 1e-4, 0.1, 10
 TRAINERS = ("mmpt-zero0", "mmpt-zero2", "open_clip")
 
@@ -103,19 +117,45 @@ def mmpt_run(ranks: int, zero: int, steps: int, data: Path, work: Path, env: dic
     shutil.rmtree(run_dir, ignore_errors=True)
     config = {
         "method": {"name": "open_clip", "model": str(MODEL), "zeroshot": {"dataset": None}},
-        "data": {"train": {"sources": [{"shards": str(data / "train/en-*.tar")}], "mode": "resampled",
-                           "batch_size": BATCH, "num_workers": 1, "shuffle_buffer": 1000}},
+        "data": {
+            "train": {
+                "sources": [{"shards": str(data / "train/en-*.tar")}],
+                "mode": "resampled",
+                "batch_size": BATCH,
+                "num_workers": 1,
+                "shuffle_buffer": 1000,
+            }
+        },
         "optim": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.98], "eps": 1e-6, "warmup_steps": WARMUP_LR_STEPS},
-        "train": {"max_steps": steps, "grad_clip": 0.0, "precision": "fp32", "zero_stage": zero, "log_every": 1,
-                  "save_every": 0, "seed": 0, "watchdog_timeout": 0},
+        "train": {
+            "max_steps": steps,
+            "grad_clip": 0.0,
+            "precision": "fp32",
+            "zero_stage": zero,
+            "log_every": 1,
+            "save_every": 0,
+            "seed": 0,
+            "watchdog_timeout": 0,
+        },
         "run": {"output_dir": str(run_dir), "resume": "none", "tensorboard": False, "progress_bar": False},
     }
     path = work / f"mmpt-z{zero}-{ranks}.yaml"
     path.write_text(yaml.safe_dump(config))
     launcher = str(Path(sys.executable).with_name("deepspeed"))
-    peak = run([launcher, "--num_gpus", str(ranks), "--master_port", str(_free_port()), "launch/train.py",
-                "--config", str(path)], env,
-               work / f"mmpt-z{zero}-{ranks}.log")
+    peak = run(
+        [
+            launcher,
+            "--num_gpus",
+            str(ranks),
+            "--master_port",
+            str(_free_port()),
+            "launch/train.py",
+            "--config",
+            str(path),
+        ],
+        env,
+        work / f"mmpt-z{zero}-{ranks}.log",
+    )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = [max(r["step_time_per_rank"]) for r in records if "step_time_per_rank" in r]
     state = max(records[-1].get("optimizer_state_mib_per_rank") or [float("nan")])
@@ -127,17 +167,68 @@ def open_clip_run(ranks: int, steps: int, data: Path, work: Path, env: dict) -> 
     shutil.rmtree(work / "logs" / name, ignore_errors=True)
     shards = sorted((data / "train").glob("en-*.tar"))
     pattern = f"{data / 'train'}/en-{{{shards[0].stem[3:]}..{shards[-1].stem[3:]}}}.tar"
-    args = ["--train-data", pattern, "--dataset-type", "webdataset", "--dataset-resampled",
-            "--train-num-samples", str(steps * BATCH * ranks), "--epochs", "1", "--batch-size", str(BATCH),
-            "--workers", "1", "--model", MODEL.stem, "--lr", str(LR), "--wd", str(WD), "--beta1", "0.9",
-            "--beta2", "0.98", "--eps", "1e-6", "--warmup", str(WARMUP_LR_STEPS), "--precision", "fp32",
-            "--device", "cpu", "--local-loss", "--gather-with-grad", "--log-every-n-steps", "1",
-            "--save-frequency", "0", "--report-to", "", "--name", name, "--seed", "0"]
+    args = [
+        "--train-data",
+        pattern,
+        "--dataset-type",
+        "webdataset",
+        "--dataset-resampled",
+        "--train-num-samples",
+        str(steps * BATCH * ranks),
+        "--epochs",
+        "1",
+        "--batch-size",
+        str(BATCH),
+        "--workers",
+        "1",
+        "--model",
+        MODEL.stem,
+        "--lr",
+        str(LR),
+        "--wd",
+        str(WD),
+        "--beta1",
+        "0.9",
+        "--beta2",
+        "0.98",
+        "--eps",
+        "1e-6",
+        "--warmup",
+        str(WARMUP_LR_STEPS),
+        "--precision",
+        "fp32",
+        "--device",
+        "cpu",
+        "--local-loss",
+        "--gather-with-grad",
+        "--log-every-n-steps",
+        "1",
+        "--save-frequency",
+        "0",
+        "--report-to",
+        "",
+        "--name",
+        name,
+        "--seed",
+        "0",
+    ]
     # open_clip writes to ./logs/<name>: run it in the scratch directory (torchrun would take --logs as its own)
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(open_clip_deps()), env.get("PYTHONPATH")]))}
     launcher = str(Path(sys.executable).with_name("torchrun"))
-    peak = run([launcher, "--nproc_per_node", str(ranks), "--master_port", str(_free_port()),
-                str(REPO / "benchmarks/open_clip_main.py"), *args], env, work / f"{name}.log", cwd=work)
+    peak = run(
+        [
+            launcher,
+            "--nproc_per_node",
+            str(ranks),
+            "--master_port",
+            str(_free_port()),
+            str(REPO / "benchmarks/open_clip_main.py"),
+            *args,
+        ],
+        env,
+        work / f"{name}.log",
+        cwd=work,
+    )
     text = (work / "logs" / name / "out.log").read_text()
     times = [float(t) for t in re.findall(r"Batch \(t\): ([0-9.]+)", text)]
     return times, peak, float("nan")  # its optimizer state is not reported
@@ -162,10 +253,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
-    parser.add_argument("--only", nargs="+", choices=TRAINERS, default=list(TRAINERS),
-                        help="run only these trainers (default: all)")
-    parser.add_argument("--results", default=str(RESULTS),
-                        help="directory for train_throughput.{json,md,png} (default: benchmarks/results)")
+    parser.add_argument(
+        "--only", nargs="+", choices=TRAINERS, default=list(TRAINERS), help="run only these trainers (default: all)"
+    )
+    parser.add_argument(
+        "--results",
+        default=str(RESULTS),
+        help="directory for train_throughput.{json,md,png} (default: benchmarks/results)",
+    )
     args = parser.parse_args()
     # ZeRO-2 on one rank partitions nothing, but runs DeepSpeed's ZeRO-2 code path (flat buffers, buckets).
     configs = [(name, ranks) for ranks in args.ranks for name in TRAINERS if name in args.only]
@@ -187,14 +282,17 @@ def main() -> int:
                 times, peak, state = open_clip_run(ranks, args.steps, data, work, env)
             else:
                 times, peak, state = mmpt_run(ranks, int(name[-1]), args.steps, data, work, env)
-            timed = times[args.warmup:]
+            timed = times[args.warmup :]
             key = f"{name} x{ranks}"
             throughput = BATCH * ranks / statistics.median(timed)
             samples.setdefault(key, []).append(throughput)
             memory.setdefault(key, []).append(peak)
             optimizer_state[key] = state
-            print(f"repeat {repeat}: {key}: {throughput:.1f} samples/s over {len(timed)} steps, peak rank RSS "
-                  f"{peak:.0f} MiB", flush=True)
+            print(
+                f"repeat {repeat}: {key}: {throughput:.1f} samples/s over {len(timed)} steps, peak rank RSS "
+                f"{peak:.0f} MiB",
+                flush=True,
+            )
 
     record = _record(samples, memory, optimizer_state, args, cores)
     results = Path(args.results)
@@ -213,16 +311,33 @@ def _record(samples, memory, optimizer_state, args, cores) -> dict:
     import open_clip
     import torch
 
-    ratios = {f"x{r}": statistics.median(samples[f"mmpt-zero0 x{r}"]) / statistics.median(samples[f"open_clip x{r}"])
-              for r in args.ranks if f"mmpt-zero0 x{r}" in samples and f"open_clip x{r}" in samples}
-    ratios_zero2 = {f"x{r}": statistics.median(samples[f"mmpt-zero2 x{r}"]) / statistics.median(samples[f"open_clip x{r}"])
-                    for r in args.ranks if f"mmpt-zero2 x{r}" in samples and f"open_clip x{r}" in samples}
+    ratios = {
+        f"x{r}": statistics.median(samples[f"mmpt-zero0 x{r}"]) / statistics.median(samples[f"open_clip x{r}"])
+        for r in args.ranks
+        if f"mmpt-zero0 x{r}" in samples and f"open_clip x{r}" in samples
+    }
+    ratios_zero2 = {
+        f"x{r}": statistics.median(samples[f"mmpt-zero2 x{r}"]) / statistics.median(samples[f"open_clip x{r}"])
+        for r in args.ranks
+        if f"mmpt-zero2 x{r}" in samples and f"open_clip x{r}" in samples
+    }
     return {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {cores} cores, CPU only",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "deepspeed": deepspeed.__version__, "open_clip": open_clip.__version__},
-        "setup": {"model": MODEL.name, "batch_per_rank": BATCH, "steps": args.steps, "timed_from_step": args.warmup + 1,
-                  "repeats": args.repeats, "precision": "fp32"},
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {cores} cores, CPU only",
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+            "open_clip": open_clip.__version__,
+        },
+        "setup": {
+            "model": MODEL.name,
+            "batch_per_rank": BATCH,
+            "steps": args.steps,
+            "timed_from_step": args.warmup + 1,
+            "repeats": args.repeats,
+            "precision": "fp32",
+        },
         "samples_per_s": {k: {**summarise(v), "runs": v} for k, v in samples.items()},
         "peak_rank_rss_mib": {k: {**summarise(v), "runs": v} for k, v in memory.items()},
         "optimizer_state_mib_per_rank": optimizer_state,
@@ -232,19 +347,25 @@ def _record(samples, memory, optimizer_state, args, cores) -> dict:
 
 
 def _markdown(record: dict) -> str:
-    lines = ["# Training throughput: mmpt vs open_clip's trainer\n",
-             f"{record['date']}, {record['machine']}; " + ", ".join(f"{k} {v}" for k, v in record["versions"].items())
-             + f". Model `{record['setup']['model']}`, batch {record['setup']['batch_per_rank']} per rank, "
-             f"{record['setup']['precision']}, {record['setup']['repeats']} runs each (alternating), steps "
-             f"{record['setup']['timed_from_step']}-{record['setup']['steps']} timed. "
-             "Produced by `benchmarks/train_throughput.py`.\n",
-             "| trainer x ranks | samples/s min | median | max | peak RSS per rank (MiB) min | median | max "
-             "| optimizer state per rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Training throughput: mmpt vs open_clip's trainer\n",
+        f"{record['date']}, {record['machine']}; "
+        + ", ".join(f"{k} {v}" for k, v in record["versions"].items())
+        + f". Model `{record['setup']['model']}`, batch {record['setup']['batch_per_rank']} per rank, "
+        f"{record['setup']['precision']}, {record['setup']['repeats']} runs each (alternating), steps "
+        f"{record['setup']['timed_from_step']}-{record['setup']['steps']} timed. "
+        "Produced by `benchmarks/train_throughput.py`.\n",
+        "| trainer x ranks | samples/s min | median | max | peak RSS per rank (MiB) min | median | max "
+        "| optimizer state per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for key, s in record["samples_per_s"].items():
         m = record["peak_rank_rss_mib"][key]
         state = record["optimizer_state_mib_per_rank"][key]
-        lines.append(f"| {key} | {s['min']:.1f} | {s['median']:.1f} | {s['max']:.1f} | {m['min']:.0f} | "
-                     f"{m['median']:.0f} | {m['max']:.0f} | {'n/a' if state != state else f'{state:.1f}'} |")
+        lines.append(
+            f"| {key} | {s['min']:.1f} | {s['median']:.1f} | {s['max']:.1f} | {m['min']:.0f} | "
+            f"{m['median']:.0f} | {m['max']:.0f} | {'n/a' if state != state else f'{state:.1f}'} |"
+        )
     lines.append("")
     lines += [f"mmpt (ZeRO-2) / open_clip, {k}: {v:.3f}x" for k, v in record.get("ratios_zero2", {}).items()]
     lines += [f"mmpt (ZeRO-0) / open_clip, {k}: **{v:.3f}x**" for k, v in record["ratios"].items()]
@@ -259,12 +380,16 @@ def _plot(record: dict, path: Path) -> None:
 
     keys = list(record["samples_per_s"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, field, label in ((axes[0], "samples_per_s", "samples/s (median, min-max)"),
-                             (axes[1], "peak_rank_rss_mib", "peak RSS per rank, MiB")):
+    for ax, field, label in (
+        (axes[0], "samples_per_s", "samples/s (median, min-max)"),
+        (axes[1], "peak_rank_rss_mib", "peak RSS per rank, MiB"),
+    ):
         values = record[field]
         medians = [values[k]["median"] for k in keys]
-        errors = [[m - values[k]["min"] for k, m in zip(keys, medians)],
-                  [values[k]["max"] - m for k, m in zip(keys, medians)]]
+        errors = [
+            [m - values[k]["min"] for k, m in zip(keys, medians)],
+            [values[k]["max"] - m for k, m in zip(keys, medians)],
+        ]
         colors = ["tab:orange" if k.startswith("open_clip") else "tab:blue" for k in keys]
         ax.bar(range(len(keys)), medians, yerr=errors, color=colors, capsize=3)
         ax.set_xticks(range(len(keys)), keys, rotation=30, ha="right", fontsize=8)

@@ -30,21 +30,32 @@ CLIPS = 170
 def train(overrides: list[str]) -> dict:
     seconds, records = train_demo("configs/victor/demo.yaml", "runs/victor-demo", overrides)
     losses = [r for r in records if "loss/total" in r]
-    return {"seconds": seconds, "final": records[-1], "last_losses": {k: v for k, v in losses[-1].items() if k.startswith("loss/")}}
+    return {
+        "seconds": seconds,
+        "final": records[-1],
+        "last_losses": {k: v for k, v in losses[-1].items() if k.startswith("loss/")},
+    }
 
 
 def main() -> None:
     import torch
 
     rows = {name: train(overrides) for name, overrides in VARIANTS.items()}
-    machine = (f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 CPU ranks (gloo), ZeRO-2, fp32; "
-               f"python {sys.version.split()[0]}, torch {torch.__version__}")
+    machine = (
+        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 CPU ranks (gloo), ZeRO-2, fp32; "
+        f"python {sys.version.split()[0]}, torch {torch.__version__}"
+    )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "victor_demo.json").write_text(json.dumps({"machine": machine, "variants": VARIANTS, "rows": rows}, indent=2))
-    lines = [f"{machine}. `configs/victor/demo.yaml`, {CLIPS} held-out clips (chance R@1 = {100 / CLIPS:.2f}%). "
-             "Produced by `benchmarks/victor_demo.py`.", "",
-             "| variant | captions | T2V R@1 | R@5 | R@10 | MdR | MnR | V2T R@1 | R@5 | R@10 | MdR | wall time (min) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    (RESULTS / "victor_demo.json").write_text(
+        json.dumps({"machine": machine, "variants": VARIANTS, "rows": rows}, indent=2)
+    )
+    lines = [
+        f"{machine}. `configs/victor/demo.yaml`, {CLIPS} held-out clips (chance R@1 = {100 / CLIPS:.2f}%). "
+        "Produced by `benchmarks/victor_demo.py`.",
+        "",
+        "| variant | captions | T2V R@1 | R@5 | R@10 | MdR | MnR | V2T R@1 | R@5 | R@10 | MdR | wall time (min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, row in rows.items():
         for language in ("en", "zh"):
             m = {k.split("/", 2)[2]: v for k, v in row["final"].items() if k.startswith(f"retrieval/{language}/")}
@@ -53,7 +64,8 @@ def main() -> None:
                 f"{100 * m['video_retrieval_recall@10']:.1f} | {m['video_retrieval_median_rank']:.0f} | "
                 f"{m['video_retrieval_mean_rank']:.1f} | {100 * m['text_retrieval_recall@1']:.1f} | "
                 f"{100 * m['text_retrieval_recall@5']:.1f} | {100 * m['text_retrieval_recall@10']:.1f} | "
-                f"{m['text_retrieval_median_rank']:.0f} | {row['seconds'] / 60:.1f} |")
+                f"{m['text_retrieval_median_rank']:.0f} | {row['seconds'] / 60:.1f} |"
+            )
     lines += ["", "Loss terms at the last step:", ""]
     for name, row in rows.items():
         lines.append(f"- {name}: " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in row["last_losses"].items()))

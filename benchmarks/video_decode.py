@@ -38,9 +38,10 @@ BATCH = 16
 
 def make_clips(root: Path, count: int, frames: int, size: int) -> tuple[list[bytes], str]:
     """`count` moving-digit clips at `size` px, written to shards under `root`; (mp4 bytes, shard pattern)."""
-    from mmpt.demo.moving_digits import DIRECTIONS, _render, encode_mp4
-    from mmpt.data.video import write_video_shards
     from sklearn.datasets import load_digits
+
+    from mmpt.data.video import write_video_shards
+    from mmpt.demo.moving_digits import DIRECTIONS, _render, encode_mp4
 
     digits, rng = load_digits(), random.Random(0)
     clips = []
@@ -48,8 +49,14 @@ def make_clips(root: Path, count: int, frames: int, size: int) -> tuple[list[byt
         clip = {"kind": "move", "digits": [index % 10], "direction": list(DIRECTIONS)[index % len(DIRECTIONS)]}
         scan = digits.images[rng.choice(np.flatnonzero(digits.target == index % 10).tolist())]
         clips.append(encode_mp4(_render(clip, [scan], frames, size, rng)))
-    write_video_shards(({"__key__": f"clip-{i:05d}", "mp4": data, "txt": f"the digit {i % 10} moves."}
-                        for i, data in enumerate(clips)), str(root / "clips"), shard_size=max(1, count // 4))
+    write_video_shards(
+        (
+            {"__key__": f"clip-{i:05d}", "mp4": data, "txt": f"the digit {i % 10} moves."}
+            for i, data in enumerate(clips)
+        ),
+        str(root / "clips"),
+        shard_size=max(1, count // 4),
+    )
     return clips, str(root / "clips-{000000..000003}.tar")
 
 
@@ -68,10 +75,17 @@ def loader_pass(pattern: str, count: int, backend: str, image_size: int, tokeniz
     from mmpt.data.video import ResizeCenterCrop, VideoTextDecoder
 
     # as the victor method loads: uint8 frames resized and centre-cropped, normalised later on the accelerator
-    decoder = VideoTextDecoder(SAMPLED_FRAMES, None, TextTokenizer(tokenizer_path, 16), backend=backend, train=False,
-                               clip_transform=ResizeCenterCrop(image_size))
-    spec = StreamSpec([Source.from_pattern(pattern)], batch_size=BATCH, mode="epoch", shuffle_buffer=0,
-                      num_workers=0, max_epochs=1)
+    decoder = VideoTextDecoder(
+        SAMPLED_FRAMES,
+        None,
+        TextTokenizer(tokenizer_path, 16),
+        backend=backend,
+        train=False,
+        clip_transform=ResizeCenterCrop(image_size),
+    )
+    spec = StreamSpec(
+        [Source.from_pattern(pattern)], batch_size=BATCH, mode="epoch", shuffle_buffer=0, num_workers=0, max_epochs=1
+    )
     started = time.perf_counter()
     seen = sum(batch["frames"].shape[0] for batch in StatefulLoader(BatchStream(spec, decoder)))
     elapsed = time.perf_counter() - started
@@ -90,9 +104,12 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=64, help="frames per clip (8 are sampled)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 224])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--image-size", type=int, default=224, help="largest frame size the loader gives (smaller clips keep theirs)")
+    parser.add_argument(
+        "--image-size", type=int, default=224, help="largest frame size the loader gives (smaller clips keep theirs)"
+    )
     args = parser.parse_args()
     import torch
+
     from mmpt.data.tokenizer import train_wordpiece
     from mmpt.data.video import BACKENDS
 
@@ -112,16 +129,23 @@ def main() -> None:
                 for backend in BACKENDS:
                     times.setdefault(("raw", backend), []).append(raw_decode(clips, backend))
                     times.setdefault(("loader", backend), []).append(
-                        loader_pass(pattern, args.clips, backend, min(size, args.image_size), tokenizer))
+                        loader_pass(pattern, args.clips, backend, min(size, args.image_size), tokenizer)
+                    )
             for backend in BACKENDS:
                 raw, loader = times["raw", backend], times["loader", backend]
-                rows.append({
-                    "size": size, "backend": backend, "clips": args.clips, "frames_per_clip": args.frames,
-                    "raw_frames_per_s": summary([SAMPLED_FRAMES * args.clips / t for t in raw]),
-                    "loader_clips_per_s": summary([args.clips / t for t in loader]),
-                    "loader_overhead": statistics.median(loader) / statistics.median(raw) - 1,
-                    "raw_seconds": raw, "loader_seconds": loader,
-                })
+                rows.append(
+                    {
+                        "size": size,
+                        "backend": backend,
+                        "clips": args.clips,
+                        "frames_per_clip": args.frames,
+                        "raw_frames_per_s": summary([SAMPLED_FRAMES * args.clips / t for t in raw]),
+                        "loader_clips_per_s": summary([args.clips / t for t in loader]),
+                        "loader_overhead": statistics.median(loader) / statistics.median(raw) - 1,
+                        "raw_seconds": raw,
+                        "loader_seconds": loader,
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
     write_results(rows, args)
 
@@ -136,19 +160,29 @@ def write_results(rows: list[dict], args) -> None:
         decord_version = decord.__version__
     except ImportError:
         decord_version = "not installed"
-    machine = (f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores; "
-               f"python {sys.version.split()[0]}, torch {torch.__version__}, decord {decord_version}, PyAV {av.__version__}")
+    machine = (
+        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores; "
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, decord {decord_version}, PyAV {av.__version__}"
+    )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "video_decode.json").write_text(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))
-    lines = [f"{machine}. {args.clips} clips of {args.frames} frames (H.264, yuv420p), {SAMPLED_FRAMES} frames "
-             f"sampled per clip, {args.repeats} runs each (alternating), one core. Produced by `benchmarks/video_decode.py`.",
-             "", "| clip size | backend | raw decode frames/s min | median | max | loader clips/s min | median | max "
-             "| loader overhead over raw decode |", "|---|---|---|---|---|---|---|---|---|"]
+    (RESULTS / "video_decode.json").write_text(
+        json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2)
+    )
+    lines = [
+        f"{machine}. {args.clips} clips of {args.frames} frames (H.264, yuv420p), {SAMPLED_FRAMES} frames "
+        f"sampled per clip, {args.repeats} runs each (alternating), one core. Produced by `benchmarks/video_decode.py`.",
+        "",
+        "| clip size | backend | raw decode frames/s min | median | max | loader clips/s min | median | max "
+        "| loader overhead over raw decode |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         raw, loader = r["raw_frames_per_s"], r["loader_clips_per_s"]
-        lines.append(f"| {r['size']}x{r['size']} | {r['backend']} | {raw['min']:.0f} | {raw['median']:.0f} | "
-                     f"{raw['max']:.0f} | {loader['min']:.1f} | {loader['median']:.1f} | {loader['max']:.1f} | "
-                     f"{100 * r['loader_overhead']:+.1f}% |")
+        lines.append(
+            f"| {r['size']}x{r['size']} | {r['backend']} | {raw['min']:.0f} | {raw['median']:.0f} | "
+            f"{raw['max']:.0f} | {loader['min']:.1f} | {loader['median']:.1f} | {loader['max']:.1f} | "
+            f"{100 * r['loader_overhead']:+.1f}% |"
+        )
     (RESULTS / "video_decode.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

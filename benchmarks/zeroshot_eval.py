@@ -51,10 +51,14 @@ def main() -> int:
     retrieval = root / "zeroshot" / "retrieval_en.jsonl"
     images_in_retrieval = sum(1 for _ in retrieval.open())
     tasks = {
-        "classification": (count, lambda: zeroshot_classification(model, tokenizer, transform, classification,
-                                                                   batch_size=args.batch_size)),
-        "retrieval": (images_in_retrieval, lambda: zeroshot_retrieval(model, tokenizer, transform, retrieval,
-                                                                      batch_size=args.batch_size)),
+        "classification": (
+            count,
+            lambda: zeroshot_classification(model, tokenizer, transform, classification, batch_size=args.batch_size),
+        ),
+        "retrieval": (
+            images_in_retrieval,
+            lambda: zeroshot_retrieval(model, tokenizer, transform, retrieval, batch_size=args.batch_size),
+        ),
     }
     rates: dict[str, list[float]] = {}
     for repeat in range(args.repeats):
@@ -66,20 +70,32 @@ def main() -> int:
             print(f"repeat {repeat}: {name}: {images} images, {rate:.0f} images/s", flush=True)
 
     record = {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        "setup": {"model": Path(MODEL).name, "batch_size": args.batch_size, "stored_image_size": args.image_size,
-                  "classification_images": count, "retrieval_images": images_in_retrieval, "repeats": args.repeats},
-        "images_per_s": {k: {"min": min(v), "median": statistics.median(v), "max": max(v), "runs": v}
-                         for k, v in rates.items()},
+        "setup": {
+            "model": Path(MODEL).name,
+            "batch_size": args.batch_size,
+            "stored_image_size": args.image_size,
+            "classification_images": count,
+            "retrieval_images": images_in_retrieval,
+            "repeats": args.repeats,
+        },
+        "images_per_s": {
+            k: {"min": min(v), "median": statistics.median(v), "max": max(v), "runs": v} for k, v in rates.items()
+        },
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "zeroshot_eval.json").write_text(json.dumps(record, indent=2) + "\n")
-    lines = ["# Zero-shot evaluation throughput\n",
-             f"{record['date']}, {record['machine']}; " + ", ".join(f"{k} {v}" for k, v in record["versions"].items())
-             + f". Model `{record['setup']['model']}` (64 px), batch {args.batch_size}, {args.repeats} runs. "
-             "Produced by `benchmarks/zeroshot_eval.py`.\n",
-             "| task | images | images/s min | median | max |", "|---|---|---|---|---|"]
+    lines = [
+        "# Zero-shot evaluation throughput\n",
+        f"{record['date']}, {record['machine']}; "
+        + ", ".join(f"{k} {v}" for k, v in record["versions"].items())
+        + f". Model `{record['setup']['model']}` (64 px), batch {args.batch_size}, {args.repeats} runs. "
+        "Produced by `benchmarks/zeroshot_eval.py`.\n",
+        "| task | images | images/s min | median | max |",
+        "|---|---|---|---|---|",
+    ]
     for name, s in record["images_per_s"].items():
         lines.append(f"| {name} | {tasks[name][0]} | {s['min']:.0f} | {s['median']:.0f} | {s['max']:.0f} |")
     (RESULTS / "zeroshot_eval.md").write_text("\n".join(lines) + "\n")

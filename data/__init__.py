@@ -7,6 +7,13 @@ from mmpt.data.loader import BatchStream, MissingFieldError, Source, StatefulLoa
 from mmpt.data.shards import DataError, ShardSetWriter, count_samples, expand_shards
 
 __all__ = [
-    "BatchStream", "DataError", "MissingFieldError", "ShardSetWriter", "Source", "StatefulLoader", "StreamSpec",
-    "count_samples", "expand_shards",
+    "BatchStream",
+    "DataError",
+    "MissingFieldError",
+    "ShardSetWriter",
+    "Source",
+    "StatefulLoader",
+    "StreamSpec",
+    "count_samples",
+    "expand_shards",
 ]

@@ -43,8 +43,15 @@ def totals(per_source: Counts) -> dict[str, int]:
     return {**total, "skipped": skipped(total)}
 
 
-ROW = ("seen", "decoded", "skipped", *(f"skipped/{r}" for r in SKIP_REASONS), "lost", "broken_shards",
-       "unsized_broken_shards")
+ROW = (
+    "seen",
+    "decoded",
+    "skipped",
+    *(f"skipped/{r}" for r in SKIP_REASONS),
+    "lost",
+    "broken_shards",
+    "unsized_broken_shards",
+)
 
 
 def row(counts: dict[str, int]) -> list[int]:
@@ -68,14 +75,19 @@ def flatten(per_source: Counts, sources: list[str]) -> list[int]:
 
 def nest(values: list[int], sources: list[str]) -> dict[str, dict[str, int]]:
     """`flatten`'s (summed) values as {group: {ROW key: value}}."""
-    return {group: {key: int(v) for key, v in zip(ROW, values[i * len(ROW):(i + 1) * len(ROW)])}
-            for i, group in enumerate(groups(sources))}
+    return {
+        group: {key: int(v) for key, v in zip(ROW, values[i * len(ROW) : (i + 1) * len(ROW)])}
+        for i, group in enumerate(groups(sources))
+    }
 
 
 def metrics(nested: dict[str, dict[str, int]]) -> dict[str, int]:
     """`data/<key>` for the totals, `data/<source>/<key>` per source."""
-    return {(f"data/{key}" if group == "all" else f"data/{group}/{key}"): value
-            for group, counts in nested.items() for key, value in counts.items()}
+    return {
+        (f"data/{key}" if group == "all" else f"data/{group}/{key}"): value
+        for group, counts in nested.items()
+        for key, value in counts.items()
+    }
 
 
 def commonest_reason(counts: dict[str, int]) -> str:

@@ -53,7 +53,9 @@ class DialogReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "dialogs": self.dialogs, "examples": self.examples, "skipped": len(self.skipped),
+            "dialogs": self.dialogs,
+            "examples": self.examples,
+            "skipped": len(self.skipped),
             "skipped_records": [{"file": f, "id": i, "reason": r} for f, i, r in self.skipped],
         }
 
@@ -82,14 +84,20 @@ def check_label(label: Any, text: str) -> None:
 def _check_value(value: Any, text: str, where: str) -> None:
     if not isinstance(value, dict) or "value" not in value or "span" not in value:
         example = f'{{"value": {json.dumps(value, ensure_ascii=False)}, "span": null}}'
-        raise ValueError(f"{where}: every value must be an object with 'value' and 'span' (null when the text has "
-                         f"no span for it), e.g. {example}, got {value!r}")
+        raise ValueError(
+            f"{where}: every value must be an object with 'value' and 'span' (null when the text has "
+            f"no span for it), e.g. {example}, got {value!r}"
+        )
     if not isinstance(value["value"], (str, int, float)):
         raise ValueError(f"{where}: value must be a string or number, got {value['value']!r}")
     span = value["span"]
     if span:
-        ok = (isinstance(span, list) and len(span) == 2 and all(isinstance(i, int) for i in span)
-              and 0 <= span[0] < span[1] <= len(text))
+        ok = (
+            isinstance(span, list)
+            and len(span) == 2
+            and all(isinstance(i, int) for i in span)
+            and 0 <= span[0] < span[1] <= len(text)
+        )
         if not ok:
             raise ValueError(f"{where}: span {span!r} is not [start, end) inside a text of {len(text)} characters")
 
@@ -204,8 +212,9 @@ def intent_dialogs(rows: Iterable[tuple[str, str]], prefix: str) -> Iterator[tup
 # ----------------------------------------------------------------------------- examples
 
 
-def dialog_examples(dialog_id: str, turns: list[Turn], *, trigger_role: str = "user",
-                    max_turns: int = 16) -> Iterator[dict[str, Any]]:
+def dialog_examples(
+    dialog_id: str, turns: list[Turn], *, trigger_role: str = "user", max_turns: int = 16
+) -> Iterator[dict[str, Any]]:
     """One example per turn whose role is a substring of `trigger_role` ("user", "user_system").
 
     An example holds the last `max_turns` turns up to and including its own and `fix_label` of its
@@ -225,8 +234,15 @@ def dialog_examples(dialog_id: str, turns: list[Turn], *, trigger_role: str = "u
         }
 
 
-def write_examples(dialogs: Iterable[tuple[str, str, list[Turn]]], prefix: str | Path, report: DialogReport, *,
-                   trigger_role: str = "user", max_turns: int = 16, shard_size: int = 2000) -> DialogReport:
+def write_examples(
+    dialogs: Iterable[tuple[str, str, list[Turn]]],
+    prefix: str | Path,
+    report: DialogReport,
+    *,
+    trigger_role: str = "user",
+    max_turns: int = 16,
+    shard_size: int = 2000,
+) -> DialogReport:
     """Examples of (file, dialog id, turns) into shards `{prefix}-000000.tar`, ...; a dialog with an unusable
     turn is skipped and recorded."""
     with ShardSetWriter(prefix, max_samples=shard_size) as writer:
@@ -245,9 +261,16 @@ def write_examples(dialogs: Iterable[tuple[str, str, list[Turn]]], prefix: str |
     return report
 
 
-def write_dialog_shards(out_dir: str | Path, *, labelled: Iterable[str | Path] = (), unlabelled: Iterable[str | Path] = (),
-                        intent: Iterable[str | Path] = (), trigger_role: str = "user", max_turns: int = 16,
-                        shard_size: int = 2000) -> dict[str, DialogReport]:
+def write_dialog_shards(
+    out_dir: str | Path,
+    *,
+    labelled: Iterable[str | Path] = (),
+    unlabelled: Iterable[str | Path] = (),
+    intent: Iterable[str | Path] = (),
+    trigger_role: str = "user",
+    max_turns: int = 16,
+    shard_size: int = 2000,
+) -> dict[str, DialogReport]:
     """Shard sets `labelled-*.tar` (SPACE-2 json files and intent CSVs) and `unlabelled-*.tar` (jsonl dialogs, or
     UnPreDial json files); a missing input file is a `MissingDataError` before anything is written.
 

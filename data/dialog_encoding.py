@@ -35,7 +35,7 @@ def value_texts(turn: Turn) -> list[str]:
                 for value in values:
                     span = value.get("span") if isinstance(value, dict) else None
                     if span:
-                        found.append(text[span[0]:span[1]])
+                        found.append(text[span[0] : span[1]])
                     else:
                         raw = str(value.get("value", "") if isinstance(value, dict) else value)
                         if raw.strip() and raw.lower() in text.lower():
@@ -51,8 +51,8 @@ def span_flags(utterance_words: list[str], values: list[str]) -> list[int]:
         if not target:
             continue
         for start in range(len(utterance_words) - len(target) + 1):
-            if utterance_words[start:start + len(target)] == target:
-                flags[start:start + len(target)] = [1] * len(target)
+            if utterance_words[start : start + len(target)] == target:
+                flags[start : start + len(target)] = [1] * len(target)
     return flags
 
 
@@ -76,8 +76,10 @@ class DialogEncoder:
         vocab = tokenizer.get_vocab()
         missing = [t for t in ROLE_TOKENS.values() if t not in vocab]
         if missing:
-            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no {', '.join(missing)} "
-                             "(SPACE-2's role tokens live in BERT's unused vocabulary slots)")
+            raise ValueError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no {', '.join(missing)} "
+                "(SPACE-2's role tokens live in BERT's unused vocabulary slots)"
+            )
         self.role_ids = {name: vocab[token] for name, token in ROLE_TOKENS.items()}
         self.mask_id, self.vocab_size = tokenizer.mask_token_id, len(vocab)
 
@@ -95,13 +97,13 @@ class DialogEncoder:
     def encode(self, turns: list[Turn]) -> dict[str, torch.Tensor]:
         """Inputs for a dialog whose last turn is the current one."""
         spec = self.spec
-        turns = turns[-spec.max_turns:]
+        turns = turns[-spec.max_turns :]
         count = len(turns)
         current_is_user = turns[-1]["role"] == "user"
         fields: dict[str, list[int]] = {name: [] for name in INPUT_FIELDS}
         for t, turn in enumerate(turns, 1):
             ids, flags = self.pieces(turn)
-            ids, flags = ids[-spec.max_utt_len:], flags[-spec.max_utt_len:]
+            ids, flags = ids[-spec.max_utt_len :], flags[-spec.max_utt_len :]
             user = turn["role"] == "user"
             ids = [self.role_ids["sos_u" if user else "sos_r"], *ids, self.role_ids["eos_u" if user else "eos_r"]]
             flags = [0, *flags, 0]
@@ -115,7 +117,7 @@ class DialogEncoder:
                 fields["mlm_input_ids"] += masked
                 fields["mlm_labels"] += labels
         names = INPUT_FIELDS if self.with_mlm else INPUT_FIELDS[:4]
-        return {name: torch.tensor(fields[name][-spec.max_len:], dtype=torch.long) for name in names}
+        return {name: torch.tensor(fields[name][-spec.max_len :], dtype=torch.long) for name in names}
 
     def mask_utterance(self, ids: list[int], flags: list[int]) -> tuple[list[int], list[int]]:
         """(MLM input, labels with 0 = not predicted) of one wrapped utterance."""
@@ -153,8 +155,13 @@ class DialogEncoder:
         except ValueError as exc:
             # skipped and counted like any sample that cannot be decoded, with the key to change
             raise ValueError(f"dialog {example['id']!r}: {exc}; raise method.max_label_elements") from None
-        return {**self.encode(example["turns"]), "label": example["label"], "id": example["id"],
-                "label_views": codes.views[0], "label_frame": codes.frames[0]}
+        return {
+            **self.encode(example["turns"]),
+            "label": example["label"],
+            "id": example["id"],
+            "label_views": codes.views[0],
+            "label_frame": codes.frames[0],
+        }
 
 
 def collate_dialogs(examples: list[dict[str, Any]]) -> dict[str, Any]:

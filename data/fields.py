@@ -78,15 +78,25 @@ class SampleFields:
     text_encoding: str = "utf-8"
 
     @classmethod
-    def of(cls, caption: str | Sequence[str] | None = None, image: str | Sequence[str] | None = None,
-           video: str | Sequence[str] | None = None, text_encoding: str = "utf-8") -> SampleFields:
-        return cls(_keys(caption, media=False), _keys(image, media=True), _keys(video, media=True),
-                   check_encoding(text_encoding))
+    def of(
+        cls,
+        caption: str | Sequence[str] | None = None,
+        image: str | Sequence[str] | None = None,
+        video: str | Sequence[str] | None = None,
+        text_encoding: str = "utf-8",
+    ) -> SampleFields:
+        return cls(
+            _keys(caption, media=False),
+            _keys(image, media=True),
+            _keys(video, media=True),
+            check_encoding(text_encoding),
+        )
 
     @property
     def is_default(self) -> bool:
-        return (self.caption, self.image, self.video) == (None, None, None) and \
-            codecs.lookup(self.text_encoding).name == "utf-8"
+        return (self.caption, self.image, self.video) == (None, None, None) and codecs.lookup(
+            self.text_encoding
+        ).name == "utf-8"
 
     def apply(self, sample: dict[str, Any]) -> dict[str, Any]:
         """`sample` with the named fields under the canonical members; text decoded to str."""
@@ -102,8 +112,10 @@ class SampleFields:
             for member in TEXT_MEMBERS:
                 sample.pop(member, None)
             sample["txt"] = chosen
-        for keys, members, canonical, what in ((self.image, IMAGE_MEMBERS, "jpg", "image"),
-                                               (self.video, VIDEO_MEMBERS, "mp4", "video")):
+        for keys, members, canonical, what in (
+            (self.image, IMAGE_MEMBERS, "jpg", "image"),
+            (self.video, VIDEO_MEMBERS, "mp4", "video"),
+        ):
             if keys is not None:
                 data = _first(sample, keys, what)
                 for member in members:
@@ -126,7 +138,7 @@ class SampleFields:
                     continue
                 if parsed_json is None:
                     parsed_json = json.loads(sample["json"])
-                value = _walk(parsed_json, key[len(JSON_PREFIX):].split("."))
+                value = _walk(parsed_json, key[len(JSON_PREFIX) :].split("."))
             else:
                 value = sample.get(key)
             if value is None:
@@ -135,8 +147,9 @@ class SampleFields:
                 value = decode_text(value, self.text_encoding, _where(sample, key))
             values = value if isinstance(value, list) else [value]
             if not all(isinstance(v, str) for v in values):
-                raise ValueError(f"{_where(sample, key)} holds {type(value).__name__}, not a caption string or list "
-                                 "of strings")
+                raise ValueError(
+                    f"{_where(sample, key)} holds {type(value).__name__}, not a caption string or list of strings"
+                )
             captions += [v.strip() for v in values if v.strip()]
         if not captions:
             raise MissingFieldError(_missing(sample, "caption", self.caption or default))
@@ -173,5 +186,7 @@ def _where(sample: dict[str, Any], key: str) -> str:
 
 def _missing(sample: dict[str, Any], what: str, keys: Sequence[str]) -> str:
     fields = sorted(k for k in sample if not k.startswith("__"))
-    return (f"sample {sample.get('__key__')!r} of {sample.get('__shard__', sample.get('__url__'))} has no non-empty "
-            f"{what} under {', '.join(keys)} (it has {', '.join(fields) or 'nothing'})")
+    return (
+        f"sample {sample.get('__key__')!r} of {sample.get('__shard__', sample.get('__url__'))} has no non-empty "
+        f"{what} under {', '.join(keys)} (it has {', '.join(fields) or 'nothing'})"
+    )

@@ -66,8 +66,9 @@ class GLMTokenizer:
         self._sp = sentencepiece.SentencePieceProcessor(model_file=self.model_file)
         missing = [t for t in NO_SPLIT_TOKENS if self._sp.piece_to_id(t) == self._sp.unk_id()]
         if missing:
-            raise ValueError(f"SentencePiece model {model_file} lacks the GLM special pieces {missing}: not a GLM "
-                             "tokenizer model")
+            raise ValueError(
+                f"SentencePiece model {model_file} lacks the GLM special pieces {missing}: not a GLM tokenizer model"
+            )
         self.cls_id = self._sp.piece_to_id("[CLS]")
         self.eos_id = self.pad_id = self._sp.piece_to_id("<|endoftext|>")
 

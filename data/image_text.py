@@ -58,8 +58,9 @@ def uint8_transform(transform: T.Compose) -> T.Compose:
     return T.Compose([*steps[:-2], T.PILToTensor()])
 
 
-def normalize_pixels(pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float],
-                     dtype: torch.dtype) -> torch.Tensor:
+def normalize_pixels(
+    pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float], dtype: torch.dtype
+) -> torch.Tensor:
     """uint8 pixels [..., C, H, W] -> (x / 255 - mean) / std in `dtype`, on the pixels' device.
 
     Computed in float32 with ToTensor's and Normalize's own operations, then cast: the result equals

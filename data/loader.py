@@ -39,8 +39,9 @@ class Source:
     fields: SampleFields = field(default_factory=SampleFields)  # where its samples keep caption, image, video
 
     @classmethod
-    def from_pattern(cls, pattern: str, weight: float = 1.0, name: str | None = None,
-                     fields: SampleFields | None = None) -> Source:
+    def from_pattern(
+        cls, pattern: str, weight: float = 1.0, name: str | None = None, fields: SampleFields | None = None
+    ) -> Source:
         return cls(name=name or pattern, urls=expand_shards(pattern), weight=weight, fields=fields or SampleFields())
 
 
@@ -62,8 +63,10 @@ class SkipPolicy:
         if counts_["decoded"] == 0:
             return f"none of {seen} samples read could be used ({reasons}; commonest: {commonest})"
         if skipped > self.max_rate * seen:
-            return (f"{skipped} of {seen} samples could not be used ({reasons}; commonest: {commonest}), more than "
-                    f"max_skip_rate={self.max_rate}")
+            return (
+                f"{skipped} of {seen} samples could not be used ({reasons}; commonest: {commonest}), more than "
+                f"max_skip_rate={self.max_rate}"
+            )
         return None
 
 
@@ -133,9 +136,16 @@ class BatchStream(IterableDataset):
     def _make_stream(self, source: Source, slot: int, on_loss=None) -> ShardStream:
         spec = self.spec
         return ShardStream(
-            source.urls, slot=slot, num_slots=self.num_slots, seed=spec.seed, mode=spec.mode,
-            shuffle_buffer=spec.shuffle_buffer, max_epochs=spec.max_epochs, name=source.name,
-            start_epoch=spec.start_epoch, on_loss=on_loss,
+            source.urls,
+            slot=slot,
+            num_slots=self.num_slots,
+            seed=spec.seed,
+            mode=spec.mode,
+            shuffle_buffer=spec.shuffle_buffer,
+            max_epochs=spec.max_epochs,
+            name=source.name,
+            start_epoch=spec.start_epoch,
+            on_loss=on_loss,
         )
 
     def logical_worker(self) -> int:
@@ -165,8 +175,12 @@ class BatchStream(IterableDataset):
             else:
                 source_counts["lost"] += lost
 
-        stream = MixedStream([self._make_stream(s, slot, on_loss) for s in spec.sources],
-                             [s.weight for s in spec.sources], seed=spec.seed, slot=slot)
+        stream = MixedStream(
+            [self._make_stream(s, slot, on_loss) for s in spec.sources],
+            [s.weight for s in spec.sources],
+            seed=spec.seed,
+            slot=slot,
+        )
         if worker in self.start_states:
             start = self.start_states[worker]
             stream.load_state_dict(start["stream"])
@@ -219,26 +233,44 @@ class BatchStream(IterableDataset):
                     torch.random.default_generator.manual_seed(seed)
                     sample = self.decode(self.fields[raw["__source__"]].apply(raw))
         except Exception as exc:  # one bad sample must not stop the run
-            reason = ("missing_field" if isinstance(exc, MissingFieldError) else
-                      "text_encoding" if isinstance(exc, (TextEncodingError, UnicodeDecodeError)) else "undecodable")
+            reason = (
+                "missing_field"
+                if isinstance(exc, MissingFieldError)
+                else "text_encoding"
+                if isinstance(exc, (TextEncodingError, UnicodeDecodeError))
+                else "undecodable"
+            )
             source_counts[reason] += 1
             where = f"sample {raw.get('__key__')!r} of {raw.get('__shard__')}"
-            status["last_error"] = f"{where}: {exc}" if reason == "missing_field" else f"{where}: {type(exc).__name__}: {exc}"
+            status["last_error"] = (
+                f"{where}: {exc}" if reason == "missing_field" else f"{where}: {type(exc).__name__}: {exc}"
+            )
             status["skipped_here"] = status.get("skipped_here", 0) + 1
             if status["skipped_here"] <= LOGGED_SKIPS or status["skipped_here"] % 1000 == 0:
-                more = "" if status["skipped_here"] < LOGGED_SKIPS else (
-                    f" ({status['skipped_here']} skipped by this reader; from here on one in 1000 is logged, "
-                    "all are counted in data/skipped)")
+                more = (
+                    ""
+                    if status["skipped_here"] < LOGGED_SKIPS
+                    else (
+                        f" ({status['skipped_here']} skipped by this reader; from here on one in 1000 is logged, "
+                        "all are counted in data/skipped)"
+                    )
+                )
                 log.warning("skipped %s%s", status["last_error"], more)
-            if reason == "missing_field" and source_counts["missing_field"] == source_counts["seen"] >= FIELD_CHECK_SAMPLES:
+            if (
+                reason == "missing_field"
+                and source_counts["missing_field"] == source_counts["seen"] >= FIELD_CHECK_SAMPLES
+            ):
                 raise MissingFieldError(
                     f"source {raw['__source__']!r}: none of its first {FIELD_CHECK_SAMPLES} samples has a field the "
-                    f"method needs; the last one: {exc}") from None
+                    f"method needs; the last one: {exc}"
+                ) from None
             # Checked here, where samples are read, not where batches arrive: a source whose every sample
             # fails never completes a batch.
             broken = self.skip_policy.violation(source_counts)
             if broken:
-                raise DataError(f"source {raw['__source__']!r}: {broken}; last failure: {status['last_error']}")
+                raise DataError(
+                    f"source {raw['__source__']!r}: {broken}; last failure: {status['last_error']}"
+                ) from None
             return None
         source_counts["decoded"] += 1
         return sample

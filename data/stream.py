@@ -168,7 +168,9 @@ class ShardStream:
                     found[(shard_pos, index)] = self._annotate(sample, order[shard_pos], shard_pos)
         missing = wanted - found.keys()
         if missing:
-            raise DataError(f"source {self.name!r}: cannot resume, samples {sorted(missing)[:5]} are gone from their shards")
+            raise DataError(
+                f"source {self.name!r}: cannot resume, samples {sorted(missing)[:5]} are gone from their shards"
+            )
         return [(tag, found[tag]) for tag in tags]
 
     def _annotate(self, sample: dict, url: str, shard_pos: int) -> dict:
@@ -226,7 +228,9 @@ class MixedStream:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["sources"]) != len(self.streams):
-            raise DataError(f"checkpointed data position has {len(state['sources'])} sources, config has {len(self.streams)}")
+            raise DataError(
+                f"checkpointed data position has {len(state['sources'])} sources, config has {len(self.streams)}"
+            )
         self._rng.setstate(_rng_state_from_list(state["rng"]))
         for stream, sub in zip(self.streams, state["sources"]):
             stream.load_state_dict(sub)

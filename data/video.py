@@ -227,7 +227,8 @@ class VideoTextDecoder:
     Picklable for loader workers. `frame_transform` maps one PIL frame to a [C, H, W] tensor; its random
     draws are replayed for every frame of a clip (`same_transform_per_clip`), so a random crop or flip is
     the same across the clip. `clip_transform`, when given instead, maps all decoded frames (uint8
-    [T, H, W, 3]) at once, e.g. `ResizeCenterCrop`. `tokenize(list[str])` returns [n, L] tensors (`data.tokenizer.TextTokenizer`).
+    [T, H, W, 3]) at once, e.g. `ResizeCenterCrop`. `tokenize(list[str])` returns [n, L] tensors
+    (`data.tokenizer.TextTokenizer`).
     When `features_field` (default `npy`) is present, its [N, D] array is sampled with the same rule and no
     video is decoded. `min_frames`: shorter videos fail (and are skipped by the loader).
     """

@@ -35,14 +35,15 @@ def read_captions(path: str | Path) -> dict[str, list[str]]:
             with path.open(newline="", encoding="utf-8") as handle:
                 reader = csv.DictReader(handle)
                 if not reader.fieldnames or not {"video_id", "sentence"} <= set(reader.fieldnames):
-                    raise DataError(f"{path}: expected a header with columns video_id,sentence; got "
-                                    f"{reader.fieldnames}")
+                    raise DataError(
+                        f"{path}: expected a header with columns video_id,sentence; got {reader.fieldnames}"
+                    )
                 for number, row in enumerate(reader, 2):
                     add(row["video_id"], row["sentence"], f"{path}:{number}")
         elif path.suffix == ".json":
             data = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(data, dict) or not isinstance(data.get("sentences"), list):
-                raise DataError(f"{path}: expected MSR-VTT's {{\"sentences\": [{{\"video_id\", \"caption\"}}, ...]}}")
+                raise DataError(f'{path}: expected MSR-VTT\'s {{"sentences": [{{"video_id", "caption"}}, ...]}}')
             for index, record in enumerate(data["sentences"]):
                 add(record.get("video_id"), record.get("caption"), f"{path}: sentences[{index}]")
         else:

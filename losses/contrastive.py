@@ -21,7 +21,9 @@ class ContrastiveLoss(nn.Module):
         super().__init__()
         self.group = group
 
-    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor
+    ) -> torch.Tensor:
         all_images = all_gather_with_grad(image_features, self.group)
         all_texts = all_gather_with_grad(text_features, self.group)
         rows = image_features.shape[0]

@@ -61,12 +61,18 @@ class _TiledCrossEntropy(torch.autograd.Function):
         grad_k.index_add_(0, targets, -queries.float())
         grad_s -= (queries.float() * positives).sum()
         s = scale.float()
-        return ((coef * s * grad_q).to(queries.dtype), (coef * s * grad_k).to(keys.dtype), None,
-                (coef * grad_s).reshape(scale.shape).to(scale.dtype), None)
+        return (
+            (coef * s * grad_q).to(queries.dtype),
+            (coef * s * grad_k).to(keys.dtype),
+            None,
+            (coef * grad_s).reshape(scale.shape).to(scale.dtype),
+            None,
+        )
 
 
-def contrastive_cross_entropy(queries: torch.Tensor, keys: torch.Tensor, targets: torch.Tensor,
-                              scale: torch.Tensor, tile_size: int = 0) -> torch.Tensor:
+def contrastive_cross_entropy(
+    queries: torch.Tensor, keys: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, tile_size: int = 0
+) -> torch.Tensor:
     """Mean CE of `scale * queries @ keys.T` against `targets`; tiled when 0 < tile_size < len(keys)."""
     if 0 < tile_size < keys.shape[0]:
         return _TiledCrossEntropy.apply(queries, keys, targets, scale, tile_size)
@@ -99,11 +105,22 @@ class GroupedContrastiveLoss(nn.Module):
     def pool(self, image_features: list[torch.Tensor], text_features: list[torch.Tensor]) -> FeaturePool:
         """The negative pool of a step from its K micro-batches' features (computed without gradient)."""
         images, texts = torch.cat(image_features), torch.cat(text_features)
-        return FeaturePool(images, texts, all_gather_with_grad(images, self.group),
-                           all_gather_with_grad(texts, self.group), len(image_features))
+        return FeaturePool(
+            images,
+            texts,
+            all_gather_with_grad(images, self.group),
+            all_gather_with_grad(texts, self.group),
+            len(image_features),
+        )
 
-    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
-                pool: FeaturePool | None = None, slot: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale: torch.Tensor,
+        pool: FeaturePool | None = None,
+        slot: int = 0,
+    ) -> torch.Tensor:
         group_images = all_gather_with_grad(image_features, self.group)
         group_texts = all_gather_with_grad(text_features, self.group)
         rows_i, rows_t, scale = image_features, text_features, logit_scale
@@ -115,8 +132,10 @@ class GroupedContrastiveLoss(nn.Module):
             group_texts = _with_slot(pool.group_texts, group_texts, slot, pool.micro_batches, groups)
             scale = logit_scale.detach() + (logit_scale - logit_scale.detach()) / pool.micro_batches
         targets = torch.arange(len(rows_i), device=rows_i.device) + get_rank(self.group) * len(rows_i)
-        return 0.5 * (contrastive_cross_entropy(rows_i, group_texts, targets, scale, self.tile_size)
-                      + contrastive_cross_entropy(rows_t, group_images, targets, scale, self.tile_size))
+        return 0.5 * (
+            contrastive_cross_entropy(rows_i, group_texts, targets, scale, self.tile_size)
+            + contrastive_cross_entropy(rows_t, group_images, targets, scale, self.tile_size)
+        )
 
 
 def _with_slot(pool: torch.Tensor, fresh: torch.Tensor, slot: int, micro_batches: int, ranks: int) -> torch.Tensor:

@@ -73,7 +73,7 @@ class MemoryQueue(nn.Module):
     def _write_pending(self) -> None:
         for keys in self._pending:
             if keys.shape[0] > self.size:
-                keys = keys[-self.size:]
+                keys = keys[-self.size :]
             rows = keys.shape[0]
             start, count = self.pointers()
             slots = (torch.arange(rows, device=keys.device) + start) % self.size

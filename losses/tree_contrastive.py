@@ -25,8 +25,14 @@ from mmpt.distributed import all_gather_with_grad, get_rank
 from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, LabelCodes, code_score_matrices, encode_labels
 
 
-def soft_supcon(anchors: torch.Tensor, candidates: torch.Tensor, weights: torch.Tensor, row_offset: int,
-                temperature: float, base_temperature: float) -> torch.Tensor:
+def soft_supcon(
+    anchors: torch.Tensor,
+    candidates: torch.Tensor,
+    weights: torch.Tensor,
+    row_offset: int,
+    temperature: float,
+    base_temperature: float,
+) -> torch.Tensor:
     """Per-view loss of n local examples against N gathered ones, mean over the 2n local anchors.
 
     anchors [K, n, 2, d] and candidates [K, N, 2, d] are L2-normalised; weights [K, n, N] are the
@@ -55,8 +61,9 @@ class TreeContrastiveLoss(nn.Module):
     uses one feature and the combined tree score instead (SPACE-2 without projection heads).
     """
 
-    def __init__(self, views: Sequence[int], *, combined: bool = False, temperature: float = 0.07,
-                 base_temperature: float = 0.07):
+    def __init__(
+        self, views: Sequence[int], *, combined: bool = False, temperature: float = 0.07, base_temperature: float = 0.07
+    ):
         super().__init__()
         if combined and len(views) != 1:
             raise ValueError("the combined tree score goes with exactly one feature")
@@ -79,5 +86,11 @@ class TreeContrastiveLoss(nn.Module):
         features = F.normalize(features.float(), dim=-1)  # the loss in fp32 whatever the training precision
         gathered = all_gather_with_grad(features.reshape(n, -1)).view(-1, copies, views, dim)
         weights, offset = self.scores(LabelCodes(labels.views.to(features.device), labels.frames.to(features.device)))
-        return soft_supcon(features.permute(2, 0, 1, 3), gathered.permute(2, 0, 1, 3), weights,
-                           offset, self.temperature, self.base_temperature)
+        return soft_supcon(
+            features.permute(2, 0, 1, 3),
+            gathered.permute(2, 0, 1, 3),
+            weights,
+            offset,
+            self.temperature,
+            self.base_temperature,
+        )

@@ -237,7 +237,8 @@ def view_score_matrices(
 
 
 def combined_score_matrix(row_labels: list[dict], col_labels: list[dict], row_offset: int = 0) -> torch.Tensor:
-    """[n_rows, n_cols] float32: tree_score(row i, col j), and 1 at (i, row_offset + i) (`build_score_matrix_on_the_fly`).
+    """[n_rows, n_cols] float32: tree_score(row i, col j), and 1 at (i, row_offset + i)
+    (`build_score_matrix_on_the_fly`).
 
     Raises ZeroDivisionError, like `tree_score`, for an off-diagonal pair of different frames with no view present.
     """
@@ -298,8 +299,12 @@ def _hash(text: str) -> int:
 
 def _canonical(cleaned: dict) -> str:
     """Equal for two cleaned frames exactly when they are equal as dicts (key order aside, value order kept)."""
-    return repr(sorted((d, sorted((i, sorted((s, tuple(vs)) for s, vs in slots.items())) for i, slots in intents.items()))
-                       for d, intents in cleaned.items()))
+    return repr(
+        sorted(
+            (d, sorted((i, sorted((s, tuple(vs)) for s, vs in slots.items())) for i, slots in intents.items()))
+            for d, intents in cleaned.items()
+        )
+    )
 
 
 def encode_labels(labels: Sequence[dict], max_elements: int) -> LabelCodes:
@@ -313,8 +318,10 @@ def encode_labels(labels: Sequence[dict], max_elements: int) -> LabelCodes:
         frames[row] = _hash(_canonical(cleaned))
         for k, elements in enumerate(_views_of_clean(cleaned)):
             if len(elements) > max_elements:
-                raise ValueError(f"label of example {row} has {len(elements)} elements in view {VIEWS[k]}, more than "
-                                 f"the {max_elements} its encoding holds")
+                raise ValueError(
+                    f"label of example {row} has {len(elements)} elements in view {VIEWS[k]}, more than "
+                    f"the {max_elements} its encoding holds"
+                )
             views[row, k, : len(elements)] = torch.tensor([_hash(e) for e in sorted(elements)], dtype=torch.long)
     return LabelCodes(views, frames)
 
@@ -333,8 +340,9 @@ def _code_counts(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, 
     return inter, union
 
 
-def code_score_matrices(rows: LabelCodes, cols: LabelCodes, row_offset: int, views: Sequence[int],
-                        combined: bool = False) -> torch.Tensor:
+def code_score_matrices(
+    rows: LabelCodes, cols: LabelCodes, row_offset: int, views: Sequence[int], combined: bool = False
+) -> torch.Tensor:
     """[K, n, N] float32 on the codes' device: `view_score_matrices` (or `combined_score_matrix` as [1, n, N]) of
     the encoded labels, with no host read.
 

@@ -44,7 +44,7 @@ def random_permutations(batch: int, device: torch.device | str = "cpu") -> torch
     return torch.randint(len(PERMUTATIONS), (batch,), device=device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _table(steps: int | None, device: torch.device) -> torch.Tensor:
     """On `device`, made once: the 6 permutations [6, 3] (steps None) or their frame orders [6, steps]."""
     rows = PERMUTATIONS if steps is None else [segment_order(steps, p) for p in PERMUTATIONS]
@@ -58,8 +58,9 @@ def permute_frames(frames: torch.Tensor, permutation_ids: torch.Tensor) -> torch
     return frames.gather(1, index)
 
 
-def permute_sentences(input_ids: torch.Tensor, attention_mask: torch.Tensor, permutation_ids: torch.Tensor,
-                      *aligned: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def permute_sentences(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, permutation_ids: torch.Tensor, *aligned: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """Reorder the real tokens of each row (positions 1 .. n-2, between [CLS] and [SEP]) by its permutation.
 
     `aligned` tensors of the same shape (e.g. MLM labels) get the same reordering. Returns the
@@ -85,8 +86,14 @@ def permute_sentences(input_ids: torch.Tensor, attention_mask: torch.Tensor, per
     return tuple(t.gather(1, index) for t in (input_ids, *aligned))
 
 
-def mask_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, mask_id: int, vocab_size: int,
-                probability: float = 0.15, first_regular_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def mask_tokens(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    mask_id: int,
+    vocab_size: int,
+    probability: float = 0.15,
+    first_regular_id: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(masked input_ids, labels): labels hold the original id where a token was chosen, IGNORE elsewhere.
 
     Candidates are the real tokens except the first ([CLS]) and last ([SEP]) of each row. Random
@@ -115,8 +122,9 @@ def order_loss(logits: torch.Tensor, permutation_ids: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.float(), permutation_ids)
 
 
-def intra_mfm_loss(outputs: torch.Tensor, frame_inputs: torch.Tensor, frame_mask: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
+def intra_mfm_loss(
+    outputs: torch.Tensor, frame_inputs: torch.Tensor, frame_mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """outputs, frame_inputs [B, T, D]; frame_mask [B, T]. Mean over masked (b, t) of
     -log softmax_s(cos(out[b, t], in[b, s]) / temperature)[s = t]."""
     out = F.normalize(outputs.float(), dim=-1)
@@ -126,7 +134,9 @@ def intra_mfm_loss(outputs: torch.Tensor, frame_inputs: torch.Tensor, frame_mask
     return F.cross_entropy(logits[frame_mask], targets[frame_mask])
 
 
-def queue_nce(queries: torch.Tensor, keys: torch.Tensor, queue: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+def queue_nce(
+    queries: torch.Tensor, keys: torch.Tensor, queue: torch.Tensor, scale: torch.Tensor | float
+) -> torch.Tensor:
     """MoCo InfoNCE: queries [N, D] against their keys [N, D] (positives) and queue [K, D] (negatives);
     all L2-normalised; `scale` = 1 / temperature."""
     positive = (queries * keys).sum(-1, keepdim=True)
@@ -135,15 +145,23 @@ def queue_nce(queries: torch.Tensor, keys: torch.Tensor, queue: torch.Tensor, sc
     return F.cross_entropy(logits, torch.zeros(queries.shape[0], dtype=torch.long, device=queries.device))
 
 
-def inter_mfm_loss(outputs: torch.Tensor, key_frames: torch.Tensor, frame_mask: torch.Tensor, queue: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
+def inter_mfm_loss(
+    outputs: torch.Tensor, key_frames: torch.Tensor, frame_mask: torch.Tensor, queue: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """outputs, key_frames [B, T, D]; at each masked (b, t): key_frames[b, t] positive, queue [K, D] negatives."""
     out = F.normalize(outputs[frame_mask].float(), dim=-1)
     keys = F.normalize(key_frames[frame_mask].float(), dim=-1)
     return queue_nce(out, keys, F.normalize(queue.float(), dim=-1), 1.0 / temperature)
 
 
-def dual_vsa_loss(video: torch.Tensor, text: torch.Tensor, video_keys: torch.Tensor, text_keys: torch.Tensor,
-                  text_queue: torch.Tensor, video_queue: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+def dual_vsa_loss(
+    video: torch.Tensor,
+    text: torch.Tensor,
+    video_keys: torch.Tensor,
+    text_keys: torch.Tensor,
+    text_queue: torch.Tensor,
+    video_queue: torch.Tensor,
+    scale: torch.Tensor | float,
+) -> torch.Tensor:
     """0.5 * (video query vs its text key, textual queue negatives + text query vs its video key, visual queue)."""
     return 0.5 * (queue_nce(video, text_keys, text_queue, scale) + queue_nce(text, video_keys, video_queue, scale))

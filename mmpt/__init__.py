@@ -67,8 +67,10 @@ def _load_named(model_name: str, pretrained, device: str):
 
     if pretrained is None or str(pretrained) in PRETRAINED.get(model_name, {}):
         tag = PRETRAINED[model_name]["official"]
-        raise ValueError(f"{model_name}: download the official weights ({tag.source}) and pass their local folder "
-                         "or .ckpt as pretrained=")
+        raise ValueError(
+            f"{model_name}: download the official weights ({tag.source}) and pass their local folder "
+            "or .ckpt as pretrained="
+        )
     checkpoint, sp_model = official_m2_files(pretrained)
     cfg = model_config({**MODELS[model_name], "tokenizer": str(sp_model), "init_from": str(checkpoint)})
     method = get_method(cfg.method_name)
@@ -79,6 +81,14 @@ def _load_named(model_name: str, pretrained, device: str):
 
 
 __all__ = [
-    "Config", "ConfigError", "create_model_and_transforms", "get_tokenizer", "list_methods", "list_models",
-    "list_pretrained", "load", "load_config", "__version__",
+    "Config",
+    "ConfigError",
+    "create_model_and_transforms",
+    "get_tokenizer",
+    "list_methods",
+    "list_models",
+    "list_pretrained",
+    "load",
+    "load_config",
+    "__version__",
 ]

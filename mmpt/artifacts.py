@@ -37,7 +37,7 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
         if not path.is_dir():
             raise ReleaseError(f"{path} is not a directory (use {HUB_PREFIX}<org>/<name> for a hub id)")
         return path
-    repo, _, revision = text[len(HUB_PREFIX):].partition("@")
+    repo, _, revision = text[len(HUB_PREFIX) :].partition("@")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 

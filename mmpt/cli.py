@@ -6,15 +6,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mmpt.artifacts import ReleaseError
 from mmpt.config import ConfigError
 from mmpt.data.shards import DataError, MissingDataError
 from mmpt.engine import stops
 from mmpt.models.m2_official import CheckpointMismatch
-from mmpt.artifacts import ReleaseError
 
 # OSError's path errors: a file or folder named on the command line or in a config that is not there.
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                                            ReleaseError, CheckpointMismatch)
+USER_ERRORS: tuple[type[Exception], ...] = (
+    ConfigError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    ReleaseError,
+    CheckpointMismatch,
+)
 
 
 def exit_code(exc: BaseException) -> int | None:

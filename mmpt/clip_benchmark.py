@@ -58,8 +58,9 @@ class BenchmarkTokenizer:
         return torch.stack([tokens["input_ids"], tokens["attention_mask"].to(tokens["input_ids"].dtype)], dim=1)
 
 
-def load_mmpt(model_name: str, pretrained: str, cache_dir: str | None = None,
-              device: str | torch.device = "cpu") -> tuple[nn.Module, Callable, BenchmarkTokenizer]:
+def load_mmpt(
+    model_name: str, pretrained: str, cache_dir: str | None = None, device: str | torch.device = "cpu"
+) -> tuple[nn.Module, Callable, BenchmarkTokenizer]:
     """CLIP_benchmark's loader signature: (model, image transform, tokenizer) of an mmpt run or release."""
     from mmpt.artifacts import resolve
     from mmpt.release import load_directory
@@ -69,8 +70,11 @@ def load_mmpt(model_name: str, pretrained: str, cache_dir: str | None = None,
     if not hasattr(method, "image_transform"):
         raise SystemExit(f"{pretrained}: method '{cfg.method_name}' is not an image-text model")
     files = loaded.files_from
-    return (BenchmarkModel(loaded.model).eval(), method.image_transform(cfg, train=False),
-            BenchmarkTokenizer(method.tokenizer(cfg, files)))
+    return (
+        BenchmarkModel(loaded.model).eval(),
+        method.image_transform(cfg, train=False),
+        BenchmarkTokenizer(method.tokenizer(cfg, files)),
+    )
 
 
 def top_k_accuracy(output: torch.Tensor, target: torch.Tensor, topk: tuple[int, ...] = (1,)) -> list[float]:

@@ -12,8 +12,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from mmpt.errors import ConfigError as ConfigError  # re-exported: the schema's error
 
@@ -30,15 +38,20 @@ class FieldKeys(Section):
     """Where samples of a shard set keep their fields (`mmpt.data.fields`), and how their text is encoded."""
 
     caption_key: str | list[str] | None = Field(
-        None, description="where a sample's caption is: a tar member's extension (txt) or a field of its json member "
+        None,
+        description="where a sample's caption is: a tar member's extension (txt) or a field of its json member "
         "(json.caption_zh); a list, or a field holding a list, gives several captions, one drawn per read "
-        "(seeded, resumable). None: the method's default members")
+        "(seeded, resumable). None: the method's default members",
+    )
     image_key: str | list[str] | None = Field(
-        None, description="tar member(s) holding the image, first present wins (e.g. jpg, webp). None: jpg, jpeg, "
-        "png, webp")
+        None,
+        description="tar member(s) holding the image, first present wins (e.g. jpg, webp). None: jpg, jpeg, png, webp",
+    )
     text_encoding: str = Field(
-        "utf-8", description="encoding of the source's text members (e.g. gbk for legacy corpora); samples not "
-        "valid in it are skipped and counted as skipped/text_encoding")
+        "utf-8",
+        description="encoding of the source's text members (e.g. gbk for legacy corpora); samples not "
+        "valid in it are skipped and counted as skipped/text_encoding",
+    )
 
     @field_validator("*")
     @classmethod
@@ -65,9 +78,12 @@ class SourceConfig(FieldKeys):
 
     shards: str = Field(description="brace pattern or comma list of tar shards, e.g. dir/train-{000000..000009}.tar")
     weight: float = Field(1.0, gt=0, description="relative sampling weight when several sources are mixed")
-    name: str | None = Field(None, description="how the source is called in per-source batches and logs (default: shards)")
+    name: str | None = Field(
+        None, description="how the source is called in per-source batches and logs (default: shards)"
+    )
     video_key: str | list[str] | None = Field(
-        None, description="tar member(s) holding the video, first present wins. None: mp4, webm, avi")
+        None, description="tar member(s) holding the video, first present wins. None: mp4, webm, avi"
+    )
 
 
 class LoaderConfig(Section):
@@ -77,13 +93,17 @@ class LoaderConfig(Section):
     )
     batch_size: int = Field(gt=0, description="micro-batch size per rank")
     compose: Literal["mixed", "per_source"] = Field(
-        "mixed", description="mixed: sources interleaved at random by weight into one batch; per_source: every batch "
-        "takes a fixed share of batch_size from each source (by weight) and hands one sub-batch per source, by name")
+        "mixed",
+        description="mixed: sources interleaved at random by weight into one batch; per_source: every batch "
+        "takes a fixed share of batch_size from each source (by weight) and hands one sub-batch per source, by name",
+    )
     num_workers: int = Field(1, ge=0)
     shuffle_buffer: int = Field(1000, ge=0, description="sample shuffle buffer per worker (0 = no shuffle)")
     max_skip_rate: float = Field(0.01, ge=0, le=1, description="fail once more than this fraction of samples fail")
     min_samples_for_skip_rate: int = Field(
-        200, ge=1, description="samples read before the skip-rate limit applies (avoids failing on the first bad sample)"
+        200,
+        ge=1,
+        description="samples read before the skip-rate limit applies (avoids failing on the first bad sample)",
     )
 
     @model_validator(mode="after")
@@ -106,14 +126,18 @@ class EvalSetConfig(FieldKeys):
     samples keep their image and captions when the set is read from shards (a retrieval set of tar shards,
     such as held-out img2dataset output, reads every caption its keys hold)."""
 
-    dataset: str = Field(description="a folder or file in any layout launch/zeroshot.py (or, for intent, "
-                         "launch/intent_eval.py) reads, tar shards for retrieval (dir/{00000..00003}.tar), or a demo "
-                         "set name (digits, moving_digits, dialogs)")
+    dataset: str = Field(
+        description="a folder or file in any layout launch/zeroshot.py (or, for intent, "
+        "launch/intent_eval.py) reads, tar shards for retrieval (dir/{00000..00003}.tar), or a demo "
+        "set name (digits, moving_digits, dialogs)"
+    )
     task: Literal[EVAL_TASKS] = Field(
         description="zeroshot_classification (images or clips), zeroshot_retrieval (image-text or video-text), "
-        "intent (dialog intent probe); the method must offer it")
-    name: str | None = Field(None, description="reported as eval/<name>/<language>/<metric> (default: the dataset's "
-                             "folder or file name)")
+        "intent (dialog intent probe); the method must offer it"
+    )
+    name: str | None = Field(
+        None, description="reported as eval/<name>/<language>/<metric> (default: the dataset's folder or file name)"
+    )
     languages: list[str] = Field(default_factory=lambda: ["en"], min_length=1)
     foreign_class_names: bool = Field(False, description="accept class names not written in the prompt language")
 
@@ -168,34 +192,52 @@ class OptimConfig(Section):
 class TrainConfig(Section):
     max_steps: int = Field(gt=0, description="optimizer steps")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
-    grad_clip: float = Field(ge=0, description="global grad-norm clip; 0 disables. Always explicit: no DeepSpeed default")
+    grad_clip: float = Field(
+        ge=0, description="global grad-norm clip; 0 disables. Always explicit: no DeepSpeed default"
+    )
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     zero_stage: int = Field(0, ge=0, le=3)
     offload_optimizer: bool = False
     reduce_bucket_size: int | None = Field(
-        None, gt=0, description="gradient elements per DeepSpeed reduction bucket (ZeRO 1-3), e.g. 50000000; "
-        "None: 5000000 at ZeRO 1-2 on CPU ranks, DeepSpeed's 500000000 on GPUs and at ZeRO-3")
+        None,
+        gt=0,
+        description="gradient elements per DeepSpeed reduction bucket (ZeRO 1-3), e.g. 50000000; "
+        "None: 5000000 at ZeRO 1-2 on CPU ranks, DeepSpeed's 500000000 on GPUs and at ZeRO-3",
+    )
     overlap_comm: bool | None = Field(
-        None, description="ZeRO 1-3: reduce gradient buckets on a side stream while backward runs (GPUs; CPU "
-        "ranks have no streams, it only costs there). None: off at ZeRO 1-2, on at ZeRO-3 (DeepSpeed's choice)")
+        None,
+        description="ZeRO 1-3: reduce gradient buckets on a side stream while backward runs (GPUs; CPU "
+        "ranks have no streams, it only costs there). None: off at ZeRO 1-2, on at ZeRO-3 (DeepSpeed's choice)",
+    )
     hpz_partition_size: int | Literal["node"] | None = Field(
-        None, description="ZeRO-3 only: ZeRO++ hierarchical partitioning. Each rank also keeps the parameters "
+        None,
+        description="ZeRO-3 only: ZeRO++ hierarchical partitioning. Each rank also keeps the parameters "
         "sharded over a group of this many consecutive ranks, so backward's all-gathers stay inside the group; "
-        "'node': the ranks of one node. Costs that secondary shard per rank; pays off only across nodes")
+        "'node': the ranks of one node. Costs that secondary shard per rank; pays off only across nodes",
+    )
     sequence_parallel: int = Field(
-        1, ge=1, description="Ulysses sequence parallelism: this many consecutive ranks read the same samples and "
+        1,
+        ge=1,
+        description="Ulysses sequence parallelism: this many consecutive ranks read the same samples and "
         "split the sequence of the transformers the method declares (all-to-all around attention); must divide the "
-        "ranks. 1: off")
+        "ranks. 1: off",
+    )
     log_every: int = Field(10, gt=0)
-    eval_every: int = Field(0, ge=0, description="evaluate the data.eval sets every n steps (0: only at the end); "
-                            "evaluation leaves training exactly as it would be without it")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="evaluate the data.eval sets every n steps (0: only at the end); "
+        "evaluation leaves training exactly as it would be without it",
+    )
     save_every: int = Field(0, ge=0, description="checkpoint every n steps (0: only at the end)")
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
     seed: int = 0
     max_bad_steps: int = Field(
-        10, gt=0, description="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient")
+        10, gt=0, description="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient"
+    )
     watchdog_timeout: float = Field(
-        1800.0, ge=0, description="seconds without progress (a step, a checkpoint) before the run exits; 0 = off")
+        1800.0, ge=0, description="seconds without progress (a step, a checkpoint) before the run exits; 0 = off"
+    )
     straggler_factor: float = Field(1.5, gt=1, description="a rank this much slower than the median step is slow")
     straggler_windows: int = Field(3, gt=0, description="logging windows in a row a rank must be slow to be named")
 
@@ -214,7 +256,8 @@ class WandbConfig(Section):
     name: str | None = Field(None, description="run name (default: the output folder's name)")
     entity: str | None = Field(None, description="team or user (default: W&B's default entity)")
     mode: Literal["online", "offline", "disabled"] = Field(
-        "online", description="offline: written under output_dir/wandb, for `wandb sync` later (no network)")
+        "online", description="offline: written under output_dir/wandb, for `wandb sync` later (no network)"
+    )
     tags: list[str] = Field(default_factory=list)
 
 
@@ -223,8 +266,11 @@ class RunConfig(Section):
     resume: str = Field("auto", description="auto: newest checkpoint in output_dir if any; none; or a checkpoint path")
     tensorboard: bool = True
     progress_bar: bool = True
-    wandb: WandbConfig | None = Field(None, description="log the same scalars as TensorBoard, and the resolved "
-                                      "config, to Weights & Biases; a resumed run continues its W&B run")
+    wandb: WandbConfig | None = Field(
+        None,
+        description="log the same scalars as TensorBoard, and the resolved "
+        "config, to Weights & Biases; a resumed run continues its W&B run",
+    )
 
 
 class Config(Section):
@@ -395,8 +441,14 @@ def origin(origins: dict[str, str], dotted: str, default: str) -> str:
     return default
 
 
-def _explain(exc: ValidationError, data: dict, origins: dict[str, str], top_file: str,
-             method_section: type[BaseModel], prefix: tuple = ()) -> str:
+def _explain(
+    exc: ValidationError,
+    data: dict,
+    origins: dict[str, str],
+    top_file: str,
+    method_section: type[BaseModel],
+    prefix: tuple = (),
+) -> str:
     err = exc.errors()[0]
     loc = prefix + tuple(err["loc"])
     dotted = ".".join(str(p) for p in loc)
@@ -419,7 +471,9 @@ def _explain(exc: ValidationError, data: dict, origins: dict[str, str], top_file
     return f"{where}: config key '{dotted}' = {shown}: {err['msg'].removeprefix('Value error, ')}"
 
 
-def read_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict, dict[str, str], str]:
+def read_config(
+    path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()
+) -> tuple[dict, dict[str, str], str]:
     """(merged data, key path -> file that set it, top file) of `path`, its bases and `key.path=value` overrides."""
     top_file = str(Path(path).resolve())
     data, origins = _load_with_bases(Path(path))

@@ -22,8 +22,10 @@ def validate_config(data: dict, origins: dict[str, str] | None = None, top_file:
     origins = origins or {}
     section = data.get("method")
     if not isinstance(section, dict):
-        raise ConfigError(f"{origin(origins, 'method', top_file)}: config key 'method' must be a mapping with a "
-                          "'name' (e.g. method: {name: clip})")
+        raise ConfigError(
+            f"{origin(origins, 'method', top_file)}: config key 'method' must be a mapping with a "
+            "'name' (e.g. method: {name: clip})"
+        )
     try:
         method = get_method(section.get("name"))
     except ConfigError as exc:
@@ -34,19 +36,24 @@ def validate_config(data: dict, origins: dict[str, str] | None = None, top_file:
             if name not in method.sample_fields:
                 key = f"data.train.sources.{index}.{name}_key"
                 reads = ", ".join(f"{f}_key" for f in method.sample_fields) or "no field keys"
-                raise ConfigError(f"{origin(origins, key, top_file)}: config key '{key}': method '{method.name}' "
-                                  f"reads {reads}")
+                raise ConfigError(
+                    f"{origin(origins, key, top_file)}: config key '{key}': method '{method.name}' reads {reads}"
+                )
     for index, eval_set in enumerate(cfg.data.eval):
         for name in eval_set.fields_set():
             if name not in method.eval_sample_fields:
                 key = f"data.eval.{index}.{name}_key"
-                raise ConfigError(f"{origin(origins, key, top_file)}: config key '{key}': method '{method.name}' reads "
-                                  "no field keys of evaluation sets")
+                raise ConfigError(
+                    f"{origin(origins, key, top_file)}: config key '{key}': method '{method.name}' reads "
+                    "no field keys of evaluation sets"
+                )
         if eval_set.task not in method.eval_tasks:
             key = f"data.eval.{index}.task"
             offers = ", ".join(method.eval_tasks) or "no evaluation sets"
-            raise ConfigError(f"{origin(origins, key, top_file)}: config key '{key}' = {eval_set.task!r}: method "
-                              f"'{method.name}' offers {offers}")
+            raise ConfigError(
+                f"{origin(origins, key, top_file)}: config key '{key}' = {eval_set.task!r}: method "
+                f"'{method.name}' offers {offers}"
+            )
     try:
         method.check_config(cfg)
     except ValueError as exc:

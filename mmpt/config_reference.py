@@ -95,8 +95,12 @@ def _constraints(field: FieldInfo) -> list[str]:
     """The bounds a field declares (`Field(gt=0)`, `min_length=1`) in words."""
     out = []
     for item in field.metadata:
-        for kind, attribute, symbol in ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="),
-                                        (annotated_types.Lt, "lt", "<"), (annotated_types.Le, "le", "<=")):
+        for kind, attribute, symbol in (
+            (annotated_types.Gt, "gt", ">"),
+            (annotated_types.Ge, "ge", ">="),
+            (annotated_types.Lt, "lt", "<"),
+            (annotated_types.Le, "le", "<="),
+        ):
             if isinstance(item, kind):
                 out.append(f"{symbol} {getattr(item, attribute)}")
         if isinstance(item, annotated_types.MultipleOf):
@@ -226,8 +230,13 @@ def render() -> str:
     common = [name for name in Config.model_fields if name != "method"]
     names = list_methods()
     blocks = [HEADER.rstrip("\n"), ""]
-    blocks.append("Sections: " + ", ".join(f"[`{name}`](#{name})" for name in common) + "; `method`: "
-                  + ", ".join(f"[{name}](#method-{name})" for name in names) + ".")
+    blocks.append(
+        "Sections: "
+        + ", ".join(f"[`{name}`](#{name})" for name in common)
+        + "; `method`: "
+        + ", ".join(f"[{name}](#method-{name})" for name in names)
+        + "."
+    )
     for name in common:
         field = Config.model_fields[name]
         ((_, section),) = _sections_in(field.annotation)
@@ -250,16 +259,18 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description="Write the config reference page from the schema.")
     parser.add_argument("--out", type=Path, default=PAGE, help=f"page to write (default: {PAGE.relative_to(REPO)})")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 when the page differs from a fresh rendering")
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 when the page differs from a fresh rendering"
+    )
     args = parser.parse_args(argv)
     text = render()
     out = args.out.resolve()
     shown = out.relative_to(REPO) if out.is_relative_to(REPO) else out
     if args.check:
         if not out.is_file() or out.read_text() != text:
-            print(f"mmpt: {shown} is out of date with the config schema; regenerate it with `{COMMAND}`",
-                  file=sys.stderr)
+            print(
+                f"mmpt: {shown} is out of date with the config schema; regenerate it with `{COMMAND}`", file=sys.stderr
+            )
             return 1
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)

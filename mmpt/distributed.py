@@ -238,8 +238,10 @@ def check_node_major(ranks: list[tuple[str, int]]) -> str:
         by_node.setdefault(node, []).append(rank)
     layout = "; ".join(f"{node}: ranks {_spans(members)}" for node, members in by_node.items())
     if len(sizes) > 1:
-        raise NodeLayoutError(f"group_size auto (one group per node) needs the same number of ranks on every node, "
-                              f"but ranks report {sizes} ranks on their node; the ranks run as {layout}")
+        raise NodeLayoutError(
+            f"group_size auto (one group per node) needs the same number of ranks on every node, "
+            f"but ranks report {sizes} ranks on their node; the ranks run as {layout}"
+        )
     per_node = sizes[0]
     expected = [list(range(start, start + per_node)) for start in range(0, len(ranks), per_node)]
     if sorted(by_node.values()) != expected:
@@ -247,7 +249,8 @@ def check_node_major(ranks: list[tuple[str, int]]) -> str:
             f"group_size auto (one group per node, {per_node} ranks each by LOCAL_WORLD_SIZE or LOCAL_SIZE) needs "
             f"ranks numbered node after node, node n holding ranks n*{per_node}..n*{per_node}+{per_node - 1}, but "
             f"the {len(ranks)} ranks run as {layout}; launch them node-major or set method.loss.group_size to a "
-            f"number or world")
+            f"number or world"
+        )
     return layout
 
 

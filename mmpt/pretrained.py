@@ -16,7 +16,10 @@ from typing import Any
 from mmpt.artifacts import HUB_PREFIX, has_weights, resolve
 
 M2_PREPROCESS = {
-    "image_size": 224, "resize": "squash to a square, bicubic", "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5],
+    "image_size": 224,
+    "resize": "squash to a square, bicubic",
+    "mean": [0.5, 0.5, 0.5],
+    "std": [0.5, 0.5, 0.5],
     "tokenizer": "GLM SentencePiece (sp.model), [CLS] ... <|endoftext|>, 52 ids, left truncation, pad 50000",
 }
 
@@ -35,10 +38,12 @@ MODELS: dict[str, dict[str, Any]] = {
 
 PRETRAINED: dict[str, dict[str, PretrainedTag]] = {
     "m2-encoder-0.4b": {"official": PretrainedTag("modelscope:M2Cognition/M2-Encoder", "official-m2", M2_PREPROCESS)},
-    "m2-encoder-1b": {"official": PretrainedTag("modelscope:M2Cognition/M2_Encoder_Large", "official-m2",
-                                                M2_PREPROCESS)},
-    "m2-encoder-10b": {"official": PretrainedTag("modelscope:M2Cognition/M2_Encoder_Huge", "official-m2",
-                                                 M2_PREPROCESS)},
+    "m2-encoder-1b": {
+        "official": PretrainedTag("modelscope:M2Cognition/M2_Encoder_Large", "official-m2", M2_PREPROCESS)
+    },
+    "m2-encoder-10b": {
+        "official": PretrainedTag("modelscope:M2Cognition/M2_Encoder_Huge", "official-m2", M2_PREPROCESS)
+    },
 }
 
 
@@ -103,7 +108,8 @@ def initial_weights(spec: str) -> InitialWeights:
     if path.is_dir():
         checkpoint = next(iter(sorted(path.rglob("*.ckpt"))), None)
         if checkpoint is None:
-            raise FileNotFoundError(f"{path} holds no .ckpt (an official download) and no model.safetensors "
-                                    "(a release or finished run)")
+            raise FileNotFoundError(
+                f"{path} holds no .ckpt (an official download) and no model.safetensors (a release or finished run)"
+            )
         path = checkpoint
     return InitialWeights("official-m2", path, official_tokenizer(path))

@@ -52,10 +52,16 @@ class Registry(Generic[T]):
         if entry is None:
             return lambda decorated: self.register(name, decorated)
         if name in self.builtin and _module_of(entry) != self.builtin[name]:
-            raise ValueError(f"{self.kind} {name!r} is built in ({self.builtin[name]}); register yours under another name")
+            raise ValueError(
+                f"{self.kind} {name!r} is built in ({self.builtin[name]}); register yours under another name"
+            )
         known = self._entries.get(name)
-        if known is not None and known is not entry and (_origin(known) is None or _origin(known) != _origin(entry)) \
-                and known != entry:
+        if (
+            known is not None
+            and known is not entry
+            and (_origin(known) is None or _origin(known) != _origin(entry))
+            and known != entry
+        ):
             raise ValueError(f"a {self.kind} named {name!r} is already registered")
         self._entries[name] = entry
         return entry

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmpt.artifacts import RELEASE_CONFIG, RUN_CONFIG, WEIGHTS, ReleaseError, has_weights, shareable
+from mmpt.artifacts import RELEASE_CONFIG, RUN_CONFIG, ReleaseError, has_weights, shareable
 from mmpt.config import Config
 from mmpt.config_loader import load_config, validate_config
 from mmpt.methods import Method, get_method
@@ -61,15 +61,25 @@ class PretrainedModel(nn.Module):
 
 def model_config(method: dict[str, Any]) -> Config:
     """A config for a model built outside training: the method section, placeholder training sections."""
-    return validate_config({
-        "method": method, "run": {"output_dir": "."}, "optim": {"lr": 1e-4},
-        "data": {"train": {"sources": [{"shards": "none"}], "batch_size": 1}},
-        "train": {"max_steps": 1, "grad_clip": 0.0},
-    }, top_file="<model config>")
+    return validate_config(
+        {
+            "method": method,
+            "run": {"output_dir": "."},
+            "optim": {"lr": 1e-4},
+            "data": {"train": {"sources": [{"shards": "none"}], "batch_size": 1}},
+            "train": {"max_steps": 1, "grad_clip": 0.0},
+        },
+        top_file="<model config>",
+    )
 
 
-def save_release(directory: str | os.PathLike, cfg: Config, state_dict: dict[str, torch.Tensor],
-                 files_from: str | os.PathLike, max_shard_size: int | str = "2GB") -> Path:
+def save_release(
+    directory: str | os.PathLike,
+    cfg: Config,
+    state_dict: dict[str, torch.Tensor],
+    files_from: str | os.PathLike,
+    max_shard_size: int | str = "2GB",
+) -> Path:
     """Write a release: config.json, weights (model.safetensors, or shards + index), the method's files."""
     from huggingface_hub import save_torch_state_dict
 
@@ -99,7 +109,7 @@ def read_config(directory: Path) -> Config:
     if (directory / RELEASE_CONFIG).is_file():
         record = json.loads((directory / RELEASE_CONFIG).read_text())
         if record.get("format") != FORMAT:
-            raise ReleaseError(f"{directory / RELEASE_CONFIG} is not an mmpt release (no \"format\": \"{FORMAT}\")")
+            raise ReleaseError(f'{directory / RELEASE_CONFIG} is not an mmpt release (no "format": "{FORMAT}")')
         return validate_config(record["config"], top_file=str(directory / RELEASE_CONFIG))
     if (directory / RUN_CONFIG).is_file():
         return load_config(directory / RUN_CONFIG)
@@ -113,13 +123,17 @@ def load_directory(directory: str | os.PathLike, device: str | torch.device = "c
     directory = Path(directory)
     cfg = read_config(directory)
     if not has_weights(directory):
-        raise ReleaseError(f"{directory} has no model.safetensors (or model.safetensors.index.json): not a finished "
-                           "run or release; launch/export.py makes one from a run's checkpoints")
+        raise ReleaseError(
+            f"{directory} has no model.safetensors (or model.safetensors.index.json): not a finished "
+            "run or release; launch/export.py makes one from a run's checkpoints"
+        )
     model = get_method(cfg.method_name).build_model(cfg, directory)
     result = load_torch_model(model, directory, strict=False, safe=True, weights_only=True)
     if result.missing_keys or result.unexpected_keys:
-        raise ReleaseError(f"{directory}: weights do not match the '{cfg.method_name}' model: missing "
-                           f"{sorted(result.missing_keys)[:10]}, unexpected {sorted(result.unexpected_keys)[:10]}")
+        raise ReleaseError(
+            f"{directory}: weights do not match the '{cfg.method_name}' model: missing "
+            f"{sorted(result.missing_keys)[:10]}, unexpected {sorted(result.unexpected_keys)[:10]}"
+        )
     return PretrainedModel(model, cfg, directory).to(device).eval()
 
 

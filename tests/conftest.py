@@ -100,14 +100,30 @@ def free_port() -> int:
 
 def deepspeed_command(config: Path, *overrides: str, ranks: int = 2) -> list[str]:
     launcher = str(Path(sys.executable).with_name("deepspeed"))
-    return [launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()),
-            str(REPO / "launch/train.py"), "--config", str(config), *overrides]
+    return [
+        launcher,
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(free_port()),
+        str(REPO / "launch/train.py"),
+        "--config",
+        str(config),
+        *overrides,
+    ]
 
 
-def run_deepspeed(config: Path, *overrides: str, ranks: int = 2, timeout: int = 600,
-                  env: dict | None = None) -> subprocess.CompletedProcess:
-    result = subprocess.run(deepspeed_command(config, *overrides, ranks=ranks), cwd=REPO,
-                            env={**launcher_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
+def run_deepspeed(
+    config: Path, *overrides: str, ranks: int = 2, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        deepspeed_command(config, *overrides, ranks=ranks),
+        cwd=REPO,
+        env={**launcher_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 
@@ -151,7 +167,9 @@ def run_on_gloo_ranks(module: str, checks: list[tuple[str, tuple]], world: int) 
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
-    processes = [ctx.Process(target=_gloo_worker, args=(rank, world, port, module, checks, queue)) for rank in range(world)]
+    processes = [
+        ctx.Process(target=_gloo_worker, args=(rank, world, port, module, checks, queue)) for rank in range(world)
+    ]
     for p in processes:
         p.start()
     errors = [queue.get(timeout=900) for _ in processes]
@@ -161,8 +179,15 @@ def run_on_gloo_ranks(module: str, checks: list[tuple[str, tuple]], world: int) 
     assert not failures, "\n".join(failures)
 
 
-GLM_SPECIAL_PIECES = ["[CLS]", "<|endoftext|>", "[MASK]", "[UNK]", "[SEP]", "[gMASK]",
-                      *(f"<|blank_{n}|>" for n in range(10, 1, -1))]
+GLM_SPECIAL_PIECES = [
+    "[CLS]",
+    "<|endoftext|>",
+    "[MASK]",
+    "[UNK]",
+    "[SEP]",
+    "[gMASK]",
+    *(f"<|blank_{n}|>" for n in range(10, 1, -1)),
+]
 
 
 @pytest.fixture(scope="session")
@@ -172,14 +197,30 @@ def glm_sp_model(tmp_path_factory) -> Path:
     second), so tests of the tokenizer's rules need no download."""
     import sentencepiece
 
-    corpus = ["a photo of a cat", "a photo of a dog on the grass", "the cat is here", "leading and trailing words",
-              "一只猫的照片", "一只狗在草地上", "这是一张照片", "new line and tab", "numbers 1 2 3 4 5 6 7 8 9 0"]
+    corpus = [
+        "a photo of a cat",
+        "a photo of a dog on the grass",
+        "the cat is here",
+        "leading and trailing words",
+        "一只猫的照片",
+        "一只狗在草地上",
+        "这是一张照片",
+        "new line and tab",
+        "numbers 1 2 3 4 5 6 7 8 9 0",
+    ]
     path = tmp_path_factory.mktemp("glm") / "sp.model"
     with open(path, "wb") as handle:
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(corpus * 20), model_writer=handle, vocab_size=120, model_type="bpe",
-            user_defined_symbols=GLM_SPECIAL_PIECES, normalization_rule_name="nmt_nfkc",
-            remove_extra_whitespaces=False, character_coverage=1.0, minloglevel=2)
+            sentence_iterator=iter(corpus * 20),
+            model_writer=handle,
+            vocab_size=120,
+            model_type="bpe",
+            user_defined_symbols=GLM_SPECIAL_PIECES,
+            normalization_rule_name="nmt_nfkc",
+            remove_extra_whitespaces=False,
+            character_coverage=1.0,
+            minloglevel=2,
+        )
     return path
 
 
@@ -204,7 +245,7 @@ def adam_state(run_dir, step):
     for path in sorted((run_dir / f"checkpoints/step_{step:09d}").glob("*optim_states.pt")):
         visit(torch.load(path, map_location="cpu", weights_only=False))
     assert len(counts) == 1, counts
-    return counts.pop(), squares ** 0.5
+    return counts.pop(), squares**0.5
 
 
 def pytest_collection_modifyitems(config, items):

@@ -71,8 +71,13 @@ def run_cell(cell: dict, results: Path, reads: HostReads) -> None:
     from mmpt.engine.hooks import observing
 
     cfg = load_config(cell["config"], [*cell["overrides"], f"run.output_dir={cell['run_dir']}"])
-    quiet = {s for s in range(1, cfg.train.max_steps + 1) if s % cfg.train.log_every
-             and s != cfg.train.max_steps and not (cfg.train.save_every and s % cfg.train.save_every == 0)}
+    quiet = {
+        s
+        for s in range(1, cfg.train.max_steps + 1)
+        if s % cfg.train.log_every
+        and s != cfg.train.max_steps
+        and not (cfg.train.save_every and s % cfg.train.save_every == 0)
+    }
     reads.reset(quiet)
     try:
         with observing(reads.phase):
@@ -80,8 +85,17 @@ def run_cell(cell: dict, results: Path, reads: HostReads) -> None:
     finally:
         reads.counting = False
     with results.open("a") as out:
-        out.write(json.dumps({"cell": cell["name"], "rank": mdist.get_rank(), "reads": dict(reads.seen),
-                              "counted_steps": sorted(reads.counted_steps)}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "cell": cell["name"],
+                    "rank": mdist.get_rank(),
+                    "reads": dict(reads.seen),
+                    "counted_steps": sorted(reads.counted_steps),
+                }
+            )
+            + "\n"
+        )
     mdist.barrier()
 
 

@@ -32,8 +32,15 @@ def captions(index: int) -> tuple[str, str]:
     return f"a photo of the digit {DIGIT_NAMES[digit]}", f"数字{DIGIT_NAMES_ZH[digit]}的照片"
 
 
-def write_shard(folder: Path, shard: int, count: int, failed: int = 0, start: int = 0, text_encoding: str = "utf-8",
-                image: bytes | None = None) -> Path:
+def write_shard(
+    folder: Path,
+    shard: int,
+    count: int,
+    failed: int = 0,
+    start: int = 0,
+    text_encoding: str = "utf-8",
+    image: bytes | None = None,
+) -> Path:
     """One img2dataset shard of `count` samples from index `start`; `failed` downloads only counted in stats.
 
     `text_encoding` encodes the txt member (json stays ASCII-escaped, as Python's json writes it);
@@ -45,17 +52,30 @@ def write_shard(folder: Path, shard: int, count: int, failed: int = 0, start: in
         for i in range(start, start + count):
             key = f"{shard:05d}{i:04d}"
             english, chinese = captions(i)
-            meta = {"url": f"http://example.com/{key}.jpg", "key": key, "status": "success", "error_message": None,
-                    "width": 48, "height": 48, "original_width": 640, "original_height": 480, "caption": english,
-                    "caption_zh": chinese}
+            meta = {
+                "url": f"http://example.com/{key}.jpg",
+                "key": key,
+                "status": "success",
+                "error_message": None,
+                "width": 48,
+                "height": 48,
+                "original_width": 640,
+                "original_height": 480,
+                "caption": english,
+                "caption_zh": chinese,
+            }
             txt = chinese.encode(text_encoding) if text_encoding != "utf-8" else english.encode()
-            for suffix, data in (("jpg", image if image is not None else jpeg(i)), ("txt", txt),
-                                 ("json", json.dumps(meta).encode())):
+            for suffix, data in (
+                ("jpg", image if image is not None else jpeg(i)),
+                ("txt", txt),
+                ("json", json.dumps(meta).encode()),
+            ):
                 info = tarfile.TarInfo(f"{key}.{suffix}")
                 info.size = len(data)
                 archive.addfile(info, io.BytesIO(data))
-    (folder / f"{shard:05d}_stats.json").write_text(json.dumps(
-        {"count": count + failed, "successes": count, "failed_to_download": failed, "failed_to_resize": 0}))
+    (folder / f"{shard:05d}_stats.json").write_text(
+        json.dumps({"count": count + failed, "successes": count, "failed_to_download": failed, "failed_to_resize": 0})
+    )
     return path
 
 

@@ -26,9 +26,8 @@ def run_cell(cell: dict, results: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from conftest import read_metrics  # this script's folder, tests/, is on sys.path
-
     import mmpt
+    from conftest import read_metrics  # this script's folder, tests/, is on sys.path
     from mmpt import distributed as mdist
     from mmpt.config_loader import load_config
     from mmpt.engine import train
@@ -53,10 +52,14 @@ def run_cell(cell: dict, results: Path) -> None:
         final = load_file(str(run_dir / "model.safetensors"))
         assert exported.keys() == final.keys(), sorted(set(exported) ^ set(final))[:5]
         for key, value in final.items():
-            torch.testing.assert_close(exported[key].float(), value.float(), rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(
+                exported[key].float(), value.float(), rtol=0, atol=0, msg=lambda m: f"{key}: {m}"
+            )
         with results.open("a") as out:
-            out.write(json.dumps({"cell": cell["name"], "seconds": round(time.perf_counter() - started, 1),
-                                  "losses": losses}) + "\n")
+            out.write(
+                json.dumps({"cell": cell["name"], "seconds": round(time.perf_counter() - started, 1), "losses": losses})
+                + "\n"
+            )
     mdist.barrier()
 
 

@@ -18,8 +18,16 @@ from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.methods.m2_encoder import M2EncoderMethod
 
 TRAIN = Path(__file__).resolve().parents[1] / "launch/train.py"
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK", "CROSS_RANK",
-                      "CROSS_SIZE")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "GROUP_RANK",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+)
 loss_forward = GroupedContrastiveLoss.forward
 training_step = M2EncoderMethod.training_step
 recorded = False
@@ -38,13 +46,20 @@ def recording_forward(self, image_features, text_features, logit_scale, pool=Non
     loss = loss_forward(self, image_features, text_features, logit_scale, pool, slot)
     if not recorded:
         recorded = True
-        group = (list(range(mdist.get_world_size())) if self.group is None
-                 else dist.get_process_group_ranks(self.group))
-        torch.save({"image": image_features.detach().float().cpu(), "text": text_features.detach().float().cpu(),
-                    "scale": logit_scale.detach().float().cpu(), "loss": loss.item(), "group": group,
-                    "node": mdist.node_identity(), "env": {k: os.environ.get(k) for k in LAUNCHER_VARIABLES},
-                    "weights": first_weights},
-                   Path(os.environ["MMPT_RECORD_DIR"]) / f"rank{mdist.get_rank()}.pt")
+        group = list(range(mdist.get_world_size())) if self.group is None else dist.get_process_group_ranks(self.group)
+        torch.save(
+            {
+                "image": image_features.detach().float().cpu(),
+                "text": text_features.detach().float().cpu(),
+                "scale": logit_scale.detach().float().cpu(),
+                "loss": loss.item(),
+                "group": group,
+                "node": mdist.node_identity(),
+                "env": {k: os.environ.get(k) for k in LAUNCHER_VARIABLES},
+                "weights": first_weights,
+            },
+            Path(os.environ["MMPT_RECORD_DIR"]) / f"rank{mdist.get_rank()}.pt",
+        )
     return loss
 
 

@@ -25,12 +25,21 @@ def test_the_guides_toy_method_trains_and_loads(tmp_path, monkeypatch):
     (tmp_path / "configs").symlink_to(REPO / "configs")  # the guide runs from the repository root
     command = blocks("bash")[0].split()
     assert command[:2] == ["PYTHONPATH=path/to/folder", "deepspeed"] and command[-4:] == [
-        "--import", "toy_method", "--config", "toy.yaml"]
+        "--import",
+        "toy_method",
+        "--config",
+        "toy.yaml",
+    ]
     launcher = str(Path(sys.executable).with_name("deepspeed"))
     env = dict(launcher_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run(
         [launcher, *command[2:4], "--master_port", str(free_port()), str(REPO / "launch/train.py"), *command[5:]],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = tmp_path / "runs/toy"
     records = [r for r in read_metrics(run_dir) if "loss/contrastive" in r]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, deepspeed_command, launcher_env, read_metrics, run_deepspeed, tiny_config, write_config
 from PIL import Image
 
+from conftest import REPO, deepspeed_command, launcher_env, read_metrics, run_deepspeed, tiny_config, write_config
 from mmpt.data import ShardSetWriter
 from mmpt.data.stream import ShardStream, read_shard
 from mmpt.engine.stops import EXIT_DATA
@@ -43,8 +43,11 @@ def write_source(folder: Path, name: str, captions: list[str]) -> dict[str, dict
     when fully read, plus `reasons`: the skip reason (or None) of each sample it yields, in order}."""
     with ShardSetWriter(folder / name, max_samples=PER_SHARD) as writer:
         for index in range(SHARDS * PER_SHARD):
-            sample = {"__key__": f"{name}{index:04d}", "png": image_bytes(index % 256),
-                      "txt": captions[index % len(captions)]}
+            sample = {
+                "__key__": f"{name}{index:04d}",
+                "png": image_bytes(index % 256),
+                "txt": captions[index % len(captions)],
+            }
             kind = damage_of(index)
             if index % GARBAGE == GARBAGE - 1:
                 sample["png"] = b"\x89PNG garbage"
@@ -54,13 +57,16 @@ def write_source(folder: Path, name: str, captions: list[str]) -> dict[str, dict
                 del sample["txt"]
             writer.write(sample)
     shards = sorted(str(p) for p in folder.glob(f"{name}-*.tar"))
-    plan = {url: {"reasons": [damage_of(i * PER_SHARD + k) for k in range(PER_SHARD)], "lost": 0, "broken": 0,
-                  "unsized": 0} for i, url in enumerate(shards)}
+    plan = {
+        url: {"reasons": [damage_of(i * PER_SHARD + k) for k in range(PER_SHARD)], "lost": 0, "broken": 0, "unsized": 0}
+        for i, url in enumerate(shards)
+    }
     # Shard 1: cut inside the caption of its 10th sample, which keeps its image (sizes.json knows its size).
     cut_at = 9
     _cut_inside(shards[1], f"{name}{PER_SHARD + cut_at:04d}.txt")
-    plan[shards[1]].update(reasons=plan[shards[1]]["reasons"][:cut_at] + ["missing_field"],
-                           lost=PER_SHARD - cut_at - 1, broken=1)
+    plan[shards[1]].update(
+        reasons=plan[shards[1]]["reasons"][:cut_at] + ["missing_field"], lost=PER_SHARD - cut_at - 1, broken=1
+    )
     # Shard 3: the header of its 6th sample's first file overwritten: the rest of the shard is unreadable.
     _overwrite_header(shards[3], f"{name}{3 * PER_SHARD + 5:04d}.")
     plan[shards[3]].update(reasons=plan[shards[3]]["reasons"][:5], lost=PER_SHARD - 5, broken=1)
@@ -69,8 +75,7 @@ def write_source(folder: Path, name: str, captions: list[str]) -> dict[str, dict
         Path(shards[4]).write_bytes(b"<html>503 Service Unavailable</html>" * 40)
         plan[shards[4]].update(reasons=[], lost=PER_SHARD, broken=1)
         _cut_inside(shards[5], f"{name}{5 * PER_SHARD + 14:04d}.txt")
-        plan[shards[5]].update(reasons=plan[shards[5]]["reasons"][:14] + ["missing_field"], lost=0, broken=1,
-                               unsized=1)
+        plan[shards[5]].update(reasons=plan[shards[5]]["reasons"][:14] + ["missing_field"], lost=0, broken=1, unsized=1)
         sizes = json.loads((folder / "sizes.json").read_text())
         del sizes[Path(shards[5]).name]
         (folder / "sizes.json").write_text(json.dumps(sizes))
@@ -86,13 +91,14 @@ def _cut_inside(url: str, member: str) -> None:
 def _overwrite_header(url: str, key_prefix: str) -> None:
     data = Path(url).read_bytes()
     offset = min(m.offset for m in tarfile.open(url).getmembers() if m.name.startswith(key_prefix))
-    Path(url).write_bytes(data[:offset] + b"\x17" * 512 + data[offset + 512:])
+    Path(url).write_bytes(data[:offset] + b"\x17" * 512 + data[offset + 512 :])
 
 
 def counts_read(plan: dict[str, dict], fully: list[str], partly: tuple[str, int] | None) -> dict[str, int]:
     """What reading `fully` to their ends and the first `partly[1]` samples of `partly[0]` must count."""
-    total = dict.fromkeys(("seen", "decoded", "missing_field", "undecodable", "lost", "broken_shards",
-                           "unsized_broken_shards"), 0)
+    total = dict.fromkeys(
+        ("seen", "decoded", "missing_field", "undecodable", "lost", "broken_shards", "unsized_broken_shards"), 0
+    )
     reads = [(plan[url]["reasons"], plan[url]) for url in fully]
     if partly is not None:
         reads.append((plan[partly[0]]["reasons"][: partly[1]], None))
@@ -127,11 +133,21 @@ def damaged_web(module_tmp, digits_root) -> tuple[Path, dict[str, dict]]:
 
 
 def damaged_config(folder: Path, tmp_path: Path, digits_root: Path, max_skip_rate: float) -> Path:
-    data = {"train": {"sources": [{"shards": str(folder / f"{name}-*.tar"), "name": name} for name in ("en", "zh")],
-                      "mode": "epoch", "shuffle_buffer": 0, "num_workers": 1, "batch_size": 12,
-                      "max_skip_rate": max_skip_rate, "min_samples_for_skip_rate": 20}}
-    return write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run", data=data,
-                                                           train={"max_steps": 14, "save_every": 5}))
+    data = {
+        "train": {
+            "sources": [{"shards": str(folder / f"{name}-*.tar"), "name": name} for name in ("en", "zh")],
+            "mode": "epoch",
+            "shuffle_buffer": 0,
+            "num_workers": 1,
+            "batch_size": 12,
+            "max_skip_rate": max_skip_rate,
+            "min_samples_for_skip_rate": 20,
+        }
+    }
+    return write_config(
+        tmp_path / "cfg.yaml",
+        tiny_config(digits_root, tmp_path / "run", data=data, train={"max_steps": 14, "save_every": 5}),
+    )
 
 
 @pytest.mark.distributed
@@ -159,9 +175,12 @@ def test_damaged_web_shards_train_through_with_exact_counts(tmp_path, digits_roo
                 expected[key] += value
         reported = summary[name]
         assert {k: reported[k] for k in expected if k not in ("missing_field", "undecodable")} == {
-            k: v for k, v in expected.items() if k not in ("missing_field", "undecodable")}, name
+            k: v for k, v in expected.items() if k not in ("missing_field", "undecodable")
+        }, name
         assert (reported["skipped/missing_field"], reported["skipped/undecodable"]) == (
-            expected["missing_field"], expected["undecodable"]), name
+            expected["missing_field"],
+            expected["undecodable"],
+        ), name
         assert expected["lost"] and expected["missing_field"] and expected["undecodable"]  # every damage was met
     assert 1 in epochs  # the readers went past a whole epoch of damaged shards
     assert torch.isfinite(torch.tensor([r["loss/total"] for r in read_metrics(run_dir) if "loss/total" in r])).all()
@@ -170,13 +189,16 @@ def test_damaged_web_shards_train_through_with_exact_counts(tmp_path, digits_roo
 @pytest.mark.distributed
 def test_too_much_damage_stops_in_one_line_per_rank(tmp_path, digits_root, damaged_web):
     config = damaged_config(damaged_web[0], tmp_path, digits_root, max_skip_rate=0.02)
-    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600
+    )
     output = result.stdout + result.stderr
     assert result.returncode == EXIT_DATA and "Traceback" not in output
     lines = [line for line in output.splitlines() if line.startswith("mmpt: ")]
     assert 1 <= len(lines) <= 2, lines  # the rank(s) whose readers crossed the limit, or one of them and a peer
-    pattern = (r"mmpt: (rank \d: )?data error: (source '(en|zh)'|all sources): \d+ of \d+ samples could not be "
-               r"used \(([a-z_]+ \d+(, )?)+; commonest: [a-z_]+\), more than max_skip_rate=0.02"
-               r"(, most from source '(en|zh)')?; last failure: sample '(en|zh)\d+' of .*\.tar: .+")
+    pattern = (
+        r"mmpt: (rank \d: )?data error: (source '(en|zh)'|all sources): \d+ of \d+ samples could not be "
+        r"used \(([a-z_]+ \d+(, )?)+; commonest: [a-z_]+\), more than max_skip_rate=0.02"
+        r"(, most from source '(en|zh)')?; last failure: sample '(en|zh)\d+' of .*\.tar: .+"
+    )
     assert any(re.fullmatch(pattern, line) for line in lines), lines

@@ -10,9 +10,11 @@ from torch import nn
 from conftest import run_on_gloo_ranks
 from mmpt.engine.batch_norm import batch_norm_across_ranks
 
-CASES = {"1d, no affine (VICTOR's projection heads)": (nn.BatchNorm1d, (8, 5), {"affine": False}),
-         "2d, affine": (nn.BatchNorm2d, (8, 3, 4, 4), {}),
-         "1d over a length, cumulative average": (nn.BatchNorm1d, (8, 3, 6), {"momentum": None})}
+CASES = {
+    "1d, no affine (VICTOR's projection heads)": (nn.BatchNorm1d, (8, 5), {"affine": False}),
+    "2d, affine": (nn.BatchNorm2d, (8, 3, 4, 4), {}),
+    "1d over a length, cumulative average": (nn.BatchNorm1d, (8, 3, 6), {"momentum": None}),
+}
 
 
 def compare_with_whole_batch(rank, case):

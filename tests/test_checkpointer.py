@@ -56,8 +56,9 @@ class StandInEngine:
     def save_checkpoint(self, root, tag, client_state, save_latest):
         folder = Path(root, tag)
         folder.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_engine.save({"module": self.module.state_dict(), **client_state},
-                                    str(folder / "mp_rank_00_model_states.pt"))
+        self.checkpoint_engine.save(
+            {"module": self.module.state_dict(), **client_state}, str(folder / "mp_rank_00_model_states.pt")
+        )
 
     def load_checkpoint(self, root, tag):
         state = torch.load(Path(root, tag, "mp_rank_00_model_states.pt"), weights_only=False)

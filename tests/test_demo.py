@@ -16,9 +16,27 @@ pytestmark = pytest.mark.distributed
 def zeroshot_cli(cwd, run, task, dataset, language, out):
     """The CLI's result, written into `out` (a folder); the evaluated run's folder stays as it was."""
     before = sorted((Path(cwd) / run).rglob("*"))
-    subprocess.run([sys.executable, str(REPO / "launch/zeroshot.py"), "--model", run, "--dataset", dataset,
-                    "--task", task, "--language", language, "--output", str(out)],
-                   cwd=cwd, env=launcher_env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/zeroshot.py"),
+            "--model",
+            run,
+            "--dataset",
+            dataset,
+            "--task",
+            task,
+            "--language",
+            language,
+            "--output",
+            str(out),
+        ],
+        cwd=cwd,
+        env=launcher_env(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert sorted((Path(cwd) / run).rglob("*")) == before
     (written,) = Path(out).glob(f"{task}_{Path(dataset).stem}_*_{language}.json")
     return json.loads(written.read_text())
@@ -26,16 +44,28 @@ def zeroshot_cli(cwd, run, task, dataset, language, out):
 
 # Top-1 floors (chance 0.10) on the held-out scans and on digits_unseen (the same scans drawn at other sizes
 # and positions, with prompt wordings training never saw), which holds up only with random placement in training.
-@pytest.mark.parametrize("config, run, threshold, unseen_threshold", [
-    ("configs/clip/demo.yaml", "runs/clip-demo", 0.80, 0.90),
-    # About 8 minutes in the suite (600 steps): run with the full config matrix, `pytest -m matrix`.
-    pytest.param("configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo", 0.75, 0.65, marks=pytest.mark.matrix),
-])
+@pytest.mark.parametrize(
+    "config, run, threshold, unseen_threshold",
+    [
+        ("configs/clip/demo.yaml", "runs/clip-demo", 0.80, 0.90),
+        # About 8 minutes in the suite (600 steps): run with the full config matrix, `pytest -m matrix`.
+        pytest.param("configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo", 0.75, 0.65, marks=pytest.mark.matrix),
+    ],
+)
 def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshold, unseen_threshold):
     # The demo's paths are relative: run from an empty directory so it builds its own corpus there.
     launcher = str(Path(sys.executable).with_name("deepspeed"))
-    command = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/train.py"),
-               "--config", str(REPO / config), "run.progress_bar=false"]
+    command = [
+        launcher,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "launch/train.py"),
+        "--config",
+        str(REPO / config),
+        "run.progress_bar=false",
+    ]
     result = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     final = read_metrics(tmp_path / run)[-1]
@@ -43,8 +73,9 @@ def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshol
         for language in ("en", "zh"):
             floor = threshold if dataset == "digits" else unseen_threshold
             assert final[f"{prefix}/{language}/acc1"] >= floor, final
-            record = zeroshot_cli(tmp_path, run, "zeroshot_classification", dataset, language,
-                                  tmp_path / "results" / dataset)
+            record = zeroshot_cli(
+                tmp_path, run, "zeroshot_classification", dataset, language, tmp_path / "results" / dataset
+            )
             assert record["dataset"] == dataset and record["language"] == language
             for key in ("acc1", "acc5", "mean_per_class_recall"):
                 assert record["metrics"][key] == pytest.approx(final[f"{prefix}/{language}/{key}"], abs=1e-6)
@@ -69,10 +100,17 @@ def readme_release_example(cwd):
     bash = section.split("```bash\n", 1)[1].split("```", 1)[0].strip()
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert len(code.strip().splitlines()) == 5
-    subprocess.run(bash.replace("python ", f"{sys.executable} {REPO}/", 1).split(), cwd=cwd, env=launcher_env(),
-                   check=True, capture_output=True, timeout=300)
-    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=launcher_env(), capture_output=True, text=True,
-                            timeout=300)
+    subprocess.run(
+        bash.replace("python ", f"{sys.executable} {REPO}/", 1).split(),
+        cwd=cwd,
+        env=launcher_env(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=launcher_env(), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     five_en, five_zh, two = (float(x) for x in re.findall(r"-?\d+\.\d+", result.stdout.split("grad_fn")[0]))
     assert min(five_en, five_zh) > two, result.stdout

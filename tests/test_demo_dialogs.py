@@ -8,11 +8,19 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
 from mmpt.demo import dialogs as demo_dialogs
 from mmpt.demo.dialogs import COMPLETE_MARKER, INTENTS, build_dialogs
 
-FILES = ["labelled/train.json", "unlabelled/train.jsonl", "intent/train.csv", "intent/test.csv",
-         "intent/categories.json", "stats.json", COMPLETE_MARKER]
+FILES = [
+    "labelled/train.json",
+    "unlabelled/train.jsonl",
+    "intent/train.csv",
+    "intent/test.csv",
+    "intent/categories.json",
+    "stats.json",
+    COMPLETE_MARKER,
+]
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +109,8 @@ def test_labelled_dialogs_follow_the_official_format(corpus):
                             n_values += 1
     assert {"banking", "restaurant", "hotel", "travel", demo_dialogs.DEFAULT_DOMAIN} <= seen_domains
     assert len({pair for pair in seen_intents if pair[0] in INTENTS and pair[1] in INTENTS[pair[0]]}) == sum(
-        len(intents) for intents in INTENTS.values())
+        len(intents) for intents in INTENTS.values()
+    )
     assert n_values > 1000 and n_no_slots > 0 and n_default > 0
 
 

@@ -50,7 +50,9 @@ def test_unseen_set_is_the_held_out_scans_drawn_elsewhere(digits_root):
 def test_unseen_prompts_are_worded_as_nothing_else_and_tokenize_without_unknowns(digits_root, language):
     unseen = load_classification_set(digits_root / "zeroshot_unseen", language)
     seen = load_classification_set(digits_root / "zeroshot", language)
-    assert unseen.templates_from.endswith("zeroshot_classification_templates" + ("" if language == "en" else "_zh") + ".txt")
+    assert unseen.templates_from.endswith(
+        "zeroshot_classification_templates" + ("" if language == "en" else "_zh") + ".txt"
+    )
     assert unseen.classnames == seen.classnames and not set(unseen.templates) & set(seen.templates)
     captions = {text.decode() for text in shard_members(digits_root / "train" / language, ".txt").values()}
     prompts = {template.format(c=name) for template in unseen.templates for name in unseen.classnames}

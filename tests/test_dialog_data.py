@@ -8,17 +8,33 @@ import pytest
 import torch
 
 from mmpt.data import BatchStream, DataError, Source, StatefulLoader, StreamSpec
-from mmpt.data.dialog import (DialogReport, dialog_examples, read_intent_csv, read_space2_json, read_unlabelled_jsonl,
-                              write_dialog_shards)
+from mmpt.data.dialog import (
+    DialogReport,
+    dialog_examples,
+    read_intent_csv,
+    read_space2_json,
+    read_unlabelled_jsonl,
+    write_dialog_shards,
+)
 from mmpt.data.dialog_encoding import DialogEncoder, DialogInputSpec, collate_dialogs
 
-HOTEL = {"hotel": {"inform": {"price": [{"value": "cheap", "span": [9, 14]}],
-                              "area": [{"value": "north", "span": [28, 33]}]}}}
-GOOD = {"turns": [
-    {"turn_id": 0, "role": "user", "text": "I need a cheap hotel in the north", "label": HOTEL},
-    {"turn_id": 1, "role": "system", "text": "Sure, how many nights?", "label": {"hotel": {"request": {"stay": []}}}},
-    {"turn_id": 2, "role": "user", "text": "Three nights please", "label": {}},
-]}
+HOTEL = {
+    "hotel": {
+        "inform": {"price": [{"value": "cheap", "span": [9, 14]}], "area": [{"value": "north", "span": [28, 33]}]}
+    }
+}
+GOOD = {
+    "turns": [
+        {"turn_id": 0, "role": "user", "text": "I need a cheap hotel in the north", "label": HOTEL},
+        {
+            "turn_id": 1,
+            "role": "system",
+            "text": "Sure, how many nights?",
+            "label": {"hotel": {"request": {"stay": []}}},
+        },
+        {"turn_id": 2, "role": "user", "text": "Three nights please", "label": {}},
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +52,23 @@ def write_json(path, data):
 
 
 def test_malformed_dialogs_are_skipped_and_named(tmp_path):
-    bad_span = {"turns": [{"role": "user", "text": "short", "label": {"d": {"i": {"s": [{"value": "x", "span": [2, 99]}]}}}}]}
+    bad_span = {
+        "turns": [{"role": "user", "text": "short", "label": {"d": {"i": {"s": [{"value": "x", "span": [2, 99]}]}}}}]
+    }
     bad_role = {"turns": [{"role": "bot", "text": "hi", "label": {}}]}
     bad_label = {"turns": [{"role": "user", "text": "hi", "label": {"d": ["not", "a", "mapping"]}}]}
     no_span_key = {"turns": [{"role": "user", "text": "hi", "label": {"d": {"i": {"s": [{"value": "hi"}]}}}}]}
-    path = write_json(tmp_path / "train.json", {"ok": GOOD, "span": bad_span, "role": bad_role, "label": bad_label,
-                                                 "nospan": no_span_key, "empty": {"turns": []}})
+    path = write_json(
+        tmp_path / "train.json",
+        {
+            "ok": GOOD,
+            "span": bad_span,
+            "role": bad_role,
+            "label": bad_label,
+            "nospan": no_span_key,
+            "empty": {"turns": []},
+        },
+    )
     report = DialogReport()
     kept = dict(read_space2_json(path, report))
     assert list(kept) == ["ok"]
@@ -53,8 +80,10 @@ def test_malformed_dialogs_are_skipped_and_named(tmp_path):
 
 def test_unlabelled_and_intent_readers(tmp_path):
     lines = tmp_path / "dialogs.jsonl"
-    lines.write_text('{"id": "a", "turns": [{"role": "user", "text": "hello"}]}\n{not json\n\n'
-                     '{"id": "c", "turns": [{"role": "user", "text": 5}]}\n')
+    lines.write_text(
+        '{"id": "a", "turns": [{"role": "user", "text": "hello"}]}\n{not json\n\n'
+        '{"id": "c", "turns": [{"role": "user", "text": 5}]}\n'
+    )
     report = DialogReport()
     assert [d for d, _ in read_unlabelled_jsonl(lines, report)] == ["a"]
     assert [(i, f) for f, i, _ in report.skipped] == [("line 2", str(lines)), ("c", str(lines))]
@@ -85,8 +114,9 @@ def test_examples_per_triggered_turn_with_history():
 def test_shards_and_report(tmp_path):
     labelled = write_json(tmp_path / "train.json", {"ok": GOOD, "bad": {"turns": [{"role": "x"}]}})
     unlabelled = tmp_path / "u.jsonl"
-    unlabelled.write_text(json.dumps({"id": "u1", "turns": [{"role": "user", "text": "hi"}, {"role": "system",
-                                                                                             "text": "hello"}]}) + "\n")
+    unlabelled.write_text(
+        json.dumps({"id": "u1", "turns": [{"role": "user", "text": "hi"}, {"role": "system", "text": "hello"}]}) + "\n"
+    )
     intents = tmp_path / "intent.csv"
     intents.write_text("text,category\nwhat is my balance,check_balance\n")
     reports = write_dialog_shards(tmp_path / "shards", labelled=[labelled], unlabelled=[unlabelled], intent=[intents])
@@ -113,7 +143,9 @@ def test_encoder_inputs_follow_the_layout(tokenizer):
             assert set(inputs["turns"][start:end].tolist()) == {distance}
             assert set(inputs["roles"][start:end].tolist()) == {current_role if distance % 2 == 1 else 1 - current_role}
             user = turns[t]["role"] == "user"
-            assert (tokens[start], tokens[end - 1]) == (("[unused12]", "[unused6]") if user else ("[unused13]", "[unused7]"))
+            assert (tokens[start], tokens[end - 1]) == (
+                ("[unused12]", "[unused6]") if user else ("[unused13]", "[unused7]")
+            )
     # left truncation: the last word pieces of an utterance, the last tokens of the dialog
     long_turn = {"role": "user", "text": " ".join(f"w{i}" for i in range(40)), "label": {}}
     short = DialogEncoder(tokenizer, DialogInputSpec(max_utt_len=6, max_len=10, mlm_probability=0.0))
@@ -125,9 +157,19 @@ def test_encoder_inputs_follow_the_layout(tokenizer):
 
 def test_span_masking_masks_exactly_the_value_spans(tokenizer):
     encoder = DialogEncoder(tokenizer, DialogInputSpec(mlm_probability=0.0))
-    turn = {"role": "user", "text": "From New York to new york, then North at 7",
-            "label": {"travel": {"inform": {"city": [{"value": "New York", "span": [5, 13]}],
-                                            "dir": [{"value": "north", "span": None}], "n": [{"value": 7, "span": []}]}}}}
+    turn = {
+        "role": "user",
+        "text": "From New York to new york, then North at 7",
+        "label": {
+            "travel": {
+                "inform": {
+                    "city": [{"value": "New York", "span": [5, 13]}],
+                    "dir": [{"value": "north", "span": None}],
+                    "n": [{"value": 7, "span": []}],
+                }
+            }
+        },
+    }
     inputs = encoder.encode([turn])
     tokens = tokenizer.convert_ids_to_tokens(inputs["input_ids"].tolist())
     labelled = [tokens[i] for i in inputs["mlm_labels"].nonzero().flatten().tolist()]
@@ -169,8 +211,10 @@ def test_per_source_batches_take_fixed_shares(tmp_path):
         with ShardSetWriter(tmp_path / name, max_samples=50) as writer:
             for i in range(120):
                 writer.write({"__key__": f"{name}{i:04d}", "txt": f"{name}"})
-    sources = [Source.from_pattern(str(tmp_path / "lab-*.tar"), 1.0, "lab"),
-               Source.from_pattern(str(tmp_path / "unl-*.tar"), 3.0, "unl")]
+    sources = [
+        Source.from_pattern(str(tmp_path / "lab-*.tar"), 1.0, "lab"),
+        Source.from_pattern(str(tmp_path / "unl-*.tar"), 3.0, "unl"),
+    ]
     spec = StreamSpec(sources, batch_size=8, per_source=True, num_workers=1, seed=1, shuffle_buffer=10)
 
     def decode(sample):
@@ -186,8 +230,13 @@ def test_per_source_batches_take_fixed_shares(tmp_path):
     assert all(k.startswith(name) for b in first for name in b for k in b[name])
     state = loader.state_dict()
     expected = next(batches)
-    resumed = StatefulLoader(BatchStream(StreamSpec(sources, batch_size=8, per_source=True, num_workers=1, seed=1,
-                                                    shuffle_buffer=10), decode, collate))
+    resumed = StatefulLoader(
+        BatchStream(
+            StreamSpec(sources, batch_size=8, per_source=True, num_workers=1, seed=1, shuffle_buffer=10),
+            decode,
+            collate,
+        )
+    )
     resumed.load_state_dict(state)
     assert next(iter(resumed)) == expected
 
@@ -200,7 +249,6 @@ def test_the_documented_conversion_of_the_official_layout(tmp_path):
     import sys
 
     from conftest import REPO
-
     from mmpt.engine.stops import EXIT_CONFIG, EXIT_DATA
 
     (command,) = re.findall(r"```bash\n(.*?)\n```", (REPO / "docs/space2.md").read_text(), flags=re.S)
@@ -209,8 +257,9 @@ def test_the_documented_conversion_of_the_official_layout(tmp_path):
     shutil.copytree(REPO / "tests/data", tmp_path / "tests/data")
 
     def convert(*args):
-        return subprocess.run([sys.executable, str(REPO / words[1]), *args], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, str(REPO / words[1]), *args], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
 
     done = convert(*words[2:])
     assert done.returncode == 0, done.stderr
@@ -230,8 +279,11 @@ def test_the_documented_conversion_of_the_official_layout(tmp_path):
     official.write_text(json.dumps(dialogs))
     skipped = convert(*words[2:])
     assert skipped.returncode == EXIT_DATA and "Traceback" not in skipped.stderr
-    assert re.search(r"mmpt: 3 of 4 labelled dialogs were skipped, more than --max-skip-rate=0.1 \(commonest: "
-                     r"turn 0: label\[.*every value must be an object with 'value' and 'span'", skipped.stderr)
+    assert re.search(
+        r"mmpt: 3 of 4 labelled dialogs were skipped, more than --max-skip-rate=0.1 \(commonest: "
+        r"turn 0: label\[.*every value must be an object with 'value' and 'span'",
+        skipped.stderr,
+    )
     missing = convert("--out", "elsewhere", "--labelled", "no/such.json")
     assert missing.returncode == EXIT_CONFIG and "mmpt: no/such.json: no such dialog file" in missing.stderr
     assert not (tmp_path / "elsewhere").exists()

@@ -57,7 +57,8 @@ def test_every_relative_link_resolves_inside_the_repository(page):
 def test_the_readme_is_a_front_door():
     lines = len((REPO / "README.md").read_text().splitlines())
     assert lines <= README_MAX_LINES, (
-        f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail into a page under docs/")
+        f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail into a page under docs/"
+    )
 
 
 def test_no_page_sends_readers_outside_the_repository():
@@ -66,11 +67,18 @@ def test_no_page_sends_readers_outside_the_repository():
 
 
 def test_the_config_reference_is_the_current_schema():
-    result = subprocess.run([sys.executable, "-m", "mmpt.config_reference", "--check"], cwd=REPO,
-                            capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "mmpt.config_reference", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, (
         "docs/config_reference.md differs from a fresh rendering of the config schema; regenerate it with "
-        f"`python -m mmpt.config_reference` and commit it.\n{result.stdout}{result.stderr}")
+        f"`python -m mmpt.config_reference` and commit it.\n{result.stdout}{result.stderr}"
+    )
 
 
 def test_github_anchors():

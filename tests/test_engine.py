@@ -47,7 +47,7 @@ def test_skipping_adamw_skips_non_finite_steps_on_the_device():
     weights = nn.Parameter(torch.randn(5))
     reference = torch.optim.AdamW([nn.Parameter(weights.detach().clone())], lr=0.1, fused=True)
     optimizer = SkippingAdamW([weights], lr=0.1, fused=True)
-    for step, bad in enumerate([False, True, False]):
+    for _step, bad in enumerate([False, True, False]):
         gradient = torch.randn(5)
         weights.grad = gradient.clone()
         if bad:
@@ -74,8 +74,11 @@ def test_weight_decay_groups():
 
 
 def test_deepspeed_config_is_explicit(tmp_path, digits_root):
-    cfg_dict = tiny_config(digits_root, tmp_path / "run", train={"grad_clip": 0.0, "grad_accum": 3, "zero_stage": 3,
-                                                                  "offload_optimizer": True, "precision": "bf16"})
+    cfg_dict = tiny_config(
+        digits_root,
+        tmp_path / "run",
+        train={"grad_clip": 0.0, "grad_accum": 3, "zero_stage": 3, "offload_optimizer": True, "precision": "bf16"},
+    )
     cfg = load_config(write_config(tmp_path / "c.yaml", cfg_dict))
     ds = deepspeed_config(cfg, world_size=2)
     assert ds["gradient_clipping"] == 0.0  # not DeepSpeed's default of 1.0
@@ -85,8 +88,12 @@ def test_deepspeed_config_is_explicit(tmp_path, digits_root):
 
 
 def test_offload_needs_a_zero_stage(tmp_path, digits_root):
-    cfg = load_config(write_config(tmp_path / "c.yaml", tiny_config(
-        digits_root, tmp_path / "run", train={"zero_stage": 0, "offload_optimizer": True})))
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            tiny_config(digits_root, tmp_path / "run", train={"zero_stage": 0, "offload_optimizer": True}),
+        )
+    )
     with pytest.raises(ConfigError, match="offload_optimizer"):
         deepspeed_config(cfg, world_size=1)
 
@@ -114,7 +121,11 @@ def test_pruning_keeps_the_newest_and_never_later_checkpoints(tmp_path):
     for step in (1, 2, 3, 4, 9):
         make_checkpoint(root, step)
     prune(root, step=4, keep_last=2)
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step_000000003", "step_000000004", "step_000000009"]
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [
+        "step_000000003",
+        "step_000000004",
+        "step_000000009",
+    ]
 
 
 def test_resume_picks_the_newest_complete_checkpoint(tmp_path, caplog):

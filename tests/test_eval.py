@@ -57,7 +57,12 @@ def test_ranks_with_ties_equal_a_brute_force_count():
 def test_retrieval_jsonl_layout_and_errors(tmp_path):
     (tmp_path / "a.png").write_bytes(b"")
     path = tmp_path / "r.jsonl"
-    path.write_text(json.dumps({"image": "a.png", "caption": ["x", "y"]}) + "\n" + json.dumps({"image": "/abs.png", "caption": "z"}) + "\n")
+    path.write_text(
+        json.dumps({"image": "a.png", "caption": ["x", "y"]})
+        + "\n"
+        + json.dumps({"image": "/abs.png", "caption": "z"})
+        + "\n"
+    )
     images, captions = load_retrieval_set(path)
     assert images[0] == tmp_path / "a.png" and str(images[1]) == "/abs.png" and captions == [["x", "y"], ["z"]]
     path.write_text('{"image": "a.png"}\n')
@@ -67,7 +72,9 @@ def test_retrieval_jsonl_layout_and_errors(tmp_path):
 
 def test_official_caption_normalization_and_templates():
     assert official_caption_normalization("A “Red” Car") == 'a "red" car'
-    assert len(DEFAULT_TEMPLATES["en"]) == 80 and all("{c}" in t for t in DEFAULT_TEMPLATES["en"] + DEFAULT_TEMPLATES["zh"])
+    assert len(DEFAULT_TEMPLATES["en"]) == 80 and all(
+        "{c}" in t for t in DEFAULT_TEMPLATES["en"] + DEFAULT_TEMPLATES["zh"]
+    )
 
 
 def test_video_rank_metrics_on_hand_built_ranks():
@@ -103,16 +110,26 @@ def test_msrvtt_csv_and_video_jsonl_layouts(tmp_path):
     assert load_video_retrieval_set(tmp_path / "r.jsonl") == ([tmp_path / "videos/video7.mp4"], [["a man sings"]])
     # the MSR-VTT 1k-A list as JSFusion distributes it
     (tmp_path / "MSRVTT_JSFUSION_test.csv").write_text(
-        "key,vid_key,video_id,sentence\nret0,msr7,video7,a man sings\nret1,msr9,video9,a cat plays\n")
+        "key,vid_key,video_id,sentence\nret0,msr7,video7,a man sings\nret1,msr9,video9,a cat plays\n"
+    )
     assert load_video_retrieval_set(tmp_path / "MSRVTT_JSFUSION_test.csv") == (
-        [videos / "video7.mp4", videos / "video9.webm"], [["a man sings"], ["a cat plays"]])
+        [videos / "video7.mp4", videos / "video9.webm"],
+        [["a man sings"], ["a cat plays"]],
+    )
     # DiDeMo's annotation list: each video's moment descriptions joined into one paragraph query
-    (tmp_path / "test_data.json").write_text(json.dumps([
-        {"annotation_id": 1, "video": "video7.mov", "description": "a man walks in. ", "times": [[0, 1]]},
-        {"annotation_id": 2, "video": "video9.webm", "description": "a cat jumps", "times": [[2, 2]]},
-        {"annotation_id": 3, "video": "video7.mov", "description": "he starts to sing", "times": [[3, 4]]}]))
+    (tmp_path / "test_data.json").write_text(
+        json.dumps(
+            [
+                {"annotation_id": 1, "video": "video7.mov", "description": "a man walks in. ", "times": [[0, 1]]},
+                {"annotation_id": 2, "video": "video9.webm", "description": "a cat jumps", "times": [[2, 2]]},
+                {"annotation_id": 3, "video": "video7.mov", "description": "he starts to sing", "times": [[3, 4]]},
+            ]
+        )
+    )
     assert load_video_retrieval_set(tmp_path / "test_data.json") == (
-        [videos / "video7.mp4", videos / "video9.webm"], [["a man walks in. he starts to sing"], ["a cat jumps"]])
+        [videos / "video7.mp4", videos / "video9.webm"],
+        [["a man walks in. he starts to sing"], ["a cat jumps"]],
+    )
 
 
 def test_clip_benchmark_per_language_folders_and_missing_templates(tmp_path, digits_root, caplog):
@@ -126,7 +143,9 @@ def test_clip_benchmark_per_language_folders_and_missing_templates(tmp_path, dig
     for language, suffix in (("en", ""), ("zh", "_zh")):
         (folder / language).mkdir()
         shutil.copy(source / f"classnames{suffix}.txt", folder / language / "classnames.txt")
-    shutil.copy(source / "zeroshot_classification_templates.txt", folder / "en" / "zeroshot_classification_templates.txt")
+    shutil.copy(
+        source / "zeroshot_classification_templates.txt", folder / "en" / "zeroshot_classification_templates.txt"
+    )
     english = load_classification_set(folder, "en")
     assert english.templates_from == str(folder / "en" / "zeroshot_classification_templates.txt")
     chinese = load_classification_set(folder, "zh")  # class names in zh/, no zh templates: mmpt's, said so
@@ -144,8 +163,12 @@ def test_clip_benchmark_per_language_folders_and_missing_templates(tmp_path, dig
 def test_results_of_datasets_with_the_same_folder_name_do_not_overwrite(tmp_path):
     from mmpt.methods.base import eval_record, save_eval_record
 
-    first = save_eval_record(eval_record(tmp_path, "a/cifar10", "zeroshot_classification", "en", {"acc1": 0.1}), tmp_path)
-    second = save_eval_record(eval_record(tmp_path, "b/cifar10", "zeroshot_classification", "en", {"acc1": 0.2}), tmp_path)
+    first = save_eval_record(
+        eval_record(tmp_path, "a/cifar10", "zeroshot_classification", "en", {"acc1": 0.1}), tmp_path
+    )
+    second = save_eval_record(
+        eval_record(tmp_path, "b/cifar10", "zeroshot_classification", "en", {"acc1": 0.2}), tmp_path
+    )
     assert first != second and json.loads(first.read_text())["metrics"]["acc1"] == 0.1
     assert json.loads(second.read_text())["dataset"] == "b/cifar10"
 
@@ -197,23 +220,44 @@ def write_layouts(folder):
     captioned = [n for n in IMAGES if n in CAPTIONS]
     layouts = {}
     layouts["jsonl"] = folder / "m2.jsonl"
-    layouts["jsonl"].write_text("".join(json.dumps({"image": f"images/val2014/{n}.png", "caption": CAPTIONS[n]}) + "\n"
-                                        for n in captioned))
+    layouts["jsonl"].write_text(
+        "".join(json.dumps({"image": f"images/val2014/{n}.png", "caption": CAPTIONS[n]}) + "\n" for n in captioned)
+    )
     layouts["albef"] = folder / "coco_karpathy_test.json"
-    layouts["albef"].write_text(json.dumps([{"image": f"images/val2014/{n}.png", "caption": CAPTIONS[n]} for n in captioned]))
+    layouts["albef"].write_text(
+        json.dumps([{"image": f"images/val2014/{n}.png", "caption": CAPTIONS[n]} for n in captioned])
+    )
     layouts["karpathy"] = folder / "images" / "dataset_coco.json"
-    layouts["karpathy"].write_text(json.dumps({"dataset": "coco", "images": [
-        {"filepath": "val2014", "filename": f"{n}.png", "split": "test", "cocoid": i,
-         "sentences": [{"raw": c, "tokens": c.split()} for c in CAPTIONS[n]]} for i, n in enumerate(captioned)] + [
-        {"filepath": "val2014", "filename": "grey.png", "split": "train", "sentences": [{"raw": "grey"}]}]}))
+    layouts["karpathy"].write_text(
+        json.dumps(
+            {
+                "dataset": "coco",
+                "images": [
+                    {
+                        "filepath": "val2014",
+                        "filename": f"{n}.png",
+                        "split": "test",
+                        "cocoid": i,
+                        "sentences": [{"raw": c, "tokens": c.split()} for c in CAPTIONS[n]],
+                    }
+                    for i, n in enumerate(captioned)
+                ]
+                + [{"filepath": "val2014", "filename": "grey.png", "split": "train", "sentences": [{"raw": "grey"}]}],
+            }
+        )
+    )
     (folder / "cn").mkdir()
     layouts["chinese_clip"] = folder / "cn" / "valid_texts.jsonl"
     texts = [(c, [IMAGES.index(n)]) for n in captioned for c in CAPTIONS[n]]
-    layouts["chinese_clip"].write_text("".join(
-        json.dumps({"text_id": t, "text": text, "image_ids": [1000 + i for i in ids]}, ensure_ascii=False) + "\n"
-        for t, (text, ids) in enumerate(texts)))
-    (folder / "cn" / "valid_imgs.tsv").write_text("".join(
-        f"{1000 + i}\t{base64.b64encode(colour_png(n)).decode()}\n" for i, n in enumerate(IMAGES)))
+    layouts["chinese_clip"].write_text(
+        "".join(
+            json.dumps({"text_id": t, "text": text, "image_ids": [1000 + i for i in ids]}, ensure_ascii=False) + "\n"
+            for t, (text, ids) in enumerate(texts)
+        )
+    )
+    (folder / "cn" / "valid_imgs.tsv").write_text(
+        "".join(f"{1000 + i}\t{base64.b64encode(colour_png(n)).decode()}\n" for i, n in enumerate(IMAGES))
+    )
     return layouts
 
 
@@ -228,11 +272,14 @@ def test_every_retrieval_layout_reads_the_same_set(tmp_path):
         assert data.matches.sum() == len(data.texts) and data.matches.any(0).all(), name
     assert len(read_retrieval_set(layouts["chinese_clip"]).images) == 4  # the tsv's distractor stays a candidate
     assert len(read_retrieval_set(layouts["karpathy"]).images) == 3  # the train split's image is not in the test
+
     def transform(image):
         return torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1)
 
-    results = {name: zeroshot_retrieval(ColourModel(), colour_tokenize, transform, path, batch_size=2)
-               for name, path in layouts.items()}
+    results = {
+        name: zeroshot_retrieval(ColourModel(), colour_tokenize, transform, path, batch_size=2)
+        for name, path in layouts.items()
+    }
     for name, metrics in results.items():
         assert metrics["image_retrieval_recall@1"] == 1.0, name  # every caption finds its colour first
         assert metrics == results["jsonl"], name
@@ -245,10 +292,12 @@ def test_a_text_matching_several_images_and_an_image_without_text(tmp_path):
     folder.mkdir()
     import base64
 
-    (folder / "valid_imgs.tsv").write_text("".join(f"{i}\t{base64.b64encode(colour_png(n)).decode()}\n"
-                                                   for i, n in enumerate(IMAGES)))
-    (folder / "valid_texts.jsonl").write_text(json.dumps({"text_id": 0, "text": "红色或蓝色", "image_ids": [0, 2]},
-                                                         ensure_ascii=False) + "\n")
+    (folder / "valid_imgs.tsv").write_text(
+        "".join(f"{i}\t{base64.b64encode(colour_png(n)).decode()}\n" for i, n in enumerate(IMAGES))
+    )
+    (folder / "valid_texts.jsonl").write_text(
+        json.dumps({"text_id": 0, "text": "红色或蓝色", "image_ids": [0, 2]}, ensure_ascii=False) + "\n"
+    )
     data = read_retrieval_set(folder / "valid_texts.jsonl")
     assert data.matches[:, 0].tolist() == [True, False, True, False]
     scores = torch.tensor([[0.2], [0.9], [0.5], [0.1]])  # green scores highest, then blue (a match), then red
@@ -256,7 +305,9 @@ def test_a_text_matching_several_images_and_an_image_without_text(tmp_path):
     assert item_rank.tolist() == [1]  # the best match (blue) has one non-match (green) above it
     assert text_rank.tolist() == [0, 0]  # only the two matched images are image -> text queries
     (folder / "valid_texts.jsonl").write_text(json.dumps({"text_id": 0, "text": "x", "image_ids": [7]}) + "\n")
-    with pytest.raises(DataError, match=r"valid_texts.jsonl:1: expected .* with ids of valid_imgs.tsv \(KeyError: '7'\)"):
+    with pytest.raises(
+        DataError, match=r"valid_texts.jsonl:1: expected .* with ids of valid_imgs.tsv \(KeyError: '7'\)"
+    ):
         read_retrieval_set(folder / "valid_texts.jsonl")
 
 
@@ -266,8 +317,8 @@ class ColourVideoModel(ColourModel):
 
 
 def test_zeroshot_video_classification_over_class_folders(tmp_path, caplog):
-    from mmpt.demo.moving_digits import encode_mp4
     from mmpt.data.video import VideoTextDecoder
+    from mmpt.demo.moving_digits import encode_mp4
     from mmpt.eval.video_classification import load_video_classification_set, video_classification
 
     def clip(name):
@@ -306,8 +357,11 @@ def test_class_names_are_checked_by_what_they_are(tmp_path):
     (synsets / "classnames.txt").write_text("tench\ngoldfish\ngreat white shark\n")
     assert load_classification_set(synsets, "en").classnames == ["tench", "goldfish", "great white shark"]
     # Chinese prompts: the English names are passed over, and refused unless allowed.
-    with pytest.raises(ClassNamesError, match=r"no 'zh' class names .*classnames.txt is not written in it.*"
-                                              r"foreign_class_names"):
+    with pytest.raises(
+        ClassNamesError,
+        match=r"no 'zh' class names .*classnames.txt is not written in it.*"
+        r"foreign_class_names",
+    ):
         load_classification_set(synsets, "zh")
     assert load_classification_set(synsets, "zh", foreign_class_names=True).classnames[0] == "tench"
     (synsets / "classnames_zh.txt").write_text("丁鲷\n金鱼\n大白鲨\n", encoding="utf-8")

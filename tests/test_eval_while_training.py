@@ -2,6 +2,7 @@
 leave training exactly as it would be without them, and a run stopped after an evaluation resumes exactly."""
 
 import pytest
+
 from conftest import read_metrics, run_deepspeed, step_losses, tiny_config, write_config
 
 
@@ -10,8 +11,12 @@ def config(tmp_path, digits_root, name, zero_stage, **train):
     cfg["train"]["zero_stage"] = zero_stage
     cfg["data"]["eval"] = [  # the text tower has dropout: an evaluation that moved the RNG would change training
         {"dataset": str(digits_root / "zeroshot"), "task": "zeroshot_classification", "languages": ["en", "zh"]},
-        {"dataset": str(digits_root / "zeroshot/retrieval_zh.jsonl"), "task": "zeroshot_retrieval",
-         "name": "digits_retrieval", "languages": ["zh"]},
+        {
+            "dataset": str(digits_root / "zeroshot/retrieval_zh.jsonl"),
+            "task": "zeroshot_retrieval",
+            "name": "digits_retrieval",
+            "languages": ["zh"],
+        },
     ]
     return write_config(tmp_path / f"{name}.yaml", cfg)
 

@@ -11,10 +11,10 @@ import math
 import os
 
 import pytest
+from test_config_matrix import COMMON, corpora  # noqa: F401 (corpora is a fixture)
 
 from conftest import REPO, read_metrics
 from mmpt.methods import get_method, list_methods
-from test_config_matrix import COMMON, corpora  # noqa: F401 (corpora is a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,15 @@ def test_method_trains_resumes_evaluates_and_loads(name, corpora, one_process, t
     config = REPO / "configs" / name / "demo.yaml"
     assert config.is_file(), f"method '{name}' ships no configs/{name}/demo.yaml"
     run_dir = tmp_path / "run"
-    overrides = [*COMMON, *(o.format(**corpora) for o in method.tiny_overrides), f"run.output_dir={run_dir}",
-                 "train.save_every=2", "train.eval_every=2", "train.zero_stage=0", "train.precision=fp32"]
+    overrides = [
+        *COMMON,
+        *(o.format(**corpora) for o in method.tiny_overrides),
+        f"run.output_dir={run_dir}",
+        "train.save_every=2",
+        "train.eval_every=2",
+        "train.zero_stage=0",
+        "train.precision=fp32",
+    ]
     train(load_config(config, [*overrides, "train.max_steps=2"]))
     results = train(load_config(config, [*overrides, "train.max_steps=3"]))  # resumes from the step-2 checkpoint
 

@@ -24,25 +24,37 @@ def reference(module_tmp, digits_root):
     """An uninterrupted run's final weights."""
     folder = module_tmp("reference")
     config = write_config(folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train=STEPS))
-    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return load_file(str(folder / "run/model.safetensors"))
 
 
 def supervised(config, fault: str, marker) -> subprocess.CompletedProcess:
     env = dict(launcher_env(), MMPT_INJECT_FAULT=f"{fault},once={marker}")
-    command = [sys.executable, str(REPO / "launch/supervise.py"), "--max-restarts", "2", "--delay", "0", "--",
-               *deepspeed_command(config)]
+    command = [
+        sys.executable,
+        str(REPO / "launch/supervise.py"),
+        "--max-restarts",
+        "2",
+        "--delay",
+        "0",
+        "--",
+        *deepspeed_command(config),
+    ]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.parametrize("fault", [
-    "kill@forward,step=7,rank=1",              # a rank dies mid-training
-    "kill@save:after_engine,step=8,rank=1",    # ... while DeepSpeed writes the checkpoint
-    "kill@save:after_rank_state,step=8,rank=0",  # ... after its own part, before the others finished
-    "kill@save:before_latest,step=8,rank=0",   # ... after the checkpoint completed, before `latest` moved
-])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "kill@forward,step=7,rank=1",  # a rank dies mid-training
+        "kill@save:after_engine,step=8,rank=1",  # ... while DeepSpeed writes the checkpoint
+        "kill@save:after_rank_state,step=8,rank=0",  # ... after its own part, before the others finished
+        "kill@save:before_latest,step=8,rank=0",  # ... after the checkpoint completed, before `latest` moved
+    ],
+)
 def test_killed_run_restarts_and_ends_with_the_uninterrupted_weights(tmp_path, digits_root, reference, fault):
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=STEPS))
@@ -73,11 +85,14 @@ def test_a_rank_that_cannot_write_its_checkpoint_stops_every_rank(tmp_path, digi
 
 
 def test_watchdog_names_the_sleeping_rank_and_exits(tmp_path, digits_root):
-    config = write_config(tmp_path / "cfg.yaml", tiny_config(
-        digits_root, tmp_path / "run", train={**STEPS, "watchdog_timeout": 5, "save_every": 0}))
+    config = write_config(
+        tmp_path / "cfg.yaml",
+        tiny_config(digits_root, tmp_path / "run", train={**STEPS, "watchdog_timeout": 5, "save_every": 0}),
+    )
     env = dict(launcher_env(), MMPT_INJECT_FAULT="sleep=600@data,step=3,rank=1")
-    process = subprocess.Popen(deepspeed_command(config), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        deepspeed_command(config), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     output = ""
     started = None
     for line in process.stdout:
@@ -89,15 +104,18 @@ def test_watchdog_names_the_sleeping_rank_and_exits(tmp_path, digits_root):
     assert started is not None and time.monotonic() - started < 5 + 25, "the watchdog took too long"
     # rank 0 says it, once: the other ranks wait longer, and the launcher ends them when rank 0 exits
     assert [line for line in output.splitlines() if "watchdog:" in line and "made no progress" in line] == [
-        next(line for line in output.splitlines() if line.startswith("mmpt: watchdog: rank 0 made no progress"))]
+        next(line for line in output.splitlines() if line.startswith("mmpt: watchdog: rank 0 made no progress"))
+    ]
     assert "lagging rank(s): 1" in output and "Traceback" not in output
     assert "rank 1: step 3 data" in output and "rank 0: step 3 forward" in output
 
 
 def test_straggler_is_named_in_log_and_summary(tmp_path, digits_root):
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "cfg.yaml", tiny_config(
-        digits_root, run_dir, train={**STEPS, "max_steps": 8, "save_every": 0, "straggler_windows": 3}))
+    config = write_config(
+        tmp_path / "cfg.yaml",
+        tiny_config(digits_root, run_dir, train={**STEPS, "max_steps": 8, "save_every": 0, "straggler_windows": 3}),
+    )
     env = dict(launcher_env(), MMPT_INJECT_FAULT="sleep=0.5@data,rank=1")  # a slow input pipeline on rank 1
     result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -121,10 +139,20 @@ def test_shard_with_a_pickle_payload_is_not_unpickled(tmp_path):
 
             Image.new("RGB", (4, 4)).save(buffer, format="PNG")
             writer.write({"__key__": f"{i}", "png": buffer.getvalue(), "pyd": pickle.dumps(Payload()), "txt": "x"})
-    spec = StreamSpec([Source.from_pattern(str(tmp_path / "evil-*.tar"))], batch_size=2, mode="epoch",
-                      shuffle_buffer=0, max_epochs=1)
-    batches = list(StatefulLoader(BatchStream(spec, lambda s: {"n": torch.tensor(decode_image(s["png"]).size[0]),
-                                                               "payload_is_bytes": torch.tensor(isinstance(s["pyd"], bytes))})))
+    spec = StreamSpec(
+        [Source.from_pattern(str(tmp_path / "evil-*.tar"))], batch_size=2, mode="epoch", shuffle_buffer=0, max_epochs=1
+    )
+    batches = list(
+        StatefulLoader(
+            BatchStream(
+                spec,
+                lambda s: {
+                    "n": torch.tensor(decode_image(s["png"]).size[0]),
+                    "payload_is_bytes": torch.tensor(isinstance(s["pyd"], bytes)),
+                },
+            )
+        )
+    )
     assert sum(len(b["n"]) for b in batches) == 4 and all(b["payload_is_bytes"].all() for b in batches)
     assert not os.path.exists("/tmp/mmpt-payload-ran")
 
@@ -146,8 +174,10 @@ def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(tmp_path, digits_root,
     from conftest import read_metrics
 
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "cfg.yaml", tiny_config(
-        digits_root, run_dir, train={**STEPS, "zero_stage": stage, "max_steps": 6, "save_every": 0}))
+    config = write_config(
+        tmp_path / "cfg.yaml",
+        tiny_config(digits_root, run_dir, train={**STEPS, "zero_stage": stage, "max_steps": 6, "save_every": 0}),
+    )
     env = dict(launcher_env(), MMPT_INJECT_FAULT="nan@backward,step=3,rank=1")
     result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -158,14 +188,19 @@ def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(tmp_path, digits_root,
 
 
 def test_non_finite_steps_in_a_row_stop_the_run(tmp_path, digits_root):
-    config = write_config(tmp_path / "cfg.yaml", tiny_config(
-        digits_root, tmp_path / "run", train={**STEPS, "max_steps": 10, "save_every": 0, "max_bad_steps": 3}))
+    config = write_config(
+        tmp_path / "cfg.yaml",
+        tiny_config(
+            digits_root, tmp_path / "run", train={**STEPS, "max_steps": 10, "save_every": 0, "max_bad_steps": 3}
+        ),
+    )
     env = dict(launcher_env(), MMPT_INJECT_FAULT="nan@backward,rank=0")
     result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 4  # the documented exit code of a non-finite stop
     lines = [line for line in (result.stderr + result.stdout).splitlines() if line.startswith("mmpt: ")]
-    assert sorted(lines)[0].startswith("mmpt: non-finite training: stopping at step 3: 3 optimizer steps in a row "
-                                       "had a non-finite loss or gradient"), lines
+    assert sorted(lines)[0].startswith(
+        "mmpt: non-finite training: stopping at step 3: 3 optimizer steps in a row had a non-finite loss or gradient"
+    ), lines
     assert sorted(lines)[1:] == ["mmpt: rank 1: stopped on the non-finite training that rank 0 reports"]
     assert "Traceback" not in result.stderr + result.stdout
 
@@ -175,9 +210,12 @@ def reference_losses(module_tmp, digits_root):
     from conftest import step_losses
 
     folder = module_tmp("elastic_reference")
-    config = write_config(folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train={**STEPS, "max_steps": 16}))
-    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True,
-                            timeout=600)
+    config = write_config(
+        folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train={**STEPS, "max_steps": 16})
+    )
+    result = subprocess.run(
+        deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return step_losses(folder / "run")
 
@@ -192,24 +230,38 @@ def batch_norm_counts(run_dir, step):
 
 
 @pytest.mark.parametrize("before, after, stage", [(2, 1, 2), (1, 2, 2), (2, 1, 3)])
-def test_resume_on_another_number_of_ranks_joins_the_loss_curve(tmp_path, digits_root, reference_losses,
-                                                                before, after, stage):
+def test_resume_on_another_number_of_ranks_joins_the_loss_curve(
+    tmp_path, digits_root, reference_losses, before, after, stage
+):
     from conftest import step_losses
 
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "cfg.yaml", tiny_config(
-        digits_root, run_dir, train={**STEPS, "max_steps": 16, "zero_stage": stage}))
+    config = write_config(
+        tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train={**STEPS, "max_steps": 16, "zero_stage": stage})
+    )
 
     def batch_for(ranks):  # the same global batch (32) whatever the number of ranks
         return f"data.train.batch_size={32 // ranks}"
 
     env = dict(launcher_env(), MMPT_INJECT_FAULT="kill@data,step=9,rank=0")  # dies right after checkpoint 8
-    first = subprocess.run(deepspeed_command(config, batch_for(before), ranks=before), cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=600)
+    first = subprocess.run(
+        deepspeed_command(config, batch_for(before), ranks=before),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert first.returncode != 0 and (run_dir / "checkpoints/step_000000008/complete.json").exists()
     every_step = ["train.save_every=1", "train.keep_last=9"]  # the optimizer state after each step (and step 8's)
-    second = subprocess.run(deepspeed_command(config, batch_for(after), *every_step, ranks=after), cwd=REPO,
-                            env=launcher_env(), capture_output=True, text=True, timeout=600)
+    second = subprocess.run(
+        deepspeed_command(config, batch_for(after), *every_step, ranks=after),
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"saved by {before} ranks x 1 workers, on {after} x 1" in second.stderr + second.stdout
     losses = step_losses(run_dir)

@@ -16,21 +16,39 @@ import torch.distributed as dist
 from conftest import run_on_gloo_ranks
 
 WORLD, ROWS, STEPS = 2, 3, 3
-ARCH = {"vocab_size": 40, "width": 32, "heads": 2, "lower_layers": 1, "shared_layers": 1, "output_dim": 16,
-        "image_size": 16, "patch_size": 8, "text_positions": 16, "context_length": 8, "position_init_std": 0.02}
+ARCH = {
+    "vocab_size": 40,
+    "width": 32,
+    "heads": 2,
+    "lower_layers": 1,
+    "shared_layers": 1,
+    "output_dim": 16,
+    "image_size": 16,
+    "patch_size": 8,
+    "text_positions": 16,
+    "context_length": 8,
+    "position_init_std": 0.02,
+}
 
 
 def make_config(run_dir, stage, accum, micro_rows, group_size, tile):
     from mmpt.config_loader import validate_config
 
-    return validate_config({
-        "method": {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": ARCH, "tokenizer": "unused.json",
-                   "loss": {"group_size": group_size, "tile_size": tile}},
-        "data": {"train": {"sources": [{"shards": "unused.tar"}], "batch_size": micro_rows}},
-        "optim": {"lr": 1e-3, "weight_decay": 0.05, "warmup_steps": 0},
-        "train": {"max_steps": STEPS, "zero_stage": stage, "grad_accum": accum, "grad_clip": 1.0},
-        "run": {"output_dir": str(run_dir), "progress_bar": False, "tensorboard": False},
-    })
+    return validate_config(
+        {
+            "method": {
+                "name": "m2_encoder",
+                "model": "m2-encoder-demo",
+                "arch": ARCH,
+                "tokenizer": "unused.json",
+                "loss": {"group_size": group_size, "tile_size": tile},
+            },
+            "data": {"train": {"sources": [{"shards": "unused.tar"}], "batch_size": micro_rows}},
+            "optim": {"lr": 1e-3, "weight_decay": 0.05, "warmup_steps": 0},
+            "train": {"max_steps": STEPS, "zero_stage": stage, "grad_accum": accum, "grad_clip": 1.0},
+            "run": {"output_dir": str(run_dir), "progress_bar": False, "tensorboard": False},
+        }
+    )
 
 
 def step_batch(rank, step, rows):
@@ -38,9 +56,11 @@ def step_batch(rank, step, rows):
     gen = torch.Generator().manual_seed(1000 * step + rank)
     lengths = torch.randint(2, ARCH["context_length"] + 1, (rows,), generator=gen)
     mask = (torch.arange(ARCH["context_length"])[None, :] < lengths[:, None]).long()
-    return {"image": torch.randn(rows, 3, 16, 16, generator=gen),
-            "input_ids": torch.randint(1, ARCH["vocab_size"], (rows, ARCH["context_length"]), generator=gen) * mask,
-            "attention_mask": mask}
+    return {
+        "image": torch.randn(rows, 3, 16, 16, generator=gen),
+        "input_ids": torch.randint(1, ARCH["vocab_size"], (rows, ARCH["context_length"]), generator=gen) * mask,
+        "attention_mask": mask,
+    }
 
 
 def split(batch, parts):
@@ -116,5 +136,11 @@ def check_accumulated_step_equals_one_big_batch(rank, tmp, stage, accum, group_s
 def test_pooled_accumulation_through_the_engine_equals_one_big_batch(tmp_path, stage):
     cells = [(accum, group_size, tile) for accum in (2, 4) for group_size in (1, 2) for tile in (0,)]
     cells.append((4, 2, 5))  # tiled logits too
-    run_on_gloo_ranks(__name__, [("check_accumulated_step_equals_one_big_batch",
-                                  (str(tmp_path / f"k{a}g{g}t{t}"), stage, a, g, t)) for a, g, t in cells], WORLD)
+    run_on_gloo_ranks(
+        __name__,
+        [
+            ("check_accumulated_step_equals_one_big_batch", (str(tmp_path / f"k{a}g{g}t{t}"), stage, a, g, t))
+            for a, g, t in cells
+        ],
+        WORLD,
+    )

@@ -25,21 +25,32 @@ def content(tokenizer: GLMTokenizer, text: str) -> list[int]:
     length = int(out["attention_mask"][0].sum())
     ids = out["input_ids"][0].tolist()
     assert ids[0] == tokenizer.cls_id and ids[length - 1] == tokenizer.eos_id
-    return ids[1:length - 1]
+    return ids[1 : length - 1]
 
 
 def test_literal_special_tokens_stand_alone_and_eat_the_spaces_beside_them(small):
     tokenizer, sp = small
     piece = sp.piece_to_id
     assert content(tokenizer, "[MASK] is here <|endoftext|> [CLS]") == [
-        piece("[MASK]"), *sp.encode("is here"), piece("<|endoftext|>"), piece("[CLS]")]
+        piece("[MASK]"),
+        *sp.encode("is here"),
+        piece("<|endoftext|>"),
+        piece("[CLS]"),
+    ]
     # the text beside a special token is encoded on its own (its own dummy prefix), without the touching spaces
-    assert content(tokenizer, "a photo [MASK]  of a cat") == [*sp.encode("a photo"), piece("[MASK]"), *sp.encode("of a cat")]
+    assert content(tokenizer, "a photo [MASK]  of a cat") == [
+        *sp.encode("a photo"),
+        piece("[MASK]"),
+        *sp.encode("of a cat"),
+    ]
     assert content(tokenizer, "[CLS][CLS] x") == [piece("[CLS]"), piece("[CLS]"), *sp.encode("x")]
     # spaces not touching a special token become blank pieces as usual
     assert split_special("  leading  [UNK]trailing   ") == ["  leading", "[UNK]", "trailing   "]
     assert content(tokenizer, "  leading  [UNK]trailing   ") == [
-        *sp.encode("<|blank_2|>leading"), piece("[UNK]"), *sp.encode("trailing<|blank_3|>")]
+        *sp.encode("<|blank_2|>leading"),
+        piece("[UNK]"),
+        *sp.encode("trailing<|blank_3|>"),
+    ]
     # other special spellings are not split out: SentencePiece matches them as its own pieces
     assert split_special("x [SEP] y") == ["x [SEP] y"]
     assert piece("[SEP]") in content(tokenizer, "x [SEP] y")
@@ -60,7 +71,10 @@ def test_truncation_keeps_the_last_pieces_and_padding_is_end_of_text(small):
     assert len(full) > 50
     out = tokenizer([text, "a cat"])
     assert out["input_ids"].shape == (2, 52) and out["input_ids"][0].tolist() == [
-        tokenizer.cls_id, *full[-50:], tokenizer.eos_id]
+        tokenizer.cls_id,
+        *full[-50:],
+        tokenizer.eos_id,
+    ]
     short = [tokenizer.cls_id, *sp.encode("a cat"), tokenizer.eos_id]
     assert out["input_ids"][1].tolist() == short + [tokenizer.eos_id] * (52 - len(short))
     assert out["attention_mask"].sum(1).tolist() == [52, len(short)]
@@ -82,9 +96,13 @@ def test_the_official_caption_normalization_and_nfkc(small):
 def test_a_model_without_the_glm_pieces_is_refused(tmp_path):
     path = tmp_path / "plain.model"
     with open(path, "wb") as handle:
-        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(["a photo of a cat"] * 20), model_writer=handle,
-                                                 vocab_size=30, hard_vocab_limit=False,
-                                                 minloglevel=2)
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(["a photo of a cat"] * 20),
+            model_writer=handle,
+            vocab_size=30,
+            hard_vocab_limit=False,
+            minloglevel=2,
+        )
     with pytest.raises(ValueError, match=r"plain.model lacks the GLM special pieces \['\[CLS\]'"):
         GLMTokenizer(path)
 
@@ -106,13 +124,68 @@ OFFICIAL_IDS = [
     ("  leading  [UNK]trailing   ", [50002, 43358, 50018, 65458, 50004, 64203, 50017, 50000]),
     ("[CLS][CLS] x", [50002, 50002, 50002, 1898, 50000]),
     ("<|endoftext|>", [50002, 50000, 50000]),
-    ("tab\tand\nnewline [SEP] <|blank_3|> [gMASK]",
-     [50002, 53154, 1301, 73887, 43358, 50001, 43358, 50017, 43358, 50007, 50000]),
+    (
+        "tab\tand\nnewline [SEP] <|blank_3|> [gMASK]",
+        [50002, 53154, 1301, 73887, 43358, 50001, 43358, 50017, 43358, 50007, 50000],
+    ),
     ("x [MASK]", [50002, 1898, 50003, 50000]),
-    (" ".join(str(i) for i in range(200)),
-     [50002, 2582, 11, 3256, 11, 3040, 11, 1128, 11, 2273, 11, 2462, 11, 1108, 11, 2068, 21278, 2383, 43366, 2383,
-      43372, 2383, 43393, 2383, 43413, 32069, 2383, 43425, 2383, 43445, 2383, 43424, 2383, 43411, 148, 43364, 148,
-      43366, 148, 43372, 148, 43393, 148, 43413, 148, 43402, 148, 43425, 27799, 1892, 957, 50000]),
+    (
+        " ".join(str(i) for i in range(200)),
+        [
+            50002,
+            2582,
+            11,
+            3256,
+            11,
+            3040,
+            11,
+            1128,
+            11,
+            2273,
+            11,
+            2462,
+            11,
+            1108,
+            11,
+            2068,
+            21278,
+            2383,
+            43366,
+            2383,
+            43372,
+            2383,
+            43393,
+            2383,
+            43413,
+            32069,
+            2383,
+            43425,
+            2383,
+            43445,
+            2383,
+            43424,
+            2383,
+            43411,
+            148,
+            43364,
+            148,
+            43366,
+            148,
+            43372,
+            148,
+            43393,
+            148,
+            43413,
+            148,
+            43402,
+            148,
+            43425,
+            27799,
+            1892,
+            957,
+            50000,
+        ],
+    ),
 ]
 
 

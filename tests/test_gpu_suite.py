@@ -35,8 +35,22 @@ def dry_run(module_tmp):
     results = REPO / "benchmarks" / "results"
     before = sorted(p.name for p in results.iterdir())
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks/gpu/suite.py"), "--dry-run", "--output-dir", str(out),
-                           "--work", str(work)], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks/gpu/suite.py"),
+            "--dry-run",
+            "--output-dir",
+            str(out),
+            "--work",
+            str(work),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + log_tails(work)
     assert sorted(p.name for p in results.iterdir()) == before, "a dry run must not write benchmarks/results/"
     return json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text()
@@ -122,9 +136,14 @@ def test_batch_search_doubles_until_out_of_memory_and_halves_from_a_batch_that_d
 
 
 def test_a_failed_stage_is_reported_with_its_error():
-    record = {"environment": {"date": "d", "gpu": None, "cpu_count": 2, "versions": {}}, "dry_run": False,
-              "stages": {"nccl": {"status": "failed", "error": "RuntimeError: boom", "results": None},
-                         "victor": {"status": "skipped", "error": "suite budget spent (540 s)", "results": None}}}
+    record = {
+        "environment": {"date": "d", "gpu": None, "cpu_count": 2, "versions": {}},
+        "dry_run": False,
+        "stages": {
+            "nccl": {"status": "failed", "error": "RuntimeError: boom", "results": None},
+            "victor": {"status": "skipped", "error": "suite budget spent (540 s)", "results": None},
+        },
+    }
     text = report.markdown(record)
     assert "| nccl | failed |" in text and "**failed**: RuntimeError: boom" in text
     assert "**skipped**: suite budget spent" in text

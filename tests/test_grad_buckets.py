@@ -87,5 +87,8 @@ def check_non_finite_gradient_is_flagged(rank):
 
 def test_bucketed_all_reduce_averages_accumulated_gradients():
     cases = [(True, 25 * 2**20), (False, 25 * 2**20), (False, 100)]
-    run_on_gloo_ranks(__name__, [("check_bucketed_all_reduce", case) for case in cases]
-                      + [("check_non_finite_gradient_is_flagged", ())], 2)
+    run_on_gloo_ranks(
+        __name__,
+        [("check_bucketed_all_reduce", case) for case in cases] + [("check_non_finite_gradient_is_flagged", ())],
+        2,
+    )

@@ -97,13 +97,15 @@ def run_on_four_ranks(checks):
 
 
 def test_gba_itc_on_four_gloo_ranks():
-    run_on_four_ranks([
-        ("check_global_matches_clip_loss", ()),
-        ("check_groups_match_clip_loss_inside_each_group", ()),
-        ("check_accumulation_equals_one_big_batch", (4, 0)),
-        ("check_accumulation_equals_one_big_batch", (2, 0)),
-        ("check_accumulation_equals_one_big_batch", (2, 5)),
-    ])
+    run_on_four_ranks(
+        [
+            ("check_global_matches_clip_loss", ()),
+            ("check_groups_match_clip_loss_inside_each_group", ()),
+            ("check_accumulation_equals_one_big_batch", (4, 0)),
+            ("check_accumulation_equals_one_big_batch", (2, 0)),
+            ("check_accumulation_equals_one_big_batch", (2, 5)),
+        ]
+    )
 
 
 @pytest.mark.parametrize("tile", [1, 4, 7])

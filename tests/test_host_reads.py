@@ -2,7 +2,8 @@
 
 One shipped config per method (shrunk as in the config matrix) and the open_clip method train 5 steps
 on 2 ranks under the deepspeed launcher with `grad_accum: 2` at ZeRO 2, and the first of them at ZeRO 0
-too (where the non-finite skip is mmpt's own, not DeepSpeed's); steps 2-4 neither log nor checkpoint, and there every `.item()`, `.tolist()`, `.cpu()`,
+too (where the non-finite skip is mmpt's own, not DeepSpeed's); steps 2-4 neither log nor checkpoint, and there
+every `.item()`, `.tolist()`, `.cpu()`,
 `int()`/`float()`/`bool()` of a tensor ... whose caller is in mmpt/, data/ or losses/ is counted
 (tests/host_reads_runner.py). Loss terms are summed on the device and read at logging steps only.
 """
@@ -13,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_config_matrix import CONFIGS, corpora, shipped, shrink  # noqa: F401 (corpora is a fixture)
 
 from conftest import REPO, free_port, launcher_env, tiny_config, write_config
-from test_config_matrix import CONFIGS, corpora, shipped, shrink  # noqa: F401 (corpora is a fixture)
 
 pytestmark = pytest.mark.distributed
 
@@ -30,10 +31,13 @@ def one_config_per_method() -> list[Path]:
     return list(chosen.values())
 
 
-def test_training_steps_read_nothing_back_to_the_host(corpora, tmp_path, digits_root):
+def test_training_steps_read_nothing_back_to_the_host(corpora, tmp_path, digits_root):  # noqa: F811
     open_clip = tiny_config(digits_root, tmp_path / "unused")
-    open_clip["method"] = {"name": "open_clip", "model": str(REPO / "benchmarks/configs/bench-vit-tiny.json"),
-                           "zeroshot": {"dataset": None}}
+    open_clip["method"] = {
+        "name": "open_clip",
+        "model": str(REPO / "benchmarks/configs/bench-vit-tiny.json"),
+        "zeroshot": {"dataset": None},
+    }
     open_clip["data"]["train"]["batch_size"] = 4
     configs = [(config, shrink(config, corpora)) for config in one_config_per_method()]
     configs.append((write_config(tmp_path / "open_clip.yaml", open_clip), ["run.progress_bar=false"]))
@@ -41,18 +45,33 @@ def test_training_steps_read_nothing_back_to_the_host(corpora, tmp_path, digits_
     for index, (config, overrides) in enumerate(configs):
         for stage in (0, 2) if index == 0 else (2,):
             name = f"{config.stem if config.parent == tmp_path else config.relative_to(REPO / 'configs')}:zero{stage}"
-            cells.append({"name": name, "config": str(config),
-                          "overrides": [*overrides, *STEPS, f"train.zero_stage={stage}"],
-                          "run_dir": str(tmp_path / name.replace("/", "-").replace(":", "-"))})
+            cells.append(
+                {
+                    "name": name,
+                    "config": str(config),
+                    "overrides": [*overrides, *STEPS, f"train.zero_stage={stage}"],
+                    "run_dir": str(tmp_path / name.replace("/", "-").replace(":", "-")),
+                }
+            )
     cells_file, results = tmp_path / "cells.json", tmp_path / "results.jsonl"
     cells_file.write_text(json.dumps(cells))
     launcher = str(Path(sys.executable).with_name("deepspeed"))
-    command = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "tests/host_reads_runner.py"),
-               str(cells_file), str(results)]
+    command = [
+        launcher,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "tests/host_reads_runner.py"),
+        str(cells_file),
+        str(results),
+    ]
     result = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     lines = [json.loads(line) for line in results.read_text().splitlines()]
-    assert sorted((line["cell"], line["rank"]) for line in lines) == sorted((c["name"], r) for c in cells for r in (0, 1))
+    assert sorted((line["cell"], line["rank"]) for line in lines) == sorted(
+        (c["name"], r) for c in cells for r in (0, 1)
+    )
     for line in lines:
         assert line["counted_steps"] == [2, 3, 4], line
     reads = {f"{line['cell']} rank {line['rank']}": line["reads"] for line in lines if line["reads"]}

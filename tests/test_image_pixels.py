@@ -14,8 +14,8 @@ import open_clip
 import pytest
 import torch
 from PIL import Image
-from torchvision import transforms as T
 from torch.utils.data._utils.pin_memory import pin_memory as dataloader_pin
+from torchvision import transforms as T
 
 import mmpt.data.loader as loader_module
 from conftest import REPO
@@ -25,15 +25,19 @@ from mmpt.data.image_text import decode_image
 from mmpt.methods import get_method
 
 OPEN_CLIP_CONFIG = str(REPO / "benchmarks/configs/bench-vit-tiny.json")
-CLIP_MEAN, CLIP_STD = (0.41, 0.52, 0.63), (0.21, 0.27, 0.33)  # not the defaults: the config's values must reach the model
+CLIP_MEAN, CLIP_STD = (
+    (0.41, 0.52, 0.63),
+    (0.21, 0.27, 0.33),
+)  # not the defaults: the config's values must reach the model
 
 
 PLACEMENT = {"affine_scale": [0.6, 1.4], "affine_translate": 0.15}
 
 
 def placement():
-    return T.RandomAffine(degrees=0, translate=(0.15, 0.15), scale=(0.6, 1.4),
-                          interpolation=T.InterpolationMode.BILINEAR, fill=0)
+    return T.RandomAffine(
+        degrees=0, translate=(0.15, 0.15), scale=(0.6, 1.4), interpolation=T.InterpolationMode.BILINEAR, fill=0
+    )
 
 
 def old_clip_transform():
@@ -43,26 +47,49 @@ def old_clip_transform():
 
 
 def old_open_clip_transform():
-    return open_clip.image_transform(64, is_train=True, mean=open_clip.OPENAI_DATASET_MEAN,
-                                     std=open_clip.OPENAI_DATASET_STD)
+    return open_clip.image_transform(
+        64, is_train=True, mean=open_clip.OPENAI_DATASET_MEAN, std=open_clip.OPENAI_DATASET_STD
+    )
 
 
 def old_m2_transform():
-    return T.Compose([T.RandomResizedCrop(32, scale=(0.8, 1.0), interpolation=T.InterpolationMode.BICUBIC),
-                      T.RandomHorizontalFlip(), T.RandAugment(num_ops=2, magnitude=7), placement(),
-                      T.ToTensor(), T.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+    return T.Compose(
+        [
+            T.RandomResizedCrop(32, scale=(0.8, 1.0), interpolation=T.InterpolationMode.BICUBIC),
+            T.RandomHorizontalFlip(),
+            T.RandAugment(num_ops=2, magnitude=7),
+            placement(),
+            T.ToTensor(),
+            T.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+        ]
+    )
 
 
 # method section (the tokenizer added later), the module that first reads the images, the float pipeline before
 METHODS = {
-    "clip": ({"name": "clip", "embed_dim": 32, "image": {"timm_name": "resnet10t", "image_size": 32},
-              "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16},
-              "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD), "augment": PLACEMENT},
-             lambda model: model.visual, old_clip_transform),
-    "open_clip": ({"name": "open_clip", "model": OPEN_CLIP_CONFIG}, lambda model: model.clip.visual,
-                  old_open_clip_transform),
-    "m2_encoder": ({"name": "m2_encoder", "model": "m2-encoder-demo", "augment": PLACEMENT}, lambda model: model.backbone.vision_embed,
-                   old_m2_transform),
+    "clip": (
+        {
+            "name": "clip",
+            "embed_dim": 32,
+            "image": {"timm_name": "resnet10t", "image_size": 32},
+            "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16},
+            "image_mean": list(CLIP_MEAN),
+            "image_std": list(CLIP_STD),
+            "augment": PLACEMENT,
+        },
+        lambda model: model.visual,
+        old_clip_transform,
+    ),
+    "open_clip": (
+        {"name": "open_clip", "model": OPEN_CLIP_CONFIG},
+        lambda model: model.clip.visual,
+        old_open_clip_transform,
+    ),
+    "m2_encoder": (
+        {"name": "m2_encoder", "model": "m2-encoder-demo", "augment": PLACEMENT},
+        lambda model: model.backbone.vision_embed,
+        old_m2_transform,
+    ),
 }
 
 
@@ -86,14 +113,23 @@ def make_config(method, digits_root, shards, run_dir, workers):
     section, _, _ = METHODS[method]
     if method != "open_clip":
         section = {**section, "tokenizer": str(digits_root / "tokenizer.json")}
-    return validate_config({
-        "method": section,
-        "data": {"train": {"sources": [{"shards": shards}], "batch_size": 5, "num_workers": workers,
-                           "shuffle_buffer": 4, "mode": "epoch"}},
-        "optim": {"lr": 1e-3},
-        "train": {"max_steps": 1, "grad_clip": 1.0, "seed": 3},
-        "run": {"output_dir": str(run_dir), "progress_bar": False, "tensorboard": False},
-    })
+    return validate_config(
+        {
+            "method": section,
+            "data": {
+                "train": {
+                    "sources": [{"shards": shards}],
+                    "batch_size": 5,
+                    "num_workers": workers,
+                    "shuffle_buffer": 4,
+                    "mode": "epoch",
+                }
+            },
+            "optim": {"lr": 1e-3},
+            "train": {"max_steps": 1, "grad_clip": 1.0, "seed": 3},
+            "run": {"output_dir": str(run_dir), "progress_bar": False, "tensorboard": False},
+        }
+    )
 
 
 def training_stream(method, digits_root, shards, run_dir, workers):
@@ -161,7 +197,9 @@ def test_the_model_reads_what_the_float_pipeline_gave(tmp_path, digits_root, col
 
     # Batches built by hand with normalised floats (as the engine tests do) are read as they are.
     model.float()
-    seen = images_the_model_reads(model, tower, lambda: implementation.training_step(model, None, {**batch, "image": expected}))
+    seen = images_the_model_reads(
+        model, tower, lambda: implementation.training_step(model, None, {**batch, "image": expected})
+    )
     assert seen is expected
     # What a released model's users call stays open_clip's: float, normalised, the same augmentation for training.
     preprocessors = implementation.preprocessors(cfg, tmp_path / "run")
@@ -186,17 +224,23 @@ def mixed_batch(samples):
     """A batch with tensors among items that are not: labels and ids as a dialog batch has them, a tuple, a
     named tuple, a per-source sub-batch."""
     values = torch.tensor([s["value"] for s in samples])
-    return {"values": values, "label": [{"intent": "book", "slots": ["date"]} for _ in samples],
-            "id": [s["key"] for s in samples], "shape": (len(samples), 1), "pair": Pair(values * 2, "doubled"),
-            "source": {"tokens": values[:, None].repeat(1, 3), "note": None}}
+    return {
+        "values": values,
+        "label": [{"intent": "book", "slots": ["date"]} for _ in samples],
+        "id": [s["key"] for s in samples],
+        "shape": (len(samples), 1),
+        "pair": Pair(values * 2, "doubled"),
+        "source": {"tokens": values[:, None].repeat(1, 3), "note": None},
+    }
 
 
 def test_pinning_pins_the_batch_tensors_and_keeps_everything_else(tmp_path, monkeypatch):
     with ShardSetWriter(tmp_path / "mixed", max_samples=4) as writer:
         for i in range(4):
             writer.write({"__key__": f"k{i}", "txt": str(i)})
-    spec = StreamSpec([Source.from_pattern(str(tmp_path / "mixed-*.tar"))], batch_size=4, shuffle_buffer=0,
-                      mode="epoch", max_epochs=1)
+    spec = StreamSpec(
+        [Source.from_pattern(str(tmp_path / "mixed-*.tar"))], batch_size=4, shuffle_buffer=0, mode="epoch", max_epochs=1
+    )
     dataset = BatchStream(spec, lambda raw: {"value": int(raw["txt"]), "key": raw["__key__"]}, mixed_batch)
     delivery = next(iter(dataset))
     pinned_ids = set()
@@ -211,7 +255,9 @@ def test_pinning_pins_the_batch_tensors_and_keeps_everything_else(tmp_path, monk
     batch, before = pinned.batch, delivery.batch
     for tensor in (batch["values"], batch["pair"].tensor, batch["source"]["tokens"]):
         assert id(tensor) in pinned_ids
-    assert torch.equal(batch["values"], before["values"]) and torch.equal(batch["source"]["tokens"], before["source"]["tokens"])
+    assert torch.equal(batch["values"], before["values"]) and torch.equal(
+        batch["source"]["tokens"], before["source"]["tokens"]
+    )
     assert batch["label"] == before["label"] and batch["id"] == before["id"] == ["k0", "k1", "k2", "k3"]
     assert type(batch["shape"]) is tuple and batch["shape"] == (4, 1)
     assert type(batch["pair"]) is Pair and batch["pair"].name == "doubled"

@@ -55,7 +55,9 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
     return {module for module in found if module in known and module != name}
@@ -122,8 +124,12 @@ def test_no_import_cycle():
 
 
 def test_no_module_imports_a_layer_above_its_own():
-    upward = sorted(f"{source} imports {target}" for source, targets in graph().items() for target in targets
-                    if layer_of(target) > layer_of(source))
+    upward = sorted(
+        f"{source} imports {target}"
+        for source, targets in graph().items()
+        for target in targets
+        if layer_of(target) > layer_of(source)
+    )
     assert upward == []
 
 
@@ -134,13 +140,16 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     assert layer_of("mmpt.engine.b") > layer_of("mmpt.methods.a")
 
 
-@pytest.mark.parametrize("statement,expected", [
-    ("from mmpt import distributed as mdist", {"mmpt.distributed"}),
-    ("from mmpt.data.loader import StatefulLoader", {"mmpt.data.loader"}),
-    ("from . import trainer", {"mmpt.engine.trainer"}),
-    ("from .trainer import train", {"mmpt.engine.trainer"}),
-    ("import mmpt.release", {"mmpt.release"}),
-])
+@pytest.mark.parametrize(
+    "statement,expected",
+    [
+        ("from mmpt import distributed as mdist", {"mmpt.distributed"}),
+        ("from mmpt.data.loader import StatefulLoader", {"mmpt.data.loader"}),
+        ("from . import trainer", {"mmpt.engine.trainer"}),
+        ("from .trainer import train", {"mmpt.engine.trainer"}),
+        ("import mmpt.release", {"mmpt.release"}),
+    ],
+)
 def test_imports_are_read_as_modules(tmp_path, statement, expected):
     path = tmp_path / "x.py"
     path.write_text(f"def f():\n    {statement}\n")

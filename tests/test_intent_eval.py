@@ -6,13 +6,36 @@ import pytest
 import torch
 
 INTENTS = {
-    "card_lost": ["i lost my card", "my card is missing", "where is my card, i cannot find it", "card gone",
-                  "someone took my card", "i misplaced my bank card", "lost card help", "my card was stolen"],
-    "exchange_rate": ["what is the exchange rate", "how much is a dollar in euros", "currency rate today",
-                      "exchange rate for pounds", "what rate do you use to convert money", "euro to yen rate",
-                      "conversion rate please", "how many euros for 100 dollars"],
-    "top_up": ["how do i top up", "add money to my account", "top up with a card", "can i top up by transfer",
-               "put money on my balance", "top up failed", "top-up limit", "load funds into my wallet"],
+    "card_lost": [
+        "i lost my card",
+        "my card is missing",
+        "where is my card, i cannot find it",
+        "card gone",
+        "someone took my card",
+        "i misplaced my bank card",
+        "lost card help",
+        "my card was stolen",
+    ],
+    "exchange_rate": [
+        "what is the exchange rate",
+        "how much is a dollar in euros",
+        "currency rate today",
+        "exchange rate for pounds",
+        "what rate do you use to convert money",
+        "euro to yen rate",
+        "conversion rate please",
+        "how many euros for 100 dollars",
+    ],
+    "top_up": [
+        "how do i top up",
+        "add money to my account",
+        "top up with a card",
+        "can i top up by transfer",
+        "put money on my balance",
+        "top up failed",
+        "top-up limit",
+        "load funds into my wallet",
+    ],
 }
 
 
@@ -47,8 +70,9 @@ def test_dialoglue_folder_fixed_kshot_split_and_finetuning(dialoglue_folder):
     model.load_backbone(str(path))
     encoder = DialogEncoder(AutoTokenizer.from_pretrained(path), DialogInputSpec(), with_mlm=False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = intent_classification(model, encoder, dialoglue_folder, shots=[2], seeds=3,
-                                   finetune=FineTuning(epochs=4, head_lr=1e-2, batch_size=4))
+    result = intent_classification(
+        model, encoder, dialoglue_folder, shots=[2], seeds=3, finetune=FineTuning(epochs=4, head_lr=1e-2, batch_size=4)
+    )
     assert result["kshot_splits"] == {"2shot": "train_2.csv"} and len(result["runs"]["2shot"]) == 1
     assert "best validation epoch" in result["protocols"]["finetuned_accuracy"]
     metrics = result["metrics"]

@@ -56,7 +56,9 @@ def _worker(rank, world, port, queue):
         (gathered * torch.arange(1.0, 5.0)[:, None]).sum().backward()
         dist.barrier()
         # Plain lists: tensors would travel as shared-memory handles that die with this process.
-        queue.put((rank, [t.tolist() for t in mine], [t.tolist() for t in reference], gathered.tolist(), x.grad.tolist()))
+        queue.put(
+            (rank, [t.tolist() for t in mine], [t.tolist() for t in reference], gathered.tolist(), x.grad.tolist())
+        )
     finally:
         dist.destroy_process_group()
 

@@ -29,7 +29,9 @@ def test_state_dict_has_the_official_keys_and_shapes(preset, size):
     ours = {k: list(v.shape) for k, v in model.state_dict().items()}
     official = official_layout(size)
     assert list(ours) == list(official)  # same keys, same order
-    assert {k: v for k, v in official.items() if v} == {k: v for k, v in ours.items() if k not in ("logit_scale", "logit_vl_scale")}
+    assert {k: v for k, v in official.items() if v} == {
+        k: v for k, v in ours.items() if k not in ("logit_scale", "logit_vl_scale")
+    }
     assert ours["logit_scale"] == [1] and official["logit_scale"] == []
 
 
@@ -53,8 +55,11 @@ def test_official_0_4b_weights_load_strictly_and_embed(tmp_path, glm_sp_model):
 def test_checkpoint_formats_and_prefixes(tmp_path):
     model = tiny()
     state = model.state_dict()
-    official = {**{k: v.clone() for k, v in state.items()}, "logit_scale": torch.tensor(3.0),
-                "visual_tokenizer.encoder.weight": torch.zeros(2)}  # training-only key, dropped
+    official = {
+        **{k: v.clone() for k, v in state.items()},
+        "logit_scale": torch.tensor(3.0),
+        "visual_tokenizer.encoder.weight": torch.zeros(2),
+    }  # training-only key, dropped
     layouts = {
         "lightning": {"state_dict": official},
         "deepspeed": {"module": {f"_forward_module.{k}": v for k, v in official.items()}},
@@ -98,7 +103,12 @@ def test_vision_positions_fit_the_patch_grid():
     table = torch.arange(3 + 16, dtype=torch.float32)[:, None].repeat(1, 2)  # 4x4 grid
     fitted = fit_positions(table, num_patches=4)  # -> 2x2, area-averaged
     torch.testing.assert_close(fitted[:3], table[:3])
-    assert fitted[3:, 0].tolist() == [(3 + 4 + 7 + 8) / 4, (5 + 6 + 9 + 10) / 4, (11 + 12 + 15 + 16) / 4, (13 + 14 + 17 + 18) / 4]
+    assert fitted[3:, 0].tolist() == [
+        (3 + 4 + 7 + 8) / 4,
+        (5 + 6 + 9 + 10) / 4,
+        (11 + 12 + 15 + 16) / 4,
+        (13 + 14 + 17 + 18) / 4,
+    ]
     assert fit_positions(table, 16) is table and fit_positions(table, 36).shape == (3 + 36, 2)
 
 
@@ -131,10 +141,15 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 def m2_config(**method):
     from mmpt.config_loader import validate_config
 
-    return validate_config({
-        "method": {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": {"vocab_size": 300}, **method},
-        "run": {"output_dir": "unused"}, "data": {"train": {"sources": [{"shards": "x.tar"}], "batch_size": 2}},
-        "optim": {"lr": 1e-3}, "train": {"max_steps": 1, "grad_clip": 0.0}})
+    return validate_config(
+        {
+            "method": {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": {"vocab_size": 300}, **method},
+            "run": {"output_dir": "unused"},
+            "data": {"train": {"sources": [{"shards": "x.tar"}], "batch_size": 2}},
+            "optim": {"lr": 1e-3},
+            "train": {"max_steps": 1, "grad_clip": 0.0},
+        }
+    )
 
 
 def test_init_from_takes_an_official_folder_a_ckpt_or_a_finished_run_and_brings_its_tokenizer(tmp_path, glm_sp_model):

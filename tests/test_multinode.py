@@ -29,27 +29,62 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import (REPO, adam_state, free_port, launcher_env, read_metrics, run_on_gloo_ranks, tiny_config,
-                      write_config)
+from conftest import (
+    REPO,
+    adam_state,
+    free_port,
+    launcher_env,
+    read_metrics,
+    run_on_gloo_ranks,
+    tiny_config,
+    write_config,
+)
 
 pytestmark = pytest.mark.distributed
 
 WORKER = REPO / "tests/multinode_train.py"
 PER_RANK_BATCH, STEPS_PER_LAUNCH = 4, 2
-ARCH = {"vocab_size": None, "width": 32, "heads": 2, "lower_layers": 1, "shared_layers": 1, "output_dim": 16,
-        "image_size": 16, "patch_size": 8, "text_positions": 16, "context_length": 12, "position_init_std": 0.02}
+ARCH = {
+    "vocab_size": None,
+    "width": 32,
+    "heads": 2,
+    "lower_layers": 1,
+    "shared_layers": 1,
+    "output_dim": 16,
+    "image_size": 16,
+    "patch_size": 8,
+    "text_positions": 16,
+    "context_length": 12,
+    "position_init_std": 0.02,
+}
 # (launcher, nodes, ranks per node), in the order they continue one run
 LAUNCHES = [("torchrun", 2, 2), ("deepspeed", 1, 2), ("torchrun", 2, 1), ("deepspeed", 2, 1), ("deepspeed", 2, 2)]
 LAUNCH_TIMEOUT = 600  # seconds; a launch takes under a minute on an idle 2-core machine
-STALE_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK",
-                            "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT")
+STALE_LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "GROUP_RANK",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def m2_config(digits_root: Path, run_dir: Path) -> dict:
     cfg = tiny_config(digits_root, run_dir, train={"save_every": STEPS_PER_LAUNCH, "keep_last": 2, "log_every": 1})
-    cfg["method"] = {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": ARCH,
-                     "tokenizer": str(digits_root / "tokenizer.json"), "loss": {"group_size": "auto"},
-                     "augment": {"hflip": False, "randaugment": False}, "zeroshot": {"dataset": None}}
+    cfg["method"] = {
+        "name": "m2_encoder",
+        "model": "m2-encoder-demo",
+        "arch": ARCH,
+        "tokenizer": str(digits_root / "tokenizer.json"),
+        "loss": {"group_size": "auto"},
+        "augment": {"hflip": False, "randaugment": False},
+        "zeroshot": {"dataset": None},
+    }
     cfg["data"]["train"]["batch_size"] = PER_RANK_BATCH
     return cfg
 
@@ -58,9 +93,25 @@ def node_commands(launcher: str, nodes: int, per_node: int, folder: Path, script
     """One launcher command per node, all on this machine; rank 0's node listens on a free port."""
     port = str(free_port())
     if launcher == "torchrun":
-        return [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
-                 "--nproc_per_node", str(per_node), "--master_addr", "127.0.0.1", "--master_port", port,
-                 *script_args] for node in range(nodes)]
+        return [
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(nodes),
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                str(per_node),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                *script_args,
+            ]
+            for node in range(nodes)
+        ]
     deepspeed = str(Path(sys.executable).with_name("deepspeed"))
     if nodes == 1:  # the everyday single-machine command: no hostfile
         return [[deepspeed, "--num_gpus", str(per_node), "--master_port", port, *script_args]]
@@ -68,9 +119,26 @@ def node_commands(launcher: str, nodes: int, per_node: int, folder: Path, script
     # just keys here, as --no_ssh starts nothing remotely.
     hostfile = folder / "hostfile"
     hostfile.write_text("".join(f"node{n} slots={per_node}\n" for n in range(nodes)))
-    return [[deepspeed, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--num_nodes", str(nodes),
-             "--num_gpus", str(per_node), "--master_addr", "127.0.0.1", "--master_port", port, *script_args]
-            for node in range(nodes)]
+    return [
+        [
+            deepspeed,
+            "--hostfile",
+            str(hostfile),
+            "--no_ssh",
+            "--node_rank",
+            str(node),
+            "--num_nodes",
+            str(nodes),
+            "--num_gpus",
+            str(per_node),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            *script_args,
+        ]
+        for node in range(nodes)
+    ]
 
 
 def run_nodes(commands: list[list[str]], env: dict, logs: Path, timeout: float = LAUNCH_TIMEOUT) -> list[str]:
@@ -81,8 +149,11 @@ def run_nodes(commands: list[list[str]], env: dict, logs: Path, timeout: float =
     processes = []
     for command, path in zip(commands, paths):
         with path.open("w") as out:
-            processes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+            processes.append(
+                subprocess.Popen(
+                    command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
     deadline = time.monotonic() + timeout
     timed_out = False
     try:
@@ -100,8 +171,9 @@ def run_nodes(commands: list[list[str]], env: dict, logs: Path, timeout: float =
     outputs = [path.read_text(errors="replace") for path in paths]
     codes = [p.returncode for p in processes]
     if timed_out or any(codes):
-        tails = "\n".join(f"--- node {n} (exit {code}) ---\n{out[-3000:]}" for n, (code, out) in
-                          enumerate(zip(codes, outputs)))
+        tails = "\n".join(
+            f"--- node {n} (exit {code}) ---\n{out[-3000:]}" for n, (code, out) in enumerate(zip(codes, outputs))
+        )
         reason = f"timed out after {timeout} s" if timed_out else "a node failed"
         pytest.fail(f"{reason}: {commands}\n{tails}")
     return outputs
@@ -151,8 +223,9 @@ def launches(module_tmp, digits_root):
         here = folder / f"launch{index}"
         args = [str(WORKER), "--config", str(config), f"train.max_steps={step}"]
         here.mkdir()
-        outputs = run_nodes(node_commands(launcher, nodes, per_node, here, args), node_env(here / "records"),
-                            here / "logs")
+        outputs = run_nodes(
+            node_commands(launcher, nodes, per_node, here, args), node_env(here / "records"), here / "logs"
+        )
         records = [torch.load(here / f"records/rank{r}.pt", weights_only=True) for r in range(nodes * per_node)]
         records[0]["final_weights"] = load_file(str(run_dir / "model.safetensors"))  # the next launch replaces it
         done.append((launcher, nodes, per_node, records, "\n".join(outputs)))
@@ -164,15 +237,21 @@ def test_each_node_launcher_gives_its_ranks_the_node_layout(launches):
     for launcher, nodes, per_node, records, _ in launches[0]:
         for rank, record in enumerate(records):
             env, node = record["env"], rank // per_node
-            assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (str(rank), str(nodes * per_node),
-                                                                           str(rank % per_node)), (launcher, env)
+            assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (
+                str(rank),
+                str(nodes * per_node),
+                str(rank % per_node),
+            ), (launcher, env)
             if launcher == "torchrun":
                 assert (env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == (str(per_node), str(node)), env
             else:
-                assert (env["LOCAL_SIZE"], env["CROSS_RANK"], env["CROSS_SIZE"]) == (str(per_node), str(node),
-                                                                                     str(nodes)), env
+                assert (env["LOCAL_SIZE"], env["CROSS_RANK"], env["CROSS_SIZE"]) == (
+                    str(per_node),
+                    str(node),
+                    str(nodes),
+                ), env
         identities = [r["node"] for r in records]  # what the node-layout check sees: one per node
-        by_node = [set(identities[n * per_node:(n + 1) * per_node]) for n in range(nodes)]
+        by_node = [set(identities[n * per_node : (n + 1) * per_node]) for n in range(nodes)]
         assert all(len(one) == 1 for one in by_node) and len(set(identities)) == nodes, (launcher, identities)
 
 
@@ -181,7 +260,7 @@ def per_node_losses(records: list[dict], per_node: int) -> list[float]:
     the node's rows in rank order, a full logit matrix, cross-entropy both ways, averaged."""
     losses = []
     for first in range(0, len(records), per_node):
-        members = records[first:first + per_node]
+        members = records[first : first + per_node]
         images = torch.cat([r["image"] for r in members]).double()
         texts = torch.cat([r["text"] for r in members]).double()
         logits = members[0]["scale"].double() * images @ texts.T
@@ -194,8 +273,9 @@ def per_node_losses(records: list[dict], per_node: int) -> list[float]:
 def test_auto_groups_are_the_nodes_and_the_loss_is_per_node(launches):
     for launcher, nodes, per_node, records, _ in launches[0]:
         world = nodes * per_node
-        assert [r["group"] for r in records] == [list(range(r - r % per_node, r - r % per_node + per_node))
-                                                 for r in range(world)], (launcher, nodes, per_node)
+        assert [r["group"] for r in records] == [
+            list(range(r - r % per_node, r - r % per_node + per_node)) for r in range(world)
+        ], (launcher, nodes, per_node)
         assert len({float(r["scale"]) for r in records}) == 1  # one logit scale, as the reference assumes
         expected = per_node_losses(records, per_node)
         got = [r["loss"] for r in records]
@@ -219,8 +299,10 @@ def test_the_run_resumes_across_node_counts_and_ends_at_max_steps(launches):
             seen += PER_RANK_BATCH * nodes * per_node
             expected_seen.append(seen)
     assert [r["data/seen"] for r in records] == expected_seen
-    assert all(len(r["step_time_per_rank"]) == n * k for r, (_, n, k, _, _) in
-               zip(records, [launch for launch in done for _ in range(STEPS_PER_LAUNCH)]))
+    assert all(
+        len(r["step_time_per_rank"]) == n * k
+        for r, (_, n, k, _, _) in zip(records, [launch for launch in done for _ in range(STEPS_PER_LAUNCH)])
+    )
     for index, (launcher, nodes, per_node, _, output) in enumerate(done[1:], start=1):
         previous = done[index - 1]
         resumed = f"at step {STEPS_PER_LAUNCH * index}"
@@ -243,6 +325,7 @@ def test_the_run_resumes_across_node_counts_and_ends_at_max_steps(launches):
 
 
 # The node-layout check, on spawned gloo ranks that pretend to run on the nodes their variables say.
+
 
 def check_groups_for_a_pretended_layout(rank, node_ranks, per_node, explicit_size):
     from mmpt import distributed as mdist
@@ -274,21 +357,28 @@ def check_per_node_groups_on_one_rank_nodes(rank):
 def test_per_node_groups_that_would_span_nodes_are_refused():
     """Two ranks on two nodes that claim 2 ranks per node: `auto` would gather across nodes, so it stops;
     an explicit group size spanning the nodes and true one-rank nodes pass."""
-    run_on_gloo_ranks(__name__, [
-        ("check_groups_for_a_pretended_layout", ([0, 1], 2, None)),
-        ("check_groups_for_a_pretended_layout", ([0, 1], 2, 2)),
-        ("check_per_node_groups_on_one_rank_nodes", ()),
-    ], world=2)
+    run_on_gloo_ranks(
+        __name__,
+        [
+            ("check_groups_for_a_pretended_layout", ([0, 1], 2, None)),
+            ("check_groups_for_a_pretended_layout", ([0, 1], 2, 2)),
+            ("check_per_node_groups_on_one_rank_nodes", ()),
+        ],
+        world=2,
+    )
 
 
-@pytest.mark.parametrize("nodes, per_node, layout, error", [
-    (["a", "a", "b", "b"], [2] * 4, "a: ranks 0-1; b: ranks 2-3", None),
-    (["a"] * 4, [4] * 4, "a: ranks 0-3", None),
-    (["a", "b", "a", "b"], [2] * 4, "a: ranks 0,2; b: ranks 1,3", "ranks numbered node after node"),  # round-robin
-    (["a", "a", "b", "b"], [1] * 4, "a: ranks 0-1; b: ranks 2-3", "ranks numbered node after node"),  # too small
-    (["a", "a", "b", "b"], [4] * 4, "a: ranks 0-1; b: ranks 2-3", "ranks numbered node after node"),  # world size
-    (["a", "a", "a", "b"], [3, 3, 3, 1], "a: ranks 0-2; b: ranks 3", "ranks report [1, 3] ranks on their node"),
-])
+@pytest.mark.parametrize(
+    "nodes, per_node, layout, error",
+    [
+        (["a", "a", "b", "b"], [2] * 4, "a: ranks 0-1; b: ranks 2-3", None),
+        (["a"] * 4, [4] * 4, "a: ranks 0-3", None),
+        (["a", "b", "a", "b"], [2] * 4, "a: ranks 0,2; b: ranks 1,3", "ranks numbered node after node"),  # round-robin
+        (["a", "a", "b", "b"], [1] * 4, "a: ranks 0-1; b: ranks 2-3", "ranks numbered node after node"),  # too small
+        (["a", "a", "b", "b"], [4] * 4, "a: ranks 0-1; b: ranks 2-3", "ranks numbered node after node"),  # world size
+        (["a", "a", "a", "b"], [3, 3, 3, 1], "a: ranks 0-2; b: ranks 3", "ranks report [1, 3] ranks on their node"),
+    ],
+)
 def test_node_major_check(nodes, per_node, layout, error):
     """The layout is named either way; an error when a node's ranks are not one block of the common size."""
     from mmpt.distributed import NodeLayoutError, check_node_major

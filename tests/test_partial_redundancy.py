@@ -6,12 +6,12 @@ import json
 import logging
 
 import pytest
+from test_multinode import node_commands, node_env, run_nodes
 
 from conftest import read_metrics, tiny_config, write_config
 from mmpt.config import ConfigError
-from mmpt.engine.deepspeed_config import deepspeed_config
 from mmpt.config_loader import load_config
-from test_multinode import node_commands, node_env, run_nodes
+from mmpt.engine.deepspeed_config import deepspeed_config
 
 WORKER = "tests/hpz_train.py"
 
@@ -53,7 +53,10 @@ def test_hpz_gathers_backward_inside_the_node_and_trains_as_zero3(module_tmp, di
         env = node_env(here / "records")
         run_nodes(node_commands("torchrun", 2, 2, here, [WORKER, "--config", str(config)]), env, here / "logs")
         gathers = [json.loads((here / f"records/rank{rank}.json").read_text()) for rank in range(4)]
-        runs[name] = ([record["loss/total"] for record in read_metrics(here / "run") if "loss/total" in record], gathers)
+        runs[name] = (
+            [record["loss/total"] for record in read_metrics(here / "run") if "loss/total" in record],
+            gathers,
+        )
     (zero3_losses, zero3_gathers), (hpz_losses, hpz_gathers) = runs["zero3"], runs["hpz"]
     assert len(hpz_losses) == 2 and hpz_losses == pytest.approx(zero3_losses, abs=1e-6)
     for plain, hierarchical in zip(zero3_gathers, hpz_gathers):

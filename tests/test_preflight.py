@@ -6,24 +6,35 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, launcher_env, tiny_config, write_config
 
+from conftest import REPO, launcher_env, tiny_config, write_config
 from mmpt.engine.stops import EXIT_CONFIG
 
 
 def train(config, *overrides):
-    return subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config), *overrides],
-                          cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(REPO / "launch/train.py"), "--config", str(config), *overrides],
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("override, key", [
-    ("method.tokenizer={missing}/tokenizer.json", "method.tokenizer"),
-    ("data.train.sources.1.shards={missing}/zh-{{000000..000003}}.tar", "data.train.sources.1.shards"),
-    ("method.zeroshot.dataset={missing}/imagenet", "method.zeroshot.dataset"),
-    ("method.zeroshot={{dataset: digits, extra_datasets: [digits_unseen, {missing}/cn]}}",
-     "method.zeroshot.extra_datasets.1"),
-    ("run.resume={missing}/checkpoints/step_000000100", "run.resume"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("method.tokenizer={missing}/tokenizer.json", "method.tokenizer"),
+        ("data.train.sources.1.shards={missing}/zh-{{000000..000003}}.tar", "data.train.sources.1.shards"),
+        ("method.zeroshot.dataset={missing}/imagenet", "method.zeroshot.dataset"),
+        (
+            "method.zeroshot={{dataset: digits, extra_datasets: [digits_unseen, {missing}/cn]}}",
+            "method.zeroshot.extra_datasets.1",
+        ),
+        ("run.resume={missing}/checkpoints/step_000000100", "run.resume"),
+    ],
+)
 def test_a_missing_input_stops_before_the_process_group(tmp_path, digits_root, override, key):
     config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))
     missing = tmp_path / "not_here"
@@ -39,28 +50,52 @@ def test_a_missing_input_stops_before_the_process_group(tmp_path, digits_root, o
 
 def test_m2_init_from_a_missing_download_is_named_before_its_tokenizer(tmp_path, digits_root):
     cfg = tiny_config(digits_root, tmp_path / "run")
-    cfg["method"] = {"name": "m2_encoder", "model": "m2-encoder-demo", "init_from": str(tmp_path / "official"),
-                     "tokenizer": None, "zeroshot": {"dataset": None}}
+    cfg["method"] = {
+        "name": "m2_encoder",
+        "model": "m2-encoder-demo",
+        "init_from": str(tmp_path / "official"),
+        "tokenizer": None,
+        "zeroshot": {"dataset": None},
+    }
     result = train(write_config(tmp_path / "cfg.yaml", cfg))
     assert result.returncode == EXIT_CONFIG
     assert f"mmpt: config error: config key 'method.init_from': {tmp_path / 'official'} does not exist" in result.stderr
 
 
-@pytest.mark.parametrize("command", [
-    ["launch/zeroshot.py", "--model", "{run}", "--dataset", "{missing}"],
-    ["launch/zeroshot.py", "--model", "{missing}", "--dataset", "digits"],
-    ["launch/export.py", "--run", "{missing}", "--out", "{out}"],
-    ["launch/embed.py", "--model", "{missing}", "--shards", "{missing}/x.tar", "--modality", "image", "--out", "{out}"],
-    ["launch/intent_eval.py", "--model", "{missing}", "--dataset", "{missing}"],
-    ["launch/intent_eval.py", "--encoder", "{missing}", "--dataset", "dialogs"],
-    ["launch/make_video_shards.py", "--videos", "{run}", "--captions", "{missing}.json", "--out", "{out}"],
-    ["launch/make_dialog_shards.py", "--labelled", "{missing}.json", "--out", "{out}"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["launch/zeroshot.py", "--model", "{run}", "--dataset", "{missing}"],
+        ["launch/zeroshot.py", "--model", "{missing}", "--dataset", "digits"],
+        ["launch/export.py", "--run", "{missing}", "--out", "{out}"],
+        [
+            "launch/embed.py",
+            "--model",
+            "{missing}",
+            "--shards",
+            "{missing}/x.tar",
+            "--modality",
+            "image",
+            "--out",
+            "{out}",
+        ],
+        ["launch/intent_eval.py", "--model", "{missing}", "--dataset", "{missing}"],
+        ["launch/intent_eval.py", "--encoder", "{missing}", "--dataset", "dialogs"],
+        ["launch/make_video_shards.py", "--videos", "{run}", "--captions", "{missing}.json", "--out", "{out}"],
+        ["launch/make_dialog_shards.py", "--labelled", "{missing}.json", "--out", "{out}"],
+    ],
+)
 def test_the_command_line_tools_name_a_missing_path_in_one_line(tmp_path, command):
     values = {"run": tmp_path, "missing": tmp_path / "nowhere", "out": tmp_path / "out"}
     args = [part.format(**values) for part in command]
-    result = subprocess.run([sys.executable, str(REPO / args[0]), *args[1:]], cwd=REPO, env=launcher_env(),
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(REPO / args[0]), *args[1:]],
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == EXIT_CONFIG, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("mmpt: ")]
@@ -70,16 +105,26 @@ def test_the_command_line_tools_name_a_missing_path_in_one_line(tmp_path, comman
 def test_a_run_says_what_it_will_do_and_a_finished_run_says_it_is_done(tmp_path, digits_root):
     cfg = tiny_config(digits_root, tmp_path / "run", train={"max_steps": 2, "save_every": 0})
     cfg["data"]["train"]["sources"][1].update(name="zh", caption_key="txt")
-    cfg["data"]["eval"] = [{"dataset": str(digits_root / "zeroshot"), "task": "zeroshot_classification",
-                            "languages": ["en", "zh"]}]
+    cfg["data"]["eval"] = [
+        {"dataset": str(digits_root / "zeroshot"), "task": "zeroshot_classification", "languages": ["en", "zh"]}
+    ]
     cfg["train"]["eval_every"] = 2
     config = write_config(tmp_path / "cfg.yaml", cfg)
     first = train(config)
     assert first.returncode == 0, first.stderr[-3000:]
-    summary = first.stderr[first.stderr.index("run summary"):].splitlines()[1:11]
+    summary = first.stderr[first.stderr.index("run summary") :].splitlines()[1:11]
     assert [line.strip().split(":")[0].split(" ")[0] for line in summary] == [
-        "ranks", "ZeRO", "batch", "parameters", "initial", "source", "source", "checkpoints", "evaluation",
-        "output"], summary
+        "ranks",
+        "ZeRO",
+        "batch",
+        "parameters",
+        "initial",
+        "source",
+        "source",
+        "checkpoints",
+        "evaluation",
+        "output",
+    ], summary
     assert summary[8].strip() == "evaluation every 2 steps and at the end: zeroshot (zeroshot_classification, en/zh)"
     assert "16 per rank x 1 micro-batch(es) x 1 data-parallel rank(s) = 16 samples per step, 2 steps" in summary[2]
     assert summary[6].strip().startswith("source 'zh': 8 shard(s), ") and summary[6].endswith("caption_key=txt")
@@ -95,10 +140,19 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(tmp_path, 
     (tmp_path / "official").mkdir()
     torch.save({"state_dict": {"backbone.other.weight": torch.zeros(2)}}, tmp_path / "official/m2.ckpt")
     cfg = tiny_config(digits_root, tmp_path / "run")
-    cfg["method"] = {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": {"vocab_size": None},
-                     "tokenizer": str(digits_root / "tokenizer.json"), "init_from": str(tmp_path / "official"),
-                     "loss": {"name": "gba_itc", "group_size": 1}, "zeroshot": {"dataset": None}}
+    cfg["method"] = {
+        "name": "m2_encoder",
+        "model": "m2-encoder-demo",
+        "arch": {"vocab_size": None},
+        "tokenizer": str(digits_root / "tokenizer.json"),
+        "init_from": str(tmp_path / "official"),
+        "loss": {"name": "gba_itc", "group_size": 1},
+        "zeroshot": {"dataset": None},
+    }
     result = train(write_config(tmp_path / "cfg.yaml", cfg))
     assert result.returncode == EXIT_CONFIG and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert re.search(r"mmpt: config error: .*m2.ckpt does not fit this M2-Encoder config: missing \(\d+\): .*; "
-                     r"unexpected \(1\): backbone.other.weight", result.stderr), result.stderr[-2000:]
+    assert re.search(
+        r"mmpt: config error: .*m2.ckpt does not fit this M2-Encoder config: missing \(\d+\): .*; "
+        r"unexpected \(1\): backbone.other.weight",
+        result.stderr,
+    ), result.stderr[-2000:]

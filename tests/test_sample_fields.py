@@ -23,8 +23,10 @@ def caption_index(sample: dict) -> dict:
     """Decoder under test: the image must decode; the caption is returned as its index in `CAPTIONS`
     (English 0-9, Chinese 10-19)."""
     decode_image(sample["jpg"])
-    return {"caption": torch.tensor(CAPTIONS.index(decode_text(sample["txt"]))),
-            "key": torch.tensor(int(sample["__key__"]))}
+    return {
+        "caption": torch.tensor(CAPTIONS.index(decode_text(sample["txt"]))),
+        "key": torch.tensor(int(sample["__key__"])),
+    }
 
 
 def loader_of(sources: list[Source], workers: int = 0, batch_size: int = 6, policy=None, **spec) -> StatefulLoader:
@@ -33,8 +35,13 @@ def loader_of(sources: list[Source], workers: int = 0, batch_size: int = 6, poli
 
 
 def test_field_keys_read_members_and_json_fields():
-    sample = {"__key__": "k", "jpg": b"J", "png": b"P", "txt": b"english",
-              "json": json.dumps({"caption_zh": "中文", "meta": {"title": ["t1", " ", "t2"]}}).encode()}
+    sample = {
+        "__key__": "k",
+        "jpg": b"J",
+        "png": b"P",
+        "txt": b"english",
+        "json": json.dumps({"caption_zh": "中文", "meta": {"title": ["t1", " ", "t2"]}}).encode(),
+    }
     assert SampleFields.of(caption="json.caption_zh").apply(sample)["txt"] == "中文"
     out = SampleFields.of(caption="txt", image="png").apply(sample)
     assert out["txt"] == "english" and out["jpg"] == b"P" and "png" not in out and "json" not in out
@@ -52,10 +59,15 @@ def test_field_keys_read_members_and_json_fields():
         SampleFields.of(caption="json.n").apply({**sample, "json": b'{"n": 3}'})
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(caption="json."), "is not a field key"), (dict(image="json.url"), "are tar members"),
-    (dict(caption=[]), "empty list"), (dict(text_encoding="klingon"), "not a text encoding"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(caption="json."), "is not a field key"),
+        (dict(image="json.url"), "are tar members"),
+        (dict(caption=[]), "empty list"),
+        (dict(text_encoding="klingon"), "not a text encoding"),
+    ],
+)
 def test_bad_field_keys_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         SampleFields.of(**bad)
@@ -63,8 +75,11 @@ def test_bad_field_keys_are_refused(bad, message):
 
 def test_text_not_in_the_sources_encoding_is_its_own_skip_reason():
     gbk = {"__key__": "k", "__shard__": "s.tar", "txt": "数字的照片".encode("gbk")}
-    with pytest.raises(TextEncodingError, match=r"not valid utf-8 .*captions must be UTF-8 \(or set the source's "
-                                                r"text_encoding"):
+    with pytest.raises(
+        TextEncodingError,
+        match=r"not valid utf-8 .*captions must be UTF-8 \(or set the source's "
+        r"text_encoding",
+    ):
         decode_text(gbk["txt"])
     assert SampleFields.of(text_encoding="gbk").apply(gbk)["txt"] == "数字的照片"
     with pytest.raises(TextEncodingError, match=r"field 'txt' of sample 'k' of s.tar is not valid gbk"):
@@ -73,9 +88,17 @@ def test_text_not_in_the_sources_encoding_is_its_own_skip_reason():
 
 def test_two_sources_read_different_json_fields(tmp_path):
     pattern = write_set(tmp_path / "web", shards=4, per_shard=10)
-    spec = StreamSpec([Source.from_pattern(pattern, name="en", fields=SampleFields.of(caption="json.caption")),
-                       Source.from_pattern(pattern, name="zh", fields=SampleFields.of(caption="json.caption_zh"))],
-                      batch_size=6, per_source=True, shuffle_buffer=0, mode="epoch", max_epochs=1)
+    spec = StreamSpec(
+        [
+            Source.from_pattern(pattern, name="en", fields=SampleFields.of(caption="json.caption")),
+            Source.from_pattern(pattern, name="zh", fields=SampleFields.of(caption="json.caption_zh")),
+        ],
+        batch_size=6,
+        per_source=True,
+        shuffle_buffer=0,
+        mode="epoch",
+        max_epochs=1,
+    )
     batches = list(StatefulLoader(BatchStream(spec, caption_index)))
     for batch in batches:
         assert (batch["en"]["caption"] == batch["en"]["key"] % 10).all()  # English captions, matching the image
@@ -111,11 +134,14 @@ def test_a_gbk_source_is_counted_and_stops_in_one_line_or_reads_with_its_encodin
         next(iter(loader_of([Source.from_pattern(pattern, name="legacy")], workers=workers)))
     message = str(error.value)
     assert time.monotonic() - started < 30 and "\n" not in message
-    assert message.startswith("source 'legacy': none of 20 samples read could be used (text_encoding 20; "
-                              "commonest: text_encoding); last failure: sample '0"), message
+    assert message.startswith(
+        "source 'legacy': none of 20 samples read could be used (text_encoding 20; "
+        "commonest: text_encoding); last failure: sample '0"
+    ), message
     assert "captions must be UTF-8 (or set the source's text_encoding" in message
-    fixed = loader_of([Source.from_pattern(pattern, name="legacy", fields=SampleFields.of(text_encoding="gbk"))],
-                      workers=workers)
+    fixed = loader_of(
+        [Source.from_pattern(pattern, name="legacy", fields=SampleFields.of(text_encoding="gbk"))], workers=workers
+    )
     batch = next(iter(fixed))
     assert (batch["caption"] == 10 + batch["key"] % 10).all()
 
@@ -126,13 +152,17 @@ def test_a_source_of_undecodable_images_stops_where_samples_are_read(tmp_path, w
     """Every image of the `broken` source is garbage: no batch is ever completed from it, so the limit must
     be enforced per sample read, in the workers, not per batch delivered; a healthy second source does not
     hide it, and a limit of 1.0 does not either."""
-    broken = Source.from_pattern(write_set(tmp_path / "broken", shards=4, per_shard=25, image=b"\xff\xd8 not a jpeg"),
-                                 name="broken")
+    broken = Source.from_pattern(
+        write_set(tmp_path / "broken", shards=4, per_shard=25, image=b"\xff\xd8 not a jpeg"), name="broken"
+    )
     healthy = Source.from_pattern(write_set(tmp_path / "ok", shards=4, per_shard=25), name="ok")
     mix = [broken, healthy][:sources]
     started = time.monotonic()
-    with pytest.raises(DataError, match=r"^source 'broken': none of (\d+) samples read could be used \(undecodable \1; "
-                                        r"commonest: undecodable\); last failure: sample '\d+' of .*\.tar: "):
+    with pytest.raises(
+        DataError,
+        match=r"^source 'broken': none of (\d+) samples read could be used \(undecodable \1; "
+        r"commonest: undecodable\); last failure: sample '\d+' of .*\.tar: ",
+    ):
         for _ in islice(loader_of(mix, workers=workers, policy=SkipPolicy(max_rate=1.0, min_samples=20)), 50):
             pass
     assert time.monotonic() - started < 30
@@ -141,8 +171,10 @@ def test_a_source_of_undecodable_images_stops_where_samples_are_read(tmp_path, w
 def test_the_skip_rate_is_checked_per_source():
     policy = SkipPolicy(max_rate=0.1, min_samples=10)
     row = dict(seen=20, decoded=17, missing_field=1, text_encoding=0, undecodable=2)
-    assert policy.violation(row) == ("3 of 20 samples could not be used (missing_field 1, undecodable 2; commonest: "
-                                     "undecodable), more than max_skip_rate=0.1")
+    assert policy.violation(row) == (
+        "3 of 20 samples could not be used (missing_field 1, undecodable 2; commonest: "
+        "undecodable), more than max_skip_rate=0.1"
+    )
     assert policy.violation({**row, "seen": 9, "decoded": 6}) is None  # too few read to judge
     assert policy.violation({**row, "decoded": 18, "undecodable": 1}) is None  # 2 of 20 is not more than 10%
 
@@ -153,14 +185,22 @@ def test_field_keys_a_method_does_not_read_are_config_errors(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("extends: " + json.dumps(str(__import__("conftest").REPO / "configs/space2/demo.yaml")) + "\n")
     for override, message in [
-        ("data.train.sources.0.caption_key=json.caption",
-         "config key 'data.train.sources.0.caption_key': method 'space2' reads no field keys"),
-        ("data.train.sources.0.text_encoding=klingon",
-         "'data.train.sources.0.text_encoding' = 'klingon': 'klingon' is not a text encoding"),
-        ("data.eval=[{dataset: dialogs, task: intent, caption_key: txt}]",
-         "config key 'data.eval.0.caption_key': method 'space2' reads no field keys of evaluation sets"),
-        ("data.eval=[{dataset: dialogs, task: zeroshot_retrieval}]",
-         "config key 'data.eval.0.task' = 'zeroshot_retrieval': method 'space2' offers intent"),
+        (
+            "data.train.sources.0.caption_key=json.caption",
+            "config key 'data.train.sources.0.caption_key': method 'space2' reads no field keys",
+        ),
+        (
+            "data.train.sources.0.text_encoding=klingon",
+            "'data.train.sources.0.text_encoding' = 'klingon': 'klingon' is not a text encoding",
+        ),
+        (
+            "data.eval=[{dataset: dialogs, task: intent, caption_key: txt}]",
+            "config key 'data.eval.0.caption_key': method 'space2' reads no field keys of evaluation sets",
+        ),
+        (
+            "data.eval=[{dataset: dialogs, task: zeroshot_retrieval}]",
+            "config key 'data.eval.0.task' = 'zeroshot_retrieval': method 'space2' offers intent",
+        ),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(config, [override])
@@ -168,12 +208,12 @@ def test_field_keys_a_method_does_not_read_are_config_errors(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("broken, workers, sources", [("gbk", 2, 1), ("garbage", 0, 2)])
-def test_an_unusable_source_stops_a_two_rank_run_with_exit_3_in_seconds(tmp_path, digits_root, broken, workers,
-                                                                          sources):
+def test_an_unusable_source_stops_a_two_rank_run_with_exit_3_in_seconds(
+    tmp_path, digits_root, broken, workers, sources
+):
     import subprocess
 
     from conftest import REPO, deepspeed_command, launcher_env, tiny_config, write_config
-
     from mmpt.engine.stops import EXIT_DATA
 
     options = {"text_encoding": "gbk"} if broken == "gbk" else {"image": b"<html>403 Forbidden</html>"}
@@ -182,8 +222,14 @@ def test_an_unusable_source_stops_a_two_rank_run_with_exit_3_in_seconds(tmp_path
     cfg = tiny_config(digits_root, tmp_path / "run")
     cfg["data"]["train"].update(sources=[bad, good][:sources], num_workers=workers)
     started = time.monotonic()
-    result = subprocess.run(deepspeed_command(write_config(tmp_path / "cfg.yaml", cfg)), cwd=REPO,
-                            env=launcher_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        deepspeed_command(write_config(tmp_path / "cfg.yaml", cfg)),
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == EXIT_DATA and "Traceback" not in output, output[-3000:]
     assert time.monotonic() - started < 60
@@ -193,10 +239,13 @@ def test_an_unusable_source_stops_a_two_rank_run_with_exit_3_in_seconds(tmp_path
     # line names the source and the commonest reason.
     reason = "text_encoding" if broken == "gbk" else "undecodable"
     by_reader = rf"source '{broken}': none of 200 samples read could be used \({reason} 200; commonest: {reason}\)"
-    by_rank = (rf"all sources: \d+ of \d+ samples could not be used \({reason} \d+; commonest: {reason}\), more than "
-               rf"max_skip_rate=0.01, most from source '{broken}'")
-    assert all(re.fullmatch(rf"mmpt: (rank 1: )?data error: ({by_reader}|{by_rank}); last failure: .+", line)
-               for line in lines), lines
+    by_rank = (
+        rf"all sources: \d+ of \d+ samples could not be used \({reason} \d+; commonest: {reason}\), more than "
+        rf"max_skip_rate=0.01, most from source '{broken}'"
+    )
+    assert all(
+        re.fullmatch(rf"mmpt: (rank 1: )?data error: ({by_reader}|{by_rank}); last failure: .+", line) for line in lines
+    ), lines
 
 
 def test_held_out_shards_are_a_retrieval_set_with_the_captions_their_keys_hold(tmp_path):

@@ -32,7 +32,7 @@ def inputs(length: int, with_padding: bool):
     padding = None
     if with_padding:
         padding = torch.zeros(3, length, dtype=torch.bool)
-        padding[1, length - 2:] = True
+        padding[1, length - 2 :] = True
         padding[2, 1] = True
     return x, padding
 
@@ -74,8 +74,11 @@ def test_heads_must_divide_among_the_ranks():
     from mmpt.engine.sequence_parallel import split_sequences
     from mmpt.models.victor import Transformer
 
-    with pytest.raises(ConfigError, match=r"'train.sequence_parallel': 2 ranks share out attention heads evenly, but "
-                                          r"Transformer has 3 heads"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'train.sequence_parallel': 2 ranks share out attention heads evenly, but "
+        r"Transformer has 3 heads",
+    ):
         split_sequences([Transformer(12, layers=1, heads=3)], None, 2)
     with pytest.raises(ConfigError, match="Linear has no timm Attention"):
         split_sequences([nn.Linear(2, 2)], None, 2)
@@ -91,11 +94,19 @@ def check_victor_step_matches_whole(rank, tokenizer_path, run_dir):
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     deepspeed.init_distributed(dist_backend="gloo")
-    cfg = model_config({"name": "victor", "tokenizer": tokenizer_path, "embed_dim": 16, "cross_layers": 1,
-                        "queue_size": 32, "frame_queue_size": 64, "momentum": 0.5,
-                        "video": {"backbone": None, "feature_dim": 20, "num_frames": 6, "width": 32, "layers": 2,
-                                  "heads": 2},
-                        "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16}})
+    cfg = model_config(
+        {
+            "name": "victor",
+            "tokenizer": tokenizer_path,
+            "embed_dim": 16,
+            "cross_layers": 1,
+            "queue_size": 32,
+            "frame_queue_size": 64,
+            "momentum": 0.5,
+            "video": {"backbone": None, "feature_dim": 20, "num_frames": 6, "width": 32, "layers": 2, "heads": 2},
+            "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16},
+        }
+    )
     method = get_method("victor")
     if rank == 0:
         method.prepare(cfg, run_dir)
@@ -106,8 +117,14 @@ def check_victor_step_matches_whole(rank, tokenizer_path, run_dir):
         models.append((method.build_model(cfg, run_dir).train(), method.build_loss(cfg)))
     (whole, whole_loss), (split, split_loss) = models
     split_sequences(method.engine_needs(split).sequence_parallel, dist.new_group([0, 1]), 2)
-    tokens = method.tokenizer(cfg, run_dir)(["the digit seven moves to the left.", "数字三向上移动。",
-                                             "first a one appears, then a two.", "the digit five moves down."])
+    tokens = method.tokenizer(cfg, run_dir)(
+        [
+            "the digit seven moves to the left.",
+            "数字三向上移动。",
+            "first a one appears, then a two.",
+            "the digit five moves down.",
+        ]
+    )
     batch = {"frame_features": torch.randn(4, 6, 20, generator=torch.Generator().manual_seed(3)), **tokens}
     results = []
     for model, loss in models:
@@ -131,8 +148,9 @@ def check_victor_step_matches_whole(rank, tokenizer_path, run_dir):
 
 def test_victor_step_with_split_sequences_matches_the_whole_one(moving_digits_root, tmp_path):
     """Every task of VICTOR's step (temporal, cross-modal and key transformers split) against the whole step."""
-    run_on_gloo_ranks(__name__, [("check_victor_step_matches_whole",
-                                  (str(moving_digits_root / "tokenizer.json"), tmp_path))], 2)
+    run_on_gloo_ranks(
+        __name__, [("check_victor_step_matches_whole", (str(moving_digits_root / "tokenizer.json"), tmp_path))], 2
+    )
 
 
 def test_sequence_parallel_must_divide_the_ranks():

@@ -52,16 +52,31 @@ def check_sharded_copy_matches_a_whole_one(rank):
     torch.manual_seed(0)
     model = WithKey()
     reference = whole_key(model)
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3},
-              "gradient_clipping": 0.0, "steps_per_print": 2**62, "zero_allow_untested_optimizer": True}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**62,
+        "zero_allow_untested_optimizer": True,
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=config)
     whole_bytes = momentum_bytes([model.key])
     sharded = ShardedCopies([model.key])
     assert momentum_bytes([model.key]) < 0.7 * whole_bytes  # about half, plus the whole batch-norm statistics
     names = dict(model.state_dict(keep_vars=True))
-    partitioned = {name[len("key.network."):] for name, t in names.items() if sharded.is_partition(t)}
-    assert partitioned == {"first.weight", "first.bias", "offset", "norm.weight", "norm.bias", "last.1.weight",
-                           "last.1.bias", "last.2.weight", "last.2.bias"}
+    partitioned = {name[len("key.network.") :] for name, t in names.items() if sharded.is_partition(t)}
+    assert partitioned == {
+        "first.weight",
+        "first.bias",
+        "offset",
+        "norm.weight",
+        "norm.bias",
+        "last.1.weight",
+        "last.1.bias",
+        "last.2.weight",
+        "last.2.bias",
+    }
     assert tuple(model.key.network.first.weight.shape) == (-(-35 // 2),)  # 35 elements: 18 per rank, 1 padding
 
     # The forward gathers each module's tensors: the same output as the whole copy, partitions back afterwards.
@@ -71,7 +86,7 @@ def check_sharded_copy_matches_a_whole_one(rank):
     assert tuple(model.key.network.first.weight.shape) == (18,)
     reference = whole_key(model)  # the forward in training mode moved the batch-norm statistics
     reference = {k: v for k, v in reference.items() if not sharded.is_partition(getattr_path(model.key.network, k))}
-    reference.update({k[len("key.network."):]: sharded.full(t) for k, t in names.items() if sharded.is_partition(t)})
+    reference.update({k[len("key.network.") :]: sharded.full(t) for k, t in names.items() if sharded.is_partition(t)})
 
     # One optimizer step, then the EMA step from this rank's partition only, against the EMA of the whole tensors.
     engine.backward(engine(x))
@@ -87,19 +102,29 @@ def check_sharded_copy_matches_a_whole_one(rank):
 
     # Partitions saved by 3 ranks (ZeRO's layout: ceil(numel / 3) elements each, zero-padded) are rebuilt whole and
     # cut for 2; so are tensors saved whole (by a run without ZeRO-3).
-    wanted = {name: torch.randn(t.shape, generator=torch.Generator().manual_seed(7)) for name, t in reference.items()
-              if name in partitioned}
+    wanted = {
+        name: torch.randn(t.shape, generator=torch.Generator().manual_seed(7))
+        for name, t in reference.items()
+        if name in partitioned
+    }
     saved = [{} for _ in range(3)]
     for name, value in wanted.items():
         size = -(-value.numel() // 3)
         padded = torch.cat([value.flatten(), torch.zeros(3 * size - value.numel())])
         for r in range(3):
-            saved[r][f"key.network.{name}"] = padded[size * r:size * (r + 1)]
+            saved[r][f"key.network.{name}"] = padded[size * r : size * (r + 1)]
     for states, offset in ((saved, 0.0), ([{k: v + 1 for k, v in wanted.items()}], 1.0)):
         if offset:
             states = [{f"key.network.{k}": v for k, v in states[0].items()}]
-        sharded.load_whole(model, {f"key.network.{name}": whole_from_partitions(
-            name, [state[f"key.network.{name}"] for state in states], value.shape) for name, value in wanted.items()})
+        sharded.load_whole(
+            model,
+            {
+                f"key.network.{name}": whole_from_partitions(
+                    name, [state[f"key.network.{name}"] for state in states], value.shape
+                )
+                for name, value in wanted.items()
+            },
+        )
         for name, value in wanted.items():
             got = sharded.full(getattr_path(model.key.network, name))
             torch.testing.assert_close(got, value + offset, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

@@ -58,7 +58,7 @@ def check_sums_and_gathers(rank):
     dcomm.all_gather_into_tensor(into, rank_tensor(rank, 1001))  # a piece of its own
     assert torch.equal(into, whole)
     into = torch.full((2002,), float("nan"))
-    own = into[rank * 1001:(rank + 1) * 1001]
+    own = into[rank * 1001 : (rank + 1) * 1001]
     own.copy_(rank_tensor(rank, 1001))
     dcomm.all_gather_into_tensor(into, own)  # the piece is this rank's slot, as ZeRO 1-2 call it
     assert torch.equal(into, whole)
@@ -106,12 +106,21 @@ def check_zero2_steps(rank):
     model, reference = Model(), Model()
     reference.load_state_dict(model.state_dict())
     adamw = {"lr": 1e-2, "betas": (0.9, 0.98), "eps": 1e-6, "weight_decay": 0.1}
-    zero = zero_optimization(TrainConfig(max_steps=3, grad_clip=0.0, zero_stage=2, reduce_bucket_size=2000),
-                             use_cuda=False, world_size=2)
+    zero = zero_optimization(
+        TrainConfig(max_steps=3, grad_clip=0.0, zero_stage=2, reduce_bucket_size=2000), use_cuda=False, world_size=2
+    )
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.AdamW(model.parameters(), **adamw),
-        config={"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "train_batch_size": 16,
-                "gradient_clipping": 0.0, "zero_optimization": zero, "steps_per_print": 2**62})
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), **adamw),
+        config={
+            "train_micro_batch_size_per_gpu": 8,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": 16,
+            "gradient_clipping": 0.0,
+            "zero_optimization": zero,
+            "steps_per_print": 2**62,
+        },
+    )
     plain = torch.optim.AdamW(reference.parameters(), **adamw)
     for step in range(3):
         calls.clear()
@@ -122,7 +131,9 @@ def check_zero2_steps(rank):
         (reference(batch(0, step)) / 2 + reference(batch(1, step)) / 2).backward()
         plain.step()
         for (name, trained), expected in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(trained, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} {name}: {m}")
+            torch.testing.assert_close(
+                trained, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} {name}: {m}"
+            )
 
 
 def test_routed_collectives_match_gloo_results():

@@ -46,17 +46,36 @@ def submit(tmp_path: Path, script: str, exits=(0, 0), restarts: int = 0) -> tupl
     bin_dir, log = tmp_path / "bin", tmp_path / "log"
     bin_dir.mkdir(exist_ok=True)
     log.mkdir(exist_ok=True)
-    for name, text in [("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("torchrun", FAKE_LAUNCHER),
-                       ("deepspeed", FAKE_LAUNCHER)]:
+    for name, text in [
+        ("srun", FAKE_SRUN),
+        ("scontrol", FAKE_SCONTROL),
+        ("torchrun", FAKE_LAUNCHER),
+        ("deepspeed", FAKE_LAUNCHER),
+    ]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_HOSTS": " ".join(HOSTS),
-           "SLURM_JOB_ID": str(JOB_ID), "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2",
-           "SLURM_SUBMIT_DIR": str(REPO), "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_ON_NODE": "64",
-           "SLURM_RESTART_COUNT": str(restarts),
-           "RUN_DIR": str(tmp_path / "run"), **{f"FAKE_EXIT_{n}": str(code) for n, code in enumerate(exits)}}
-    result = subprocess.run(["bash", str(SCRIPTS / script), "configs/clip/demo.yaml", "train.max_steps=7"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_LOG": str(log),
+        "FAKE_HOSTS": " ".join(HOSTS),
+        "SLURM_JOB_ID": str(JOB_ID),
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "SLURM_GPUS_ON_NODE": "4",
+        "SLURM_CPUS_ON_NODE": "64",
+        "SLURM_RESTART_COUNT": str(restarts),
+        "RUN_DIR": str(tmp_path / "run"),
+        **{f"FAKE_EXIT_{n}": str(code) for n, code in enumerate(exits)},
+    }
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / script), "configs/clip/demo.yaml", "train.max_steps=7"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return result, log
 
 
@@ -80,8 +99,13 @@ def test_torchrun_script_starts_one_torchrun_per_node_with_its_node_rank(tmp_pat
         assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", node, "4")
         assert (args.master_addr, args.master_port, args.rdzv_backend) == (HOSTS[0], 20000 + JOB_ID, "static")
         assert [args.training_script, *args.training_script_args] == [
-            "launch/train.py", "--config", "configs/clip/demo.yaml", "train.max_steps=7",
-            f"run.output_dir={tmp_path / 'run'}", "run.resume=auto"]
+            "launch/train.py",
+            "--config",
+            "configs/clip/demo.yaml",
+            "train.max_steps=7",
+            f"run.output_dir={tmp_path / 'run'}",
+            "run.resume=auto",
+        ]
     assert (log / "env.1").read_text().split() == ["WARN", "1", "45"]
     srun_options = set((log / "srun").read_text().split())
     assert {"--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=64"} <= srun_options
@@ -95,23 +119,35 @@ def test_deepspeed_script_writes_the_hostfile_and_starts_one_launcher_per_node(t
     assert result.returncode == 0, result.stdout + result.stderr
     for node, arguments in enumerate(node_arguments(log, "deepspeed")):
         args = parse_args(arguments)
-        assert (args.no_ssh, args.node_rank, args.master_addr, args.master_port) == (True, node, HOSTS[0],
-                                                                                     20000 + JOB_ID)
+        assert (args.no_ssh, args.node_rank, args.master_addr, args.master_port) == (
+            True,
+            node,
+            HOSTS[0],
+            20000 + JOB_ID,
+        )
         assert dict(fetch_hostfile(args.hostfile)) == {host: 4 for host in HOSTS}  # in node order
         assert [args.user_script, *args.user_args] == [
-            "launch/train.py", "--config", "configs/clip/demo.yaml", "train.max_steps=7",
-            f"run.output_dir={tmp_path / 'run'}", "run.resume=auto"]
+            "launch/train.py",
+            "--config",
+            "configs/clip/demo.yaml",
+            "train.max_steps=7",
+            f"run.output_dir={tmp_path / 'run'}",
+            "run.resume=auto",
+        ]
 
 
-@pytest.mark.parametrize("script, exits, restarts, requeued, code", [
-    ("deepspeed.sbatch", (75, 1), 0, True, 0),    # the watchdog stopped a hang: restart
-    ("deepspeed.sbatch", (0, 1), 0, True, 0),     # a rank crashed or its node went away: restart
-    ("deepspeed.sbatch", (1, 3), 0, False, 3),    # a data error stops the same way again: end
-    ("deepspeed.sbatch", (2, 2), 0, False, 2),    # so does a config error
-    ("deepspeed.sbatch", (75, 1), 3, False, 1),   # MAX_REQUEUES (3) restarts already
-    ("torchrun.sbatch", (1, 1), 0, True, 0),      # torchrun says 1 for any failure: restart
-    ("torchrun.sbatch", (1, 1), 3, False, 1),
-])
+@pytest.mark.parametrize(
+    "script, exits, restarts, requeued, code",
+    [
+        ("deepspeed.sbatch", (75, 1), 0, True, 0),  # the watchdog stopped a hang: restart
+        ("deepspeed.sbatch", (0, 1), 0, True, 0),  # a rank crashed or its node went away: restart
+        ("deepspeed.sbatch", (1, 3), 0, False, 3),  # a data error stops the same way again: end
+        ("deepspeed.sbatch", (2, 2), 0, False, 2),  # so does a config error
+        ("deepspeed.sbatch", (75, 1), 3, False, 1),  # MAX_REQUEUES (3) restarts already
+        ("torchrun.sbatch", (1, 1), 0, True, 0),  # torchrun says 1 for any failure: restart
+        ("torchrun.sbatch", (1, 1), 3, False, 1),
+    ],
+)
 def test_job_requeues_itself_only_when_a_restart_can_help(tmp_path, script, exits, restarts, requeued, code):
     result, log = submit(tmp_path, script, exits=exits, restarts=restarts)
     assert result.returncode == code, result.stdout + result.stderr

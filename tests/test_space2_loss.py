@@ -1,4 +1,5 @@
-"""SPACE-2's soft SupCon loss against a literal float64 transcription of its formula (spec §4.2), alone and on 2 ranks."""
+"""SPACE-2's soft SupCon loss against a literal float64 transcription of its formula (spec §4.2), alone and on
+2 ranks."""
 
 import random
 
@@ -39,8 +40,10 @@ def random_frame(rng: random.Random) -> dict:
         return {}
     domain = rng.choice(["hotel", "taxi", "DEFAULT_DOMAIN"])
     intent = rng.choice(["inform", "request", "book"])
-    slots = {s: [{"value": rng.choice(["north", "cheap", "4"]), "span": None}]
-             for s in rng.sample(["area", "price", "stars"], rng.randint(1, 2))}
+    slots = {
+        s: [{"value": rng.choice(["north", "cheap", "4"]), "span": None}]
+        for s in rng.sample(["area", "price", "stars"], rng.randint(1, 2))
+    }
     return {domain: {intent: slots}}
 
 
@@ -72,8 +75,9 @@ def test_temperature_rescales_against_fixed_base():
     normed = F.normalize(features, dim=-1)
     weights = view_score_matrices(labels, labels, views=[0]).double()
     loss = TreeContrastiveLoss([0], temperature=0.2)(features, labels)
-    torch.testing.assert_close(loss.double(), reference_view_loss(normed[:, :, 0], weights[0], tau=0.2), atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(
+        loss.double(), reference_view_loss(normed[:, :, 0], weights[0], tau=0.2), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_identity_scores_give_the_self_supervised_loss():

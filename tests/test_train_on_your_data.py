@@ -12,18 +12,38 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, launcher_env, read_metrics
 from img2dataset_shards import write_set, write_shard
+
+from conftest import REPO, free_port, launcher_env, read_metrics
 
 GUIDE = REPO / "docs/train_on_your_data.md"
 # The 0.4b config at test size, on CPU ranks: command-line overrides only, as a user shrinks a config.
-SHRINK = ["method.arch.width=32", "method.arch.heads=2", "method.arch.lower_layers=1", "method.arch.shared_layers=1",
-          "method.arch.ffn_width=64", "method.arch.output_dim=16", "method.arch.image_size=32",
-          "method.arch.patch_size=8", "method.arch.position_init_std=0.02", "method.loss.group_size=world",
-          "method.loss.tile_size=6", "method.augment.randaugment=false", "method.zeroshot.batch_size=64",
-          "data.train.batch_size=4", "data.train.num_workers=1", "data.train.shuffle_buffer=20",
-          "train.max_steps=2", "train.eval_every=1", "train.log_every=1", "train.save_every=0", "train.precision=fp32",
-          "optim.warmup_steps=1", "run.progress_bar=false", "run.tensorboard=false"]
+SHRINK = [
+    "method.arch.width=32",
+    "method.arch.heads=2",
+    "method.arch.lower_layers=1",
+    "method.arch.shared_layers=1",
+    "method.arch.ffn_width=64",
+    "method.arch.output_dim=16",
+    "method.arch.image_size=32",
+    "method.arch.patch_size=8",
+    "method.arch.position_init_std=0.02",
+    "method.loss.group_size=world",
+    "method.loss.tile_size=6",
+    "method.augment.randaugment=false",
+    "method.zeroshot.batch_size=64",
+    "data.train.batch_size=4",
+    "data.train.num_workers=1",
+    "data.train.shuffle_buffer=20",
+    "train.max_steps=2",
+    "train.eval_every=1",
+    "train.log_every=1",
+    "train.save_every=0",
+    "train.precision=fp32",
+    "optim.warmup_steps=1",
+    "run.progress_bar=false",
+    "run.tensorboard=false",
+]
 
 
 def blocks(language: str) -> list[str]:
@@ -32,8 +52,8 @@ def blocks(language: str) -> list[str]:
 
 def official_download(folder: Path, config: Path, sp_model: Path) -> None:
     """A checkpoint in the official (Lightning) layout of the shrunk model, with the sp.model beside it."""
-    from mmpt.methods import get_method
     from mmpt.config_loader import load_config
+    from mmpt.methods import get_method
 
     folder.mkdir(parents=True)
     shutil.copyfile(sp_model, folder / "sp.model")
@@ -64,19 +84,35 @@ def test_the_guide_trains_evaluates_and_releases(tmp_path, digits_root, glm_sp_m
     words = launch.split()
     assert words[:3] == ["deepspeed", "--num_gpus", "8"] and words[3:] == ["launch/train.py", "--config", "my_run.yaml"]
     launcher = str(Path(sys.executable).with_name("deepspeed"))
-    trained = run([launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/train.py"),
-                   *words[4:], *SHRINK], tmp_path)
+    trained = run(
+        [
+            launcher,
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(REPO / "launch/train.py"),
+            *words[4:],
+            *SHRINK,
+        ],
+        tmp_path,
+    )
     output = trained.stdout + trained.stderr
-    assert re.search(r"initial weights: initialised (\d+) of \1 tensors from .*official/M2-Encoder/m2_encoder.ckpt "
-                     r"\(official-m2, strict\)", output), output[-3000:]
+    assert re.search(
+        r"initial weights: initialised (\d+) of \1 tensors from .*official/M2-Encoder/m2_encoder.ckpt "
+        r"\(official-m2, strict\)",
+        output,
+    ), output[-3000:]
     run_dir = tmp_path / "runs/my-m2"
     assert (run_dir / "sp.model").read_bytes() == glm_sp_model.read_bytes()  # the download's tokenizer
     counts = json.loads((run_dir / "summary.json").read_text())["data"]
     assert all(counts[source]["decoded"] > 0 and counts[source]["skipped"] == 0 for source in ("en", "zh"))
     evaluated = {r["step"]: r for r in read_metrics(run_dir) if "eval/my_classes/seconds" in r}
     assert set(evaluated) == {1, 2}  # eval_every 1, and at the end
-    assert all({"eval/my_classes/en/acc1", "eval/my_classes/zh/acc1", "eval/heldout_zh/zh/mean_recall"} <= set(r)
-               for r in evaluated.values())
+    assert all(
+        {"eval/my_classes/en/acc1", "eval/my_classes/zh/acc1", "eval/heldout_zh/zh/mean_recall"} <= set(r)
+        for r in evaluated.values()
+    )
 
     for line in evaluate.strip().splitlines():
         words = line.split()

@@ -9,8 +9,17 @@ import time
 
 import pytest
 
-from conftest import (REPO, deepspeed_command, free_port, launcher_env, read_metrics, run_deepspeed, step_losses,
-                      tiny_config, write_config)
+from conftest import (
+    REPO,
+    deepspeed_command,
+    free_port,
+    launcher_env,
+    read_metrics,
+    run_deepspeed,
+    step_losses,
+    tiny_config,
+    write_config,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -29,8 +38,15 @@ def assert_loss_went_down(run_dir):
 @pytest.mark.parametrize("stage, precision, accum, offload", [(2, "fp32", 1, False), (3, "bf16", 2, True)])
 def test_deepspeed_two_ranks_lower_the_loss(tmp_path, digits_root, stage, precision, accum, offload):
     run_dir = tmp_path / "run"
-    train = {"zero_stage": stage, "precision": precision, "grad_accum": accum, "offload_optimizer": offload,
-             "max_steps": 24, "save_every": 8, "keep_last": 2}
+    train = {
+        "zero_stage": stage,
+        "precision": precision,
+        "grad_accum": accum,
+        "offload_optimizer": offload,
+        "max_steps": 24,
+        "save_every": 8,
+        "keep_last": 2,
+    }
     cfg = tiny_config(digits_root, run_dir, train=train)
     # one thread per rank: both ranks local, each with a core, so no loopback TCP for gradients
     result = run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg), env={"OMP_NUM_THREADS": "1"})
@@ -49,8 +65,18 @@ def test_torchrun_two_ranks_zero0_lowers_the_loss(tmp_path, digits_root):
     run_dir = tmp_path / "run"
     cfg = tiny_config(digits_root, run_dir, train={"zero_stage": 0, "max_steps": 24, "save_every": 0})
     config = write_config(tmp_path / "cfg.yaml", cfg)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               str(REPO / "launch/train.py"), "--config", str(config)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "launch/train.py"),
+        "--config",
+        str(config),
+    ]
     result = subprocess.run(command, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert SHARED_MEMORY_LINE in result.stdout + result.stderr  # torchrun: LOCAL_WORLD_SIZE, a thread per rank
@@ -59,17 +85,43 @@ def test_torchrun_two_ranks_zero0_lowers_the_loss(tmp_path, digits_root):
 
 def test_plain_python_trains_evaluates_and_zeroshot_cli_reproduces(tmp_path, digits_root):
     run_dir = tmp_path / "run"
-    cfg = tiny_config(digits_root, run_dir, train={"zero_stage": 0, "max_steps": 6, "save_every": 0},
-                      method={"zeroshot": {"dataset": str(digits_root / "zeroshot"), "languages": ["en", "zh"]}})
+    cfg = tiny_config(
+        digits_root,
+        run_dir,
+        train={"zero_stage": 0, "max_steps": 6, "save_every": 0},
+        method={"zeroshot": {"dataset": str(digits_root / "zeroshot"), "languages": ["en", "zh"]}},
+    )
     config = write_config(tmp_path / "cfg.yaml", cfg)
-    result = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config)], cwd=REPO,
-                            env=launcher_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "launch/train.py"), "--config", str(config)],
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     final = read_metrics(run_dir)[-1]
     out = tmp_path / "zh.json"
-    subprocess.run([sys.executable, str(REPO / "launch/zeroshot.py"), "--model", str(run_dir), "--dataset",
-                    str(digits_root / "zeroshot"), "--language", "zh", "--output", str(out)],
-                   cwd=REPO, env=launcher_env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/zeroshot.py"),
+            "--model",
+            str(run_dir),
+            "--dataset",
+            str(digits_root / "zeroshot"),
+            "--language",
+            "zh",
+            "--output",
+            str(out),
+        ],
+        cwd=REPO,
+        env=launcher_env(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     record = json.loads(out.read_text())
     assert record["task"] == "zeroshot_classification" and record["language"] == "zh"
     assert set(record["metrics"]) == {"acc1", "acc5", "mean_per_class_recall"}
@@ -87,7 +139,9 @@ def test_plain_python_trains_evaluates_and_zeroshot_cli_reproduces(tmp_path, dig
     texts = ["a handwritten seven", "手写的数字七"]
     tokens = method.tokenizer(cfg, run_dir)(texts)
     with torch.no_grad():
-        torch.testing.assert_close(model.encode_text(tokenizer(texts)), own.encode_text(tokens["input_ids"], tokens["attention_mask"]))
+        torch.testing.assert_close(
+            model.encode_text(tokenizer(texts)), own.encode_text(tokens["input_ids"], tokens["attention_mask"])
+        )
 
 
 def test_killed_run_resumes_with_identical_losses(tmp_path, digits_root):
@@ -98,8 +152,14 @@ def test_killed_run_resumes_with_identical_losses(tmp_path, digits_root):
     reference = step_losses(reference_dir)
 
     config = write_config(tmp_path / "killed.yaml", tiny_config(digits_root, killed_dir, **sections))
-    process = subprocess.Popen(deepspeed_command(config), cwd=REPO, env=launcher_env(), start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        deepspeed_command(config),
+        cwd=REPO,
+        env=launcher_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     latest = killed_dir / "checkpoints/latest"
     deadline = time.monotonic() + 300
     while not latest.exists() and process.poll() is None and time.monotonic() < deadline:
@@ -122,22 +182,44 @@ def test_m2_encoder_trains_from_an_official_checkpoint_with_pooled_accumulation(
 
     from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 
-    arch = {"vocab_size": 1000, "width": 32, "heads": 2, "lower_layers": 1, "shared_layers": 1, "output_dim": 16,
-            "position_init_std": 0.02}
+    arch = {
+        "vocab_size": 1000,
+        "width": 32,
+        "heads": 2,
+        "lower_layers": 1,
+        "shared_layers": 1,
+        "output_dim": 16,
+        "position_init_std": 0.02,
+    }
     official = M2Encoder(M2EncoderConfig(**{**PRESETS["m2-encoder-demo"], **arch})).state_dict()
     official["logit_scale"] = official["logit_scale"].reshape(())  # released files store it 0-D
     torch.save({"state_dict": official}, tmp_path / "official.ckpt")
 
     run_dir = tmp_path / "run"
-    cfg = tiny_config(digits_root, run_dir, train={"zero_stage": 0, "max_steps": 2, "grad_accum": 2, "save_every": 0},
-                      optim={"lr": 1e-12, "warmup_steps": 0, "weight_decay": 0.0})
-    cfg["method"] = {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": arch,
-                     "tokenizer": str(digits_root / "tokenizer.json"), "init_from": str(tmp_path / "official.ckpt"),
-                     "loss": {"group_size": "world", "accumulation_steps": 2, "tile_size": 8},
-                     "augment": {"hflip": False, "randaugment": False}}
+    cfg = tiny_config(
+        digits_root,
+        run_dir,
+        train={"zero_stage": 0, "max_steps": 2, "grad_accum": 2, "save_every": 0},
+        optim={"lr": 1e-12, "warmup_steps": 0, "weight_decay": 0.0},
+    )
+    cfg["method"] = {
+        "name": "m2_encoder",
+        "model": "m2-encoder-demo",
+        "arch": arch,
+        "tokenizer": str(digits_root / "tokenizer.json"),
+        "init_from": str(tmp_path / "official.ckpt"),
+        "loss": {"group_size": "world", "accumulation_steps": 2, "tile_size": 8},
+        "augment": {"hflip": False, "randaugment": False},
+    }
     config = write_config(tmp_path / "cfg.yaml", cfg)
-    result = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config)], cwd=REPO,
-                            env=launcher_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "launch/train.py"), "--config", str(config)],
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     trained = load_file(str(run_dir / "model.safetensors"))
     for key in ("backbone.text_embed.weight", "itc_vl_image_proj.fc.weight", "backbone_vl.layers.0.ffn.A.fc1.weight"):

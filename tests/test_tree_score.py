@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from mmpt.losses.tree_score import (
     VIEWS,
     clean_frame,

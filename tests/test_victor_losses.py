@@ -7,7 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch import nn
+
 from conftest import run_on_gloo_ranks
+from mmpt.engine.precision import compute_in, match_buffer_precision
 from mmpt.losses.memory_queue import MemoryQueue
 from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.victor import (
@@ -21,12 +24,9 @@ from mmpt.losses.victor import (
     order_loss,
     permute_frames,
     permute_sentences,
-    segment_order,
     queue_nce,
+    segment_order,
 )
-from torch import nn
-
-from mmpt.engine.precision import compute_in, match_buffer_precision
 from mmpt.models.momentum import MomentumCopy
 
 
@@ -60,8 +60,10 @@ def test_dual_vsa_matches_a_loop_over_both_directions():
     scale = 1 / 0.07
     expected = []
     for queries, keys, queue in ((video, text_keys, text_queue), (text, video_keys, video_queue)):
-        per = [nll([cos(queries[i], keys[i]) * scale] + [cos(queries[i], n) * scale for n in queue], 0)
-               for i in range(len(queries))]
+        per = [
+            nll([cos(queries[i], keys[i]) * scale] + [cos(queries[i], n) * scale for n in queue], 0)
+            for i in range(len(queries))
+        ]
         expected.append(np.mean(per))
     loss = dual_vsa_loss(video, text, video_keys, text_keys, text_queue, video_queue, scale)
     assert loss.item() == pytest.approx(0.5 * sum(expected), rel=1e-5)
@@ -79,11 +81,17 @@ def test_intra_mfm_contrasts_each_masked_step_with_the_clips_own_frames():
 
 def test_inter_mfm_uses_the_key_frame_at_t_and_the_frames_queue():
     g = torch.Generator().manual_seed(1)
-    outputs, keys, queue = torch.randn(2, 4, 3, generator=g), torch.randn(2, 4, 3, generator=g), torch.randn(7, 3, generator=g)
+    outputs, keys, queue = (
+        torch.randn(2, 4, 3, generator=g),
+        torch.randn(2, 4, 3, generator=g),
+        torch.randn(7, 3, generator=g),
+    )
     mask = torch.tensor([[True, False, False, True], [False, True, False, False]])
     tau = 0.2
-    expected = [nll([cos(outputs[b, t], keys[b, t]) / tau] + [cos(outputs[b, t], n) / tau for n in queue], 0)
-                for b, t in mask.nonzero().tolist()]
+    expected = [
+        nll([cos(outputs[b, t], keys[b, t]) / tau] + [cos(outputs[b, t], n) / tau for n in queue], 0)
+        for b, t in mask.nonzero().tolist()
+    ]
     assert inter_mfm_loss(outputs, keys, mask, queue, tau).item() == pytest.approx(np.mean(expected), rel=1e-5)
 
 
@@ -136,7 +144,7 @@ def test_sentence_permutation_equals_a_per_row_reordering():
     perms = torch.arange(len(PERMUTATIONS)).repeat(width + 1)
     mask = (torch.arange(width)[None] < lengths[:, None]).long()
     ids = torch.arange(width).repeat(len(lengths), 1) * mask
-    shuffled, = permute_sentences(ids, mask, perms)
+    (shuffled,) = permute_sentences(ids, mask, perms)
     for row, (length, perm) in enumerate(zip(lengths.tolist(), perms.tolist())):
         inner = max(0, length - 2)
         expected = list(range(width))

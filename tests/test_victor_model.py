@@ -14,10 +14,16 @@ TASKS = ("mlm", "msom", "mfom", "intra_mfm", "inter_mfm", "dual_vsa")
 
 
 def section(tokenizer, **video):
-    return {"name": "victor", "tokenizer": str(tokenizer), "embed_dim": 16, "cross_layers": 1,
-            "queue_size": 32, "frame_queue_size": 64,
-            "video": {"num_frames": 6, "width": 32, "layers": 1, "heads": 2, **video},
-            "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16}}
+    return {
+        "name": "victor",
+        "tokenizer": str(tokenizer),
+        "embed_dim": 16,
+        "cross_layers": 1,
+        "queue_size": 32,
+        "frame_queue_size": 64,
+        "video": {"num_frames": 6, "width": 32, "layers": 1, "heads": 2, **video},
+        "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16},
+    }
 
 
 def built(tmp_path, method_section):
@@ -33,16 +39,23 @@ def built(tmp_path, method_section):
 
 
 def feature_batch(tokenizer, rows=4, steps=6, dim=20):
-    tokens = tokenizer(["the digit seven moves to the left.", "数字三向上移动。", "first a one appears, then a two.",
-                        "the digit five moves down."][:rows])
+    tokens = tokenizer(
+        [
+            "the digit seven moves to the left.",
+            "数字三向上移动。",
+            "first a one appears, then a two.",
+            "the digit five moves down.",
+        ][:rows]
+    )
     return {"frame_features": torch.randn(rows, steps, dim), **tokens}
 
 
 def test_feature_model_trains_every_task_and_fills_the_queues(tmp_path, moving_digits_root):
-    method, model, loss, tokenizer = built(tmp_path, section(moving_digits_root / "tokenizer.json",
-                                                                  backbone=None, feature_dim=20))
+    method, model, loss, tokenizer = built(
+        tmp_path, section(moving_digits_root / "tokenizer.json", backbone=None, feature_dim=20)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(3):
+    for _ in range(3):
         terms = method.training_step(model.train(), loss, feature_batch(tokenizer))
         assert set(terms) == set(TASKS)
         sum(terms.values()).backward()
@@ -72,7 +85,11 @@ def test_a_task_turned_off_is_skipped_and_builds_no_head(tmp_path, moving_digits
     sum(terms.values()).backward()
     unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     # without dual-VSA nothing trains the pooled projections (kept for encode_video / encode_text) or the temperature
-    alignment = ["unimodal.video_projection.linear.weight", "unimodal.text_projection.linear.weight", "vsa_scale.log_scale"]
+    alignment = [
+        "unimodal.video_projection.linear.weight",
+        "unimodal.text_projection.linear.weight",
+        "vsa_scale.log_scale",
+    ]
     assert unused == (alignment if off == "dual_vsa" else []), unused
     heads = {"mlm": "mlm_head", "mfom": "frame_order_head"}
     if off in heads:
@@ -86,8 +103,13 @@ def test_frames_model_with_a_frozen_preloaded_backbone(tmp_path, moving_digits_r
     reference = timm.create_model("resnet10t", pretrained=False, num_classes=10)
     weights = tmp_path / "resnet10t.safetensors"
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(weights))  # classifier included
-    method_section = section(moving_digits_root / "tokenizer.json", backbone="resnet10t", image_size=32,
-                             backbone_weights=str(weights), frozen=True)
+    method_section = section(
+        moving_digits_root / "tokenizer.json",
+        backbone="resnet10t",
+        image_size=32,
+        backbone_weights=str(weights),
+        frozen=True,
+    )
     method, model, loss, tokenizer = built(tmp_path, method_section)
     backbone = model.unimodal.frame_encoder.backbone
     for name, value in backbone.state_dict().items():

@@ -1,6 +1,7 @@
 """VICTOR trained with `train.sequence_parallel: 2` against the same run without it (fp32): every loss term of
 every step equal, under ZeRO-2 on 2 ranks and under ZeRO-3 with data parallelism on 4 ranks (2 x 2), a resumed
-sequence-parallel run continuing exactly, and its checkpoint continuing on 1 rank without the split. Temporal sequences of 1 + 5 tokens: the split pads them. Gradients
+sequence-parallel run continuing exactly, and its checkpoint continuing on 1 rank without the split. Temporal
+sequences of 1 + 5 tokens: the split pads them. Gradients
 of one step are compared to 1e-5 in test_sequence_parallel.py."""
 
 import shutil
@@ -15,16 +16,39 @@ TERMS = ("mlm", "msom", "mfom", "intra_mfm", "inter_mfm", "dual_vsa", "total")
 
 
 def overrides(video, run_dir, *extra):
-    return ["data.prepare=null", f'data.train.sources=[{{shards: "{video}/train/en-*.tar"}}, '
-            f'{{shards: "{video}/train/zh-*.tar"}}]', f"method.tokenizer={video}/tokenizer.json",
-            "method.video.image_size=32", "method.video.num_frames=5", "method.video.width=32",
-            "method.video.layers=2", "method.video.heads=2", "method.text.width=32", "method.text.layers=1",
-            "method.text.heads=2", "method.text.context_length=24", "method.embed_dim=16", "method.cross_layers=1",
-            "method.queue_size=16", "method.frame_queue_size=40", "method.retrieval.dataset=null",
-            "method.backend=pyav", "data.train.batch_size=4", "data.train.num_workers=1",
-            "data.train.shuffle_buffer=20", "train.log_every=1", "train.max_steps=3", "train.save_every=1",
-            "train.keep_last=3", "train.precision=fp32", "optim.warmup_steps=1", "run.progress_bar=false",
-            "run.tensorboard=false", f"run.output_dir={run_dir}", *extra]
+    return [
+        "data.prepare=null",
+        f'data.train.sources=[{{shards: "{video}/train/en-*.tar"}}, {{shards: "{video}/train/zh-*.tar"}}]',
+        f"method.tokenizer={video}/tokenizer.json",
+        "method.video.image_size=32",
+        "method.video.num_frames=5",
+        "method.video.width=32",
+        "method.video.layers=2",
+        "method.video.heads=2",
+        "method.text.width=32",
+        "method.text.layers=1",
+        "method.text.heads=2",
+        "method.text.context_length=24",
+        "method.embed_dim=16",
+        "method.cross_layers=1",
+        "method.queue_size=16",
+        "method.frame_queue_size=40",
+        "method.retrieval.dataset=null",
+        "method.backend=pyav",
+        "data.train.batch_size=4",
+        "data.train.num_workers=1",
+        "data.train.shuffle_buffer=20",
+        "train.log_every=1",
+        "train.max_steps=3",
+        "train.save_every=1",
+        "train.keep_last=3",
+        "train.precision=fp32",
+        "optim.warmup_steps=1",
+        "run.progress_bar=false",
+        "run.tensorboard=false",
+        f"run.output_dir={run_dir}",
+        *extra,
+    ]
 
 
 def losses(run_dir):
@@ -48,15 +72,18 @@ def assert_same_losses(got, expected):
 def reference(moving_digits_root, module_tmp):
     """One rank, no sequence parallelism, ZeRO-0."""
     run_dir = module_tmp("sp") / "reference"
-    run_deepspeed(REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, run_dir, "train.zero_stage=0"),
-                  ranks=1)
+    run_deepspeed(
+        REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, run_dir, "train.zero_stage=0"), ranks=1
+    )
     return run_dir
 
 
 def test_sequence_parallel_zero2_equals_one_rank_and_resumes(reference, moving_digits_root, tmp_path):
     run_dir = tmp_path / "sp2"
-    run_deepspeed(REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, run_dir, "train.zero_stage=2",
-                                                                "train.sequence_parallel=2"))
+    run_deepspeed(
+        REPO / "configs/victor/demo.yaml",
+        *overrides(moving_digits_root, run_dir, "train.zero_stage=2", "train.sequence_parallel=2"),
+    )
     expected, _ = losses(reference)
     got, records = losses(run_dir)
     assert_same_losses(got, expected)
@@ -65,11 +92,14 @@ def test_sequence_parallel_zero2_equals_one_rank_and_resumes(reference, moving_d
 
     # killed after step 2: the resumed run's step 3 is the uninterrupted one's
     resumed = tmp_path / "resumed"
-    shutil.copytree(run_dir, resumed, ignore=shutil.ignore_patterns("step_000000003", "model.safetensors",
-                                                                    "metrics.jsonl"))
+    shutil.copytree(
+        run_dir, resumed, ignore=shutil.ignore_patterns("step_000000003", "model.safetensors", "metrics.jsonl")
+    )
     (resumed / "checkpoints/latest").write_text("step_000000002")
-    result = run_deepspeed(REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, resumed,
-                                                                         "train.zero_stage=2", "train.sequence_parallel=2"))
+    result = run_deepspeed(
+        REPO / "configs/victor/demo.yaml",
+        *overrides(moving_digits_root, resumed, "train.zero_stage=2", "train.sequence_parallel=2"),
+    )
     assert "resumed from" in result.stdout + result.stderr
     again, _ = losses(resumed)
     assert list(again) == [3]
@@ -80,11 +110,13 @@ def test_sequence_parallel_zero2_equals_one_rank_and_resumes(reference, moving_d
     # weights; one data rank before and after, so the reader continues exactly): step 3 is the split run's step 3
     # to the tolerance between split and unsplit steps
     elastic = tmp_path / "elastic"
-    shutil.copytree(resumed, elastic, ignore=shutil.ignore_patterns("step_000000003", "model.safetensors",
-                                                                    "metrics.jsonl"))
+    shutil.copytree(
+        resumed, elastic, ignore=shutil.ignore_patterns("step_000000003", "model.safetensors", "metrics.jsonl")
+    )
     (elastic / "checkpoints/latest").write_text("step_000000002")
-    result = run_deepspeed(REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, elastic,
-                                                                         "train.zero_stage=2"), ranks=1)
+    result = run_deepspeed(
+        REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, elastic, "train.zero_stage=2"), ranks=1
+    )
     assert "resumed from" in result.stdout + result.stderr
     again, _ = losses(elastic)
     assert list(again) == [3]
@@ -97,8 +129,11 @@ def test_sequence_parallel_inside_data_parallel(moving_digits_root, tmp_path):
     over all 4), against 2 data-parallel ranks at ZeRO-0."""
     plain, split = tmp_path / "dp2", tmp_path / "dp2_sp2"
     run_deepspeed(REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, plain, "train.zero_stage=0"))
-    run_deepspeed(REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, split, "train.zero_stage=3",
-                                                                "train.sequence_parallel=2"), ranks=4)
+    run_deepspeed(
+        REPO / "configs/victor/demo.yaml",
+        *overrides(moving_digits_root, split, "train.zero_stage=3", "train.sequence_parallel=2"),
+        ranks=4,
+    )
     expected, _ = losses(plain)
     got, records = losses(split)
     assert_same_losses(got, expected)

@@ -11,29 +11,64 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, launcher_env, read_metrics
 from safetensors.torch import load_file
+
+from conftest import REPO, free_port, launcher_env, read_metrics
 
 pytestmark = pytest.mark.distributed
 
 TASKS = ("mlm", "msom", "mfom", "intra_mfm", "inter_mfm", "dual_vsa")
-SHORT = ["run.progress_bar=false", "data.train.batch_size=8", "train.log_every=1", "method.queue_size=24",
-         "method.frame_queue_size=100", "data.train.shuffle_buffer=50"]
+SHORT = [
+    "run.progress_bar=false",
+    "data.train.batch_size=8",
+    "train.log_every=1",
+    "method.queue_size=24",
+    "method.frame_queue_size=100",
+    "data.train.shuffle_buffer=50",
+]
 
 
 def train_demo(cwd: Path, *overrides: str, ranks: int = 2) -> subprocess.CompletedProcess:
     launcher = str(Path(sys.executable).with_name("deepspeed"))
-    command = [launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(REPO / "launch/train.py"),
-               "--config", str(REPO / "configs/victor/demo.yaml"), *SHORT, *overrides]
+    command = [
+        launcher,
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(free_port()),
+        str(REPO / "launch/train.py"),
+        "--config",
+        str(REPO / "configs/victor/demo.yaml"),
+        *SHORT,
+        *overrides,
+    ]
     result = subprocess.run(command, cwd=cwd, env=launcher_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 
 
 def zeroshot_cli(cwd, run, dataset, language, out):
-    subprocess.run([sys.executable, str(REPO / "launch/zeroshot.py"), "--model", str(run), "--dataset", dataset,
-                    "--task", "zeroshot_retrieval", "--language", language, "--output", str(out)],
-                   cwd=cwd, env=launcher_env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/zeroshot.py"),
+            "--model",
+            str(run),
+            "--dataset",
+            dataset,
+            "--task",
+            "zeroshot_retrieval",
+            "--language",
+            language,
+            "--output",
+            str(out),
+        ],
+        cwd=cwd,
+        env=launcher_env(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return json.loads(out.read_text())
 
 
@@ -48,8 +83,13 @@ def zero3_run(module_tmp):
 
 
 MOMENTUM = 0.75
-ZERO3 = ["train.max_steps=4", "train.save_every=1", "train.keep_last=4", "train.zero_stage=3",
-         f"method.momentum={MOMENTUM}"]
+ZERO3 = [
+    "train.max_steps=4",
+    "train.save_every=1",
+    "train.keep_last=4",
+    "train.zero_stage=3",
+    f"method.momentum={MOMENTUM}",
+]
 
 
 def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
@@ -76,7 +116,9 @@ def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
         for name in query:
             value = key[name]
             expected = MOMENTUM * previous[name].double() + (1 - MOMENTUM) * query[name].double()
-            torch.testing.assert_close(value.double(), expected, rtol=0, atol=1e-6, msg=lambda m: f"step {step} {name}: {m}")
+            torch.testing.assert_close(
+                value.double(), expected, rtol=0, atol=1e-6, msg=lambda m: f"step {step} {name}: {m}"
+            )
             moved += not torch.equal(value, previous[name])
         assert moved > len(query) // 2  # the key network really moves
     weights = load_file(run / "model.safetensors")
@@ -119,10 +161,15 @@ def key_network(run: Path, step: int, ranks: int = 2) -> dict:
     the end); those are put back together here, shaped as in the consolidated weights. Tensors following buffers
     (batch-norm statistics) are saved whole by every rank."""
     prefix = "model.key.network."
-    shapes = {k[len("key.network."):]: v.shape for k, v in load_file(run / "model.safetensors").items()
-              if k.startswith("key.network.")}
-    parts = [{k[len(prefix):]: v for k, v in checkpoint_module(run, step, r).items() if k.startswith(prefix)}
-             for r in range(ranks)]
+    shapes = {
+        k[len("key.network.") :]: v.shape
+        for k, v in load_file(run / "model.safetensors").items()
+        if k.startswith("key.network.")
+    }
+    parts = [
+        {k[len(prefix) :]: v for k, v in checkpoint_module(run, step, r).items() if k.startswith(prefix)}
+        for r in range(ranks)
+    ]
     whole = {}
     for name, shape in shapes.items():
         if parts[0][name].shape == shape:
@@ -130,7 +177,7 @@ def key_network(run: Path, step: int, ranks: int = 2) -> dict:
             continue
         size = -(-shape.numel() // ranks)
         assert all(p[name].shape == (size,) for p in parts), name
-        whole[name] = torch.cat([p[name] for p in parts])[:shape.numel()].view(shape)
+        whole[name] = torch.cat([p[name] for p in parts])[: shape.numel()].view(shape)
     return whole
 
 
@@ -138,9 +185,9 @@ def initial_towers(cwd: Path, run: Path) -> dict:
     """The query towers' weights before step 1, as the engine built them (seeded with `train.seed`)."""
     import os
 
+    from mmpt.config_loader import load_config
     from mmpt.engine.run import seed_everything
     from mmpt.methods.victor import METHOD
-    from mmpt.config_loader import load_config
 
     here = os.getcwd()
     os.chdir(cwd)  # the config's paths are relative to where training ran
@@ -159,15 +206,18 @@ def query_parameters(run: Path, step: int) -> dict:
     prefix = "model.unimodal."
     buffers = set(model_states(run, step)["buffer_names"])
     state = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag=f"step_{step:09d}")
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and k not in buffers}
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix) and k not in buffers}
 
 
 def killed_after_step_2(cwd: Path, target: Path) -> Path:
     """A copy of the ZeRO-3 run as if killed after step 2: only its step-2 checkpoint survives."""
     target.mkdir()
     (target / "demo_data").symlink_to(cwd / "demo_data")
-    shutil.copytree(cwd / "runs/victor-demo", target / "runs/victor-demo", ignore=shutil.ignore_patterns(
-        "step_000000003", "step_000000004", "model.safetensors", "eval", "metrics.jsonl"))
+    shutil.copytree(
+        cwd / "runs/victor-demo",
+        target / "runs/victor-demo",
+        ignore=shutil.ignore_patterns("step_000000003", "step_000000004", "model.safetensors", "eval", "metrics.jsonl"),
+    )
     (target / "runs/victor-demo/checkpoints/latest").write_text("step_000000002")
     return target
 

@@ -8,17 +8,20 @@ import pytest
 import torch
 
 from conftest import SMALL_MOVING_DIGITS
-
 from mmpt.data import BatchStream, MissingFieldError, ShardSetWriter, Source, StatefulLoader, StreamSpec
-from mmpt.demo.moving_digits import build_moving_digits, encode_mp4
 from mmpt.data.loader import SkipPolicy
 from mmpt.data.shards import count_samples, expand_shards
 from mmpt.data.stream import read_shard
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.data.video import (
-    VideoTextDecoder, decode_frames, frame_indices, npy_bytes, parse_sentences, write_video_shards,
+    VideoTextDecoder,
+    decode_frames,
+    frame_indices,
+    npy_bytes,
+    parse_sentences,
+    write_video_shards,
 )
-
+from mmpt.demo.moving_digits import build_moving_digits, encode_mp4
 
 
 def all_frames(count):
@@ -71,8 +74,9 @@ def test_train_draws_one_random_frame_inside_each_segment(count, segments):
             assert i * count // segments <= index < (i + 1) * count // segments
             seen[i].add(index)
     if count <= 16:  # every frame of every segment gets drawn
-        assert [sorted(s) for s in seen] == [list(range(i * count // segments, (i + 1) * count // segments))
-                                             for i in range(segments)]
+        assert [sorted(s) for s in seen] == [
+            list(range(i * count // segments, (i + 1) * count // segments)) for i in range(segments)
+        ]
 
 
 def test_short_videos_repeat_frames_and_empty_ones_fail():
@@ -116,7 +120,7 @@ def test_decord_and_pyav_decode_the_same_frames(corpus):
 def test_decoded_frames_show_the_rendered_clip(backend):
     clip = np.zeros((8, 32, 32), dtype=np.uint8)
     for t in range(8):
-        clip[t, 8:16, 2 + 2 * t:10 + 2 * t] = 200  # a bright square moving right
+        clip[t, 8:16, 2 + 2 * t : 10 + 2 * t] = 200  # a bright square moving right
     frames = decode_frames(encode_mp4(clip, fps=8), all_frames, backend)
     assert frames.shape == (8, 32, 32, 3) and frames.dtype == np.uint8
     assert np.abs(frames[..., 0].astype(int) - clip).mean() < 4
@@ -207,8 +211,9 @@ def test_random_frame_transform_is_the_same_across_a_clip(corpus):
 
     frames = VideoTextDecoder(6, noisy, TextTokenizer(corpus / "tokenizer.json", 8), backend="pyav")(sample)["frames"]
     assert frames.shape == (6, 1, 2, 2) and torch.unique(frames).numel() == 1
-    frames = VideoTextDecoder(6, noisy, TextTokenizer(corpus / "tokenizer.json", 8), backend="pyav",
-                              same_transform_per_clip=False)(sample)["frames"]
+    frames = VideoTextDecoder(
+        6, noisy, TextTokenizer(corpus / "tokenizer.json", 8), backend="pyav", same_transform_per_clip=False
+    )(sample)["frames"]
     assert torch.unique(frames).numel() == 6
 
 
@@ -230,11 +235,13 @@ def test_precomputed_features_replace_the_video(corpus, tmp_path):
     # Through the loader, from shards written by the helper.
     sizes = write_video_shards(
         ({"__key__": f"clip{i}", "npy": features + i, "json": ["a clip", "another caption"]} for i in range(6)),
-        str(tmp_path / "feat"), shard_size=4,
+        str(tmp_path / "feat"),
+        shard_size=4,
     )
     assert sizes == {"feat-000000.tar": 4, "feat-000001.tar": 2}
-    spec = StreamSpec([Source.from_pattern(str(tmp_path / "feat-*.tar"))], batch_size=3, mode="epoch",
-                      shuffle_buffer=0, max_epochs=1)
+    spec = StreamSpec(
+        [Source.from_pattern(str(tmp_path / "feat-*.tar"))], batch_size=3, mode="epoch", shuffle_buffer=0, max_epochs=1
+    )
     batches = list(StatefulLoader(BatchStream(spec, evaluate)))
     assert [b["frame_features"].shape for b in batches] == [(3, 4, 6)] * 2
     assert sorted(float(b) for batch in batches for b in batch["frame_features"][:, 0, 0]) == [0, 1, 2, 3, 4, 5]
@@ -262,15 +269,27 @@ def test_corrupt_empty_and_missing_videos_are_skipped_and_counted(corpus, tmp_pa
                 writer.write({"__key__": "no_video", "json": sample["json"]})  # the download of its mp4 failed
     urls = expand_shards(str(tmp_path / "clips-*.tar"))
     assert count_samples(urls) == len(good) + 3
-    spec = StreamSpec([Source.from_pattern(str(tmp_path / "clips-*.tar"))], batch_size=3, mode="epoch",
-                      shuffle_buffer=0, max_epochs=1, drop_last=False, num_workers=num_workers)
-    loader = StatefulLoader(BatchStream(spec, decoder(corpus, backend=backend)),
-                            SkipPolicy(max_rate=0.5, min_samples=1))
+    spec = StreamSpec(
+        [Source.from_pattern(str(tmp_path / "clips-*.tar"))],
+        batch_size=3,
+        mode="epoch",
+        shuffle_buffer=0,
+        max_epochs=1,
+        drop_last=False,
+        num_workers=num_workers,
+    )
+    loader = StatefulLoader(
+        BatchStream(spec, decoder(corpus, backend=backend)), SkipPolicy(max_rate=0.5, min_samples=1)
+    )
     batches = list(loader)
     assert sum(len(b["frames"]) for b in batches) == len(good)
     assert all(b["frames"].shape[1:] == (4, 3, 64, 64) for b in batches)
     assert {k: loader.counts()[k] for k in ("seen", "skipped", "undecodable", "missing_field")} == {
-        "seen": len(good) + 3, "skipped": 3, "undecodable": 2, "missing_field": 1}
+        "seen": len(good) + 3,
+        "skipped": 3,
+        "undecodable": 2,
+        "missing_field": 1,
+    }
     if num_workers:  # the workers log in their own processes
         return
     assert "sample 'truncated' of" in caplog.text and "clips-000000.tar" in caplog.text
@@ -349,8 +368,9 @@ def test_resize_center_crop_keeps_uint8_and_matches_pil():
         pil = PF.center_crop(PF.resize(Image.fromarray(frame), 32, InterpolationMode.BILINEAR), 32)
         reference = torch.from_numpy(np.array(pil)).permute(2, 0, 1).int()
         assert (ours.int() - reference).abs().max() <= 2  # rounding of PIL's and torch's antialiased filters
-    assert torch.equal(ResizeCenterCrop(32)(frames[:, :32, :32]), torch.from_numpy(frames[:, :32, :32]).permute(0, 3, 1, 2))
-
+    assert torch.equal(
+        ResizeCenterCrop(32)(frames[:, :32, :32]), torch.from_numpy(frames[:, :32, :32]).permute(0, 3, 1, 2)
+    )
 
 
 def test_make_video_shards_packs_a_folder_and_its_captions_as_documented(tmp_path):
@@ -361,7 +381,6 @@ def test_make_video_shards_packs_a_folder_and_its_captions_as_documented(tmp_pat
     import sys
 
     from conftest import REPO
-
     from mmpt.data.stream import read_shard
     from mmpt.engine.stops import EXIT_CONFIG, EXIT_DATA
 
@@ -370,15 +389,19 @@ def test_make_video_shards_packs_a_folder_and_its_captions_as_documented(tmp_pat
     (tmp_path / "clips").mkdir()
     for index in range(3):
         clip = np.zeros((8, 32, 32), dtype=np.uint8)
-        clip[:, 4 * index:4 * index + 8, 4:12] = 200
+        clip[:, 4 * index : 4 * index + 8, 4:12] = 200
         (tmp_path / "clips" / f"video{index}.mp4").write_bytes(encode_mp4(clip, fps=8))
-    sentences = [{"video_id": f"video{i}", "caption": f"clip {i} take {k}", "sen_id": 2 * i + k}
-                 for i in range(3) for k in range(2)]
+    sentences = [
+        {"video_id": f"video{i}", "caption": f"clip {i} take {k}", "sen_id": 2 * i + k}
+        for i in range(3)
+        for k in range(2)
+    ]
     (tmp_path / "captions.json").write_text(json.dumps({"videos": [], "sentences": sentences}))
 
     def pack(*args):
-        return subprocess.run([sys.executable, str(REPO / words[1]), *args], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, str(REPO / words[1]), *args], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
 
     done = pack(*words[2:])
     assert done.returncode == 0, done.stderr
@@ -386,15 +409,23 @@ def test_make_video_shards_packs_a_folder_and_its_captions_as_documented(tmp_pat
     assert [s["__key__"] for s in samples] == ["video0", "video1", "video2"]
     assert json.loads(samples[1]["json"]) == {"sentences": ["clip 1 take 0", "clip 1 take 1"]}
     assert samples[2]["mp4"] == (tmp_path / "clips/video2.mp4").read_bytes()
-    decoder = VideoTextDecoder(4, None, lambda texts: {"input_ids": torch.zeros(len(texts), 4, dtype=torch.long),
-                                                       "attention_mask": torch.ones(len(texts), 4, dtype=torch.long)},
-                               backend="pyav")
+    decoder = VideoTextDecoder(
+        4,
+        None,
+        lambda texts: {
+            "input_ids": torch.zeros(len(texts), 4, dtype=torch.long),
+            "attention_mask": torch.ones(len(texts), 4, dtype=torch.long),
+        },
+        backend="pyav",
+    )
     assert decoder(samples[0])["frames"].shape == (4, 3, 32, 32)
 
     (tmp_path / "captions.csv").write_text("video_id,sentence\nvideo0,a\nvideo7,b\n")
     too_many_missing = pack("--videos", "clips", "--captions", "captions.csv", "--out", "shards/csv/train")
     assert too_many_missing.returncode == EXIT_DATA and "Traceback" not in too_many_missing.stderr
-    assert "mmpt: 1 of 2 captioned videos are not in clips (e.g. 'video7'), more than --max-skip-rate" in \
-        too_many_missing.stderr
+    assert (
+        "mmpt: 1 of 2 captioned videos are not in clips (e.g. 'video7'), more than --max-skip-rate"
+        in too_many_missing.stderr
+    )
     no_folder = pack("--videos", "nowhere", "--captions", "captions.json", "--out", "shards/x/train")
     assert no_folder.returncode == EXIT_CONFIG and "mmpt: --videos nowhere: no such folder" in no_folder.stderr

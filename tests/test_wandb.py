@@ -33,8 +33,14 @@ def init(**settings):
 
 
 def train(config, env, *overrides):
-    result = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config), *overrides],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "launch/train.py"), "--config", str(config), *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -57,8 +63,9 @@ def test_scalars_evaluations_and_config_reach_wandb_and_a_resumed_run_continues_
     assert inits[0]["config"]["train"]["eval_every"] == 2 and inits[0]["tags"] == ["ci"]
     logged = [(e["step"], e["log"]) for e in entries if "log" in e]
     assert [step for step, data in logged if "loss/total" in data] == [1, 2, 3, 4]
-    assert all("samples_per_s" in data and "step_time_per_rank/rank0" in data
-               for _, data in logged if "loss/total" in data)
+    assert all(
+        "samples_per_s" in data and "step_time_per_rank/rank0" in data for _, data in logged if "loss/total" in data
+    )
     # Each run's end: the first stopped at step 2, the resumed one at 4 (each end also sets the run's summary).
     evaluated = [(step, data["eval/zeroshot/en/acc1"]) for step, data in logged if "eval/zeroshot/en/acc1" in data]
     assert [step for step, _ in evaluated] == [2, 4]

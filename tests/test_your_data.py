@@ -4,17 +4,30 @@ reading different json fields, the M²-Encoder demo config trained on 2 ranks an
 import json
 
 import pytest
-from conftest import REPO, _deep_update, read_metrics, run_deepspeed, write_config
 from img2dataset_shards import write_set, write_shard
 
+from conftest import REPO, _deep_update, read_metrics, run_deepspeed, write_config
 from mmpt.config import read_config
 
 SHRINK = {  # the M²-Encoder demo config at test size (as the config matrix shrinks it)
-    "method": {"tokenizer": None, "arch": {"vocab_size": None, "width": 32, "heads": 2, "lower_layers": 1,
-                                           "shared_layers": 1, "output_dim": 16, "image_size": 32, "patch_size": 8,
-                                           "text_positions": 32, "context_length": 24, "position_init_std": 0.02},
-               "loss": {"name": "gba_itc", "group_size": "world", "accumulation_steps": 2, "tile_size": 6},
-               "augment": {"crop_scale": [0.8, 1.0], "hflip": False, "randaugment": False}},
+    "method": {
+        "tokenizer": None,
+        "arch": {
+            "vocab_size": None,
+            "width": 32,
+            "heads": 2,
+            "lower_layers": 1,
+            "shared_layers": 1,
+            "output_dim": 16,
+            "image_size": 32,
+            "patch_size": 8,
+            "text_positions": 32,
+            "context_length": 24,
+            "position_init_std": 0.02,
+        },
+        "loss": {"name": "gba_itc", "group_size": "world", "accumulation_steps": 2, "tile_size": 6},
+        "augment": {"crop_scale": [0.8, 1.0], "hflip": False, "randaugment": False},
+    },
     "train": {"max_steps": 4, "save_every": 2, "log_every": 1, "keep_last": 2, "grad_accum": 2},
     "optim": {"warmup_steps": 1},
 }
@@ -29,17 +42,38 @@ def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(
     cfg["extends"] = []
     cfg["method"]["tokenizer"] = str(digits_root / "tokenizer.json")
     cfg["method"]["zeroshot"] = {"dataset": str(digits_root / "zeroshot"), "languages": ["en", "zh"], "batch_size": 64}
-    cfg["data"] = {"train": {"sources": [
-        {"shards": pattern, "name": "en", "caption_key": "json.caption"},
-        {"shards": pattern, "name": "zh", "caption_key": "json.caption_zh", "weight": 0.5},
-    ], "batch_size": 4, "num_workers": 1, "shuffle_buffer": 20}}
+    cfg["data"] = {
+        "train": {
+            "sources": [
+                {"shards": pattern, "name": "en", "caption_key": "json.caption"},
+                {"shards": pattern, "name": "zh", "caption_key": "json.caption_zh", "weight": 0.5},
+            ],
+            "batch_size": 4,
+            "num_workers": 1,
+            "shuffle_buffer": 20,
+        }
+    }
     cfg["data"]["eval"] = [
-        {"dataset": str(digits_root / "zeroshot"), "task": "zeroshot_classification", "name": "digits",
-         "languages": ["en", "zh"]},
-        {"dataset": str(digits_root / "zeroshot/retrieval_zh.jsonl"), "task": "zeroshot_retrieval",
-         "name": "digits_retrieval", "languages": ["zh"]},
-        {"dataset": str(write_shard(tmp_path / "heldout", 0, 20, start=1000)), "task": "zeroshot_retrieval",
-         "name": "heldout_zh", "caption_key": "json.caption_zh", "languages": ["zh"]}]
+        {
+            "dataset": str(digits_root / "zeroshot"),
+            "task": "zeroshot_classification",
+            "name": "digits",
+            "languages": ["en", "zh"],
+        },
+        {
+            "dataset": str(digits_root / "zeroshot/retrieval_zh.jsonl"),
+            "task": "zeroshot_retrieval",
+            "name": "digits_retrieval",
+            "languages": ["zh"],
+        },
+        {
+            "dataset": str(write_shard(tmp_path / "heldout", 0, 20, start=1000)),
+            "task": "zeroshot_retrieval",
+            "name": "heldout_zh",
+            "caption_key": "json.caption_zh",
+            "languages": ["zh"],
+        },
+    ]
     cfg["train"].update(zero_stage=zero_stage, eval_every=2)
     cfg["run"] = {"output_dir": str(tmp_path / "run"), "progress_bar": False, "tensorboard": False}
     result = run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
@@ -56,6 +90,11 @@ def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(
     evaluated = {r["step"]: r for r in read_metrics(tmp_path / "run") if "eval/digits/seconds" in r}
     assert set(evaluated) == {2, 4}  # every eval_every steps, and at the end
     for record in evaluated.values():
-        assert {"eval/digits/en/acc1", "eval/digits/zh/acc1", "eval/digits_retrieval/zh/image_retrieval_recall@1",
-                "eval/digits_retrieval/seconds", "eval/heldout_zh/zh/mean_recall"} <= set(record)
+        assert {
+            "eval/digits/en/acc1",
+            "eval/digits/zh/acc1",
+            "eval/digits_retrieval/zh/image_retrieval_recall@1",
+            "eval/digits_retrieval/seconds",
+            "eval/heldout_zh/zh/mean_recall",
+        } <= set(record)
     assert "eval step 2 digits/en/acc1=" in result.stdout

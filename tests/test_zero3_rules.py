@@ -27,9 +27,16 @@ class ReadsItsWeightAsATensor(nn.Module):
 def zero3_engine(model):
     import deepspeed
 
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3},
-              "gradient_clipping": 0.0, "steps_per_print": 2**62}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1), config=config)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**62,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1), config=config
+    )
     return engine
 
 
@@ -64,9 +71,14 @@ def m2():
     return get_method("m2_encoder"), M2Encoder(M2EncoderConfig(**{**PRESETS["m2-encoder-demo"], "vocab_size": 50}))
 
 
-@pytest.mark.parametrize("stochastic, reason", [(nn.Dropout(0.1), "dropout p=0.1"),
-                                                (nn.BatchNorm1d(4), "batch norm in training mode"),
-                                                (nn.MultiheadAttention(4, 1, dropout=0.2), "attention dropout 0.2")])
+@pytest.mark.parametrize(
+    "stochastic, reason",
+    [
+        (nn.Dropout(0.1), "dropout p=0.1"),
+        (nn.BatchNorm1d(4), "batch norm in training mode"),
+        (nn.MultiheadAttention(4, 1, dropout=0.2), "attention dropout 0.2"),
+    ],
+)
 def test_pooled_accumulation_refuses_modules_whose_two_passes_differ(m2, stochastic, reason):
     method, model = m2
     check_pooled_accumulation(method, model.train(), grad_accum=4)  # the M2-Encoder itself is deterministic

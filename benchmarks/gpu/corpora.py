@@ -33,8 +33,9 @@ def moving_digits(root: Path, dry_run: bool) -> Path:
     from mmpt.demo.moving_digits import build_moving_digits
 
     clips = 12 if dry_run else 96  # per kind; training is resampled, so a few hundred clips serve any step count
-    return build_moving_digits(root / "moving_digits", clips_per_kind=clips, test_clips_per_kind=6,
-                               shard_size=8 if dry_run else 64)
+    return build_moving_digits(
+        root / "moving_digits", clips_per_kind=clips, test_clips_per_kind=6, shard_size=8 if dry_run else 64
+    )
 
 
 def dialogs(root: Path) -> Path:
@@ -76,8 +77,14 @@ def bert_checkpoint(directory: Path, corpus: Path, dry_run: bool) -> Path:
         return directory
     if dry_run:
         vocab = bert_vocabulary(corpus_words(corpus), None)
-        config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                            intermediate_size=64, max_position_embeddings=128)
+        config = BertConfig(
+            vocab_size=len(vocab),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=128,
+        )
     else:
         config = BertConfig()  # bert-base-uncased's shape: 12 x 768, 30,522 tokens, 512 positions
         vocab = bert_vocabulary(corpus_words(corpus), config.vocab_size)

@@ -32,28 +32,72 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 import zipfile
 from importlib import metadata
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON_VERSION = "3.12"
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux2010_x86_64", "manylinux1_x86_64"]
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux2010_x86_64",
+    "manylinux1_x86_64",
+]
 # The environment the wheels are for, to evaluate requirement markers (python_version set by --python-version).
-TARGET = {"python_version": PYTHON_VERSION, "python_full_version": f"{PYTHON_VERSION}.0", "sys_platform": "linux",
-          "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-          "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+TARGET = {
+    "python_version": PYTHON_VERSION,
+    "python_full_version": f"{PYTHON_VERSION}.0",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
 # On the GPU image already (its package list), as far as mmpt's dependency tree reaches them. Their own
 # requirements are the image's business and are not followed.
 ON_IMAGE = {
-    "torch", "torchvision", "numpy", "pillow", "pyyaml", "tqdm", "regex", "huggingface-hub", "safetensors",
-    "transformers", "tokenizers", "sentencepiece", "tensorboard", "scikit-learn", "scipy", "pandas", "psutil",
-    "einops", "msgpack", "ninja", "packaging", "py-cpuinfo", "nvidia-ml-py", "fsspec", "filelock", "jinja2",
-    "networkx", "sympy", "triton", "matplotlib", "protobuf", "requests", "typing-extensions", "timm",
+    "torch",
+    "torchvision",
+    "numpy",
+    "pillow",
+    "pyyaml",
+    "tqdm",
+    "regex",
+    "huggingface-hub",
+    "safetensors",
+    "transformers",
+    "tokenizers",
+    "sentencepiece",
+    "tensorboard",
+    "scikit-learn",
+    "scipy",
+    "pandas",
+    "psutil",
+    "einops",
+    "msgpack",
+    "ninja",
+    "packaging",
+    "py-cpuinfo",
+    "nvidia-ml-py",
+    "fsspec",
+    "filelock",
+    "jinja2",
+    "networkx",
+    "sympy",
+    "triton",
+    "matplotlib",
+    "protobuf",
+    "requests",
+    "typing-extensions",
+    "timm",
 }
 # On the image, but carried all the same: the image's version is not recorded and mmpt's stack needs a recent one.
 CARRY_ANYWAY = {
@@ -118,16 +162,35 @@ def pip(*args: str) -> None:
 
 def download(pins: list[str], into: Path) -> None:
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    pip("download", "--no-deps", "--only-binary=:all:", "--python-version", TARGET["python_version"],
-        "--implementation", "cp",
-        *platforms, "--dest", str(into), *pins)
+    pip(
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        TARGET["python_version"],
+        "--implementation",
+        "cp",
+        *platforms,
+        "--dest",
+        str(into),
+        *pins,
+    )
 
 
 def build_from_sdist(pin: str, into: Path) -> None:
     """A pure-Python wheel from the sdist (no compiled ops), built against the torch installed here."""
     os.environ["DS_BUILD_OPS"] = "0"
-    pip("wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--no-binary", pin.split("==")[0],
-        "--wheel-dir", str(into), pin)
+    pip(
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-cache-dir",
+        "--no-binary",
+        pin.split("==")[0],
+        "--wheel-dir",
+        str(into),
+        pin,
+    )
 
 
 def wheel_requirements(wheel: Path) -> list[Requirement]:
@@ -167,8 +230,13 @@ def mib(paths: list[Path]) -> float:
 
 def working_tree_mib() -> float:
     """Tracked files plus untracked ones git does not ignore: what travels besides the carried folder."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO,
-                            check=True, capture_output=True, text=True).stdout.split("\0")
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split("\0")
     return mib([REPO / p for p in listed if p])
 
 
@@ -196,8 +264,10 @@ def main() -> int:
     folder, tree = mib(wheels), working_tree_mib()
     for wheel in wheels:
         print(f"{wheel.stat().st_size / 2**20:7.2f} MiB  {wheel.relative_to(args.dest)}")
-    print(f"wheels {folder:.1f} MiB + working tree {tree:.1f} MiB = {folder + tree:.1f} MiB "
-          f"(transfer limit {TRANSFER_LIMIT_MIB:.0f} MiB)")
+    print(
+        f"wheels {folder:.1f} MiB + working tree {tree:.1f} MiB = {folder + tree:.1f} MiB "
+        f"(transfer limit {TRANSFER_LIMIT_MIB:.0f} MiB)"
+    )
     for reason in (f"carried although on the image: {n} ({why})" for n, why in CARRY_ANYWAY.items()):
         print(reason)
     if missing:

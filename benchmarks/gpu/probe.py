@@ -34,8 +34,10 @@ def device_memory() -> dict[str, float | None]:
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return {"peak_allocated_mib": None, "peak_reserved_mib": None}
-    return {"peak_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
-            "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20}
+    return {
+        "peak_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
+        "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
+    }
 
 
 def reset_device_memory() -> None:
@@ -111,7 +113,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     split = argv.index("--")
-    options, (script, *args) = argv[:split], argv[split + 1:]
+    options, (script, *args) = argv[:split], argv[split + 1 :]
     result = Path(options[0])
     record = run_entry(script, args, mmpt="--mmpt" in options)
     result.write_text(json.dumps(record, indent=1))

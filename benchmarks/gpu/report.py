@@ -43,76 +43,167 @@ def header(record: dict) -> list[str]:
     env = record["environment"]
     gpu = env.get("gpu") or {}
     versions = env.get("versions", {})
-    machine = (f"{gpu.get('name')} ({gpu.get('memory_total')}, driver {gpu.get('driver')})" if gpu
-               else f"no GPU ({env.get('cpu_count')} CPU cores)")
-    lines = ["# GPU benchmarks", "",
-             f"{env['date']} · {machine} · torch {versions.get('torch')} · CUDA {versions.get('cuda')} · "
-             f"cuDNN {versions.get('cudnn')} · NCCL {versions.get('nccl')} · deepspeed {versions.get('deepspeed')} · "
-             f"open_clip {versions.get('open_clip_torch')} · Python {versions.get('python')}", "",
-             "Produced by `bash benchmarks/gpu/run.sh` (`benchmarks/gpu/suite.py`); every raw figure is in gpu.json."]
+    machine = (
+        f"{gpu.get('name')} ({gpu.get('memory_total')}, driver {gpu.get('driver')})"
+        if gpu
+        else f"no GPU ({env.get('cpu_count')} CPU cores)"
+    )
+    lines = [
+        "# GPU benchmarks",
+        "",
+        f"{env['date']} · {machine} · torch {versions.get('torch')} · CUDA {versions.get('cuda')} · "
+        f"cuDNN {versions.get('cudnn')} · NCCL {versions.get('nccl')} · deepspeed {versions.get('deepspeed')} · "
+        f"open_clip {versions.get('open_clip_torch')} · Python {versions.get('python')}",
+        "",
+        "Produced by `bash benchmarks/gpu/run.sh` (`benchmarks/gpu/suite.py`); every raw figure is in gpu.json.",
+    ]
     if record.get("dry_run"):
         lines.append("**Dry run** on CPU with tiny shapes: it checks the suite, its figures say nothing about a GPU.")
     if record.get("merged_from"):
         lines.append("Merged from " + ", ".join(f"`{m}`" for m in record["merged_from"]) + ".")
-    rows = [[name, stage["status"], fmt(stage.get("seconds"), 0), fmt(stage.get("cap_s"), 0)]
-            for name, stage in record["stages"].items()]
+    rows = [
+        [name, stage["status"], fmt(stage.get("seconds"), 0), fmt(stage.get("cap_s"), 0)]
+        for name, stage in record["stages"].items()
+    ]
     return [*lines, "", *table(["stage", "status", "seconds", "cap s"], rows), ""]
 
 
 def clip_section(r: dict) -> list[str]:
     matmul = r["matmul"]
-    lines = [f"Batch {r['batch']}, {r['steps']} steps of which the first {r['warmup_steps']} are not timed (medians), "
-             f"{r['loader_workers']} loader workers, model `{r['model']}`. mmpt: DeepSpeed bf16 (bf16 weights, fp32 "
-             f"master copy); open_clip_train: `--precision {r['open_clip_precision']}` (autocast). Step times are "
-             "what each trainer logs, timed on the host: mmpt's forward time has no device synchronisation, so "
-             "kernels still running when it returns count in backward + optimizer; open_clip logs data and whole-step "
-             "time only.",
-             f"FLOPs per step (FlopCounterMode, forward + backward): {sig(r['flops_per_step'] / 1e12)} TFLOP. "
-             f"Measured dense bf16 matmul ({matmul['size']}³): **{sig(matmul['tflops'])} TFLOP/s**. "
-             f"Nominal: {fmt(r['nominal_peak_tflops'], 0)} TFLOP/s ({r['nominal_note']}).", ""]
+    lines = [
+        f"Batch {r['batch']}, {r['steps']} steps of which the first {r['warmup_steps']} are not timed (medians), "
+        f"{r['loader_workers']} loader workers, model `{r['model']}`. mmpt: DeepSpeed bf16 (bf16 weights, fp32 "
+        f"master copy); open_clip_train: `--precision {r['open_clip_precision']}` (autocast). Step times are "
+        "what each trainer logs, timed on the host: mmpt's forward time has no device synchronisation, so "
+        "kernels still running when it returns count in backward + optimizer; open_clip logs data and whole-step "
+        "time only.",
+        f"FLOPs per step (FlopCounterMode, forward + backward): {sig(r['flops_per_step'] / 1e12)} TFLOP. "
+        f"Measured dense bf16 matmul ({matmul['size']}³): **{sig(matmul['tflops'])} TFLOP/s**. "
+        f"Nominal: {fmt(r['nominal_peak_tflops'], 0)} TFLOP/s ({r['nominal_note']}).",
+        "",
+    ]
     rows = []
     for run in r["runs"]:
         if run["status"] != "ok":
             rows.append([run["name"], fmt(run.get("zero_stage")), run["status"], *["n/a"] * 11])
             continue
-        rows.append([run["name"], fmt(run.get("zero_stage")), "ok", fmt(run["samples_per_s"]), fmt(run["step_s"], 3),
-                     fmt(run["data_s"], 3), fmt(run["compute_s"], 3), fmt(run["forward_s"], 3),
-                     fmt(run["backward_optimizer_s"], 3), gib(run.get("peak_allocated_mib")),
-                     gib(run.get("peak_reserved_mib")), sig(run.get("achieved_tflops")),
-                     pct(run.get("mfu_measured_peak")), pct(run.get("mfu_nominal_peak"))])
-    return [*lines, *table(["trainer", "ZeRO", "status", "samples/s", "step s", "data s", "fwd+bwd+opt s",
-                            "forward s", "bwd+opt s", "peak alloc GiB", "peak reserved GiB", "TFLOP/s",
-                            "MFU (measured peak)", "MFU (nominal)"], rows)]
+        rows.append(
+            [
+                run["name"],
+                fmt(run.get("zero_stage")),
+                "ok",
+                fmt(run["samples_per_s"]),
+                fmt(run["step_s"], 3),
+                fmt(run["data_s"], 3),
+                fmt(run["compute_s"], 3),
+                fmt(run["forward_s"], 3),
+                fmt(run["backward_optimizer_s"], 3),
+                gib(run.get("peak_allocated_mib")),
+                gib(run.get("peak_reserved_mib")),
+                sig(run.get("achieved_tflops")),
+                pct(run.get("mfu_measured_peak")),
+                pct(run.get("mfu_nominal_peak")),
+            ]
+        )
+    return [
+        *lines,
+        *table(
+            [
+                "trainer",
+                "ZeRO",
+                "status",
+                "samples/s",
+                "step s",
+                "data s",
+                "fwd+bwd+opt s",
+                "forward s",
+                "bwd+opt s",
+                "peak alloc GiB",
+                "peak reserved GiB",
+                "TFLOP/s",
+                "MFU (measured peak)",
+                "MFU (nominal)",
+            ],
+            rows,
+        ),
+    ]
 
 
 def m2_section(r: dict) -> list[str]:
-    lines = [f"`{r['config']}` on the digits shards, tile {r['tile_size']} columns, {r['loader_workers']} loader "
-             f"workers. samples/s at the fixed micro-batch ({r['steps']} steps, first {r['warmup_steps']} not timed); "
-             f"then the micro-batch doubles ({r['search_steps']}-step trials, RandAugment off) until it runs out of "
-             f"memory, reaches {r['batch_cap']}, or the stage's time is up.", ""]
+    lines = [
+        f"`{r['config']}` on the digits shards, tile {r['tile_size']} columns, {r['loader_workers']} loader "
+        f"workers. samples/s at the fixed micro-batch ({r['steps']} steps, first {r['warmup_steps']} not timed); "
+        f"then the micro-batch doubles ({r['search_steps']}-step trials, RandAugment off) until it runs out of "
+        f"memory, reaches {r['batch_cap']}, or the stage's time is up.",
+        "",
+    ]
     rows = []
     for s in r["settings"]:
         t = s.get("throughput") or {}
-        rows.append([str(s["zero_stage"]), str(s["grad_accum"]), fmt(t.get("batch")), fmt(t.get("samples_per_s")),
-                     fmt(t.get("step_s"), 3), fmt(t.get("data_s"), 3), gib(t.get("peak_allocated_mib")),
-                     fmt(s["largest_fit"]), fmt(s["first_oom"]), s["stopped_by"]])
-    lines += table(["ZeRO", "grad_accum", "micro-batch", "samples/s", "step s", "data s", "peak alloc GiB",
-                    "largest micro-batch that fits", "first OOM", "search stopped by"], rows)
-    trials = [[str(s["zero_stage"]), str(s["grad_accum"]), str(t["batch"]), t["status"],
-               gib(t.get("peak_allocated_mib")), fmt(t.get("wall_s"), 0)]
-              for s in r["settings"] for t in s["throughput_trials"] + s["search_trials"]]
-    return [*lines, "", "Trials:", "", *table(["ZeRO", "grad_accum", "micro-batch", "status", "peak alloc GiB",
-                                               "wall s"], trials)]
+        rows.append(
+            [
+                str(s["zero_stage"]),
+                str(s["grad_accum"]),
+                fmt(t.get("batch")),
+                fmt(t.get("samples_per_s")),
+                fmt(t.get("step_s"), 3),
+                fmt(t.get("data_s"), 3),
+                gib(t.get("peak_allocated_mib")),
+                fmt(s["largest_fit"]),
+                fmt(s["first_oom"]),
+                s["stopped_by"],
+            ]
+        )
+    lines += table(
+        [
+            "ZeRO",
+            "grad_accum",
+            "micro-batch",
+            "samples/s",
+            "step s",
+            "data s",
+            "peak alloc GiB",
+            "largest micro-batch that fits",
+            "first OOM",
+            "search stopped by",
+        ],
+        rows,
+    )
+    trials = [
+        [
+            str(s["zero_stage"]),
+            str(s["grad_accum"]),
+            str(t["batch"]),
+            t["status"],
+            gib(t.get("peak_allocated_mib")),
+            fmt(t.get("wall_s"), 0),
+        ]
+        for s in r["settings"]
+        for t in s["throughput_trials"] + s["search_trials"]
+    ]
+    return [
+        *lines,
+        "",
+        "Trials:",
+        "",
+        *table(["ZeRO", "grad_accum", "micro-batch", "status", "peak alloc GiB", "wall s"], trials),
+    ]
 
 
 def loss_section(r: dict) -> list[str]:
-    lines = [f"Forward + backward of the loss alone on given features: D = {r['dim']}, {r['dtype']}, tile "
-             f"{r['tile_size']} columns, world {r['world_size']}; memory is {r['memory']}. The batch doubles until "
-             "out of memory or the next trial would not finish in time (time grows as b²).", ""]
+    lines = [
+        f"Forward + backward of the loss alone on given features: D = {r['dim']}, {r['dtype']}, tile "
+        f"{r['tile_size']} columns, world {r['world_size']}; memory is {r['memory']}. The batch doubles until "
+        "out of memory or the next trial would not finish in time (time grows as b²).",
+        "",
+    ]
     summary = [[v["variant"], fmt(v["largest_fit"]), fmt(v["first_oom"]), v["stopped_by"]] for v in r["variants"]]
     lines += table(["loss", "largest b that fits", "first OOM", "stopped by"], summary)
-    rows = [[v["variant"], str(t["batch"]), t["status"], fmt(t.get("peak_mib"), 1), fmt(t.get("wall_s"), 1, 1000)]
-            for v in r["variants"] for t in v["trials"]]
+    rows = [
+        [v["variant"], str(t["batch"]), t["status"], fmt(t.get("peak_mib"), 1), fmt(t.get("wall_s"), 1, 1000)]
+        for v in r["variants"]
+        for t in v["trials"]
+    ]
     return [*lines, "", *table(["loss", "b", "status", "peak MiB", "time ms"], rows)]
 
 
@@ -120,23 +211,44 @@ def method_section(r: dict) -> list[str]:
     run = r.get("run") or {}
     extra = {"video decoder": r.get("video_backend"), "encoder": r.get("encoder")}
     notes = ", ".join(f"{k}: {v}" for k, v in extra.items() if v)
-    lines = [f"`{r['config']}` ({notes}), {r['steps']} steps, the first {r['warmup_steps']} not timed, "
-             f"{r['loader_workers']} loader workers; the batch starts at {r['start_batch']} (the config's: "
-             f"{r['config_batch']}) and halves while it does not fit.", ""]
-    row = [fmt(r["batch"]), fmt(run.get("samples_per_s")), fmt(run.get("step_s"), 3), fmt(run.get("data_s"), 3),
-           fmt(run.get("forward_s"), 3), gib(run.get("peak_allocated_mib")), gib(run.get("peak_reserved_mib"))]
-    return [*lines, *table(["batch", "samples/s", "step s", "data s", "forward s", "peak alloc GiB",
-                            "peak reserved GiB"], [row])]
+    lines = [
+        f"`{r['config']}` ({notes}), {r['steps']} steps, the first {r['warmup_steps']} not timed, "
+        f"{r['loader_workers']} loader workers; the batch starts at {r['start_batch']} (the config's: "
+        f"{r['config_batch']}) and halves while it does not fit.",
+        "",
+    ]
+    row = [
+        fmt(r["batch"]),
+        fmt(run.get("samples_per_s")),
+        fmt(run.get("step_s"), 3),
+        fmt(run.get("data_s"), 3),
+        fmt(run.get("forward_s"), 3),
+        gib(run.get("peak_allocated_mib")),
+        gib(run.get("peak_reserved_mib")),
+    ]
+    return [
+        *lines,
+        *table(["batch", "samples/s", "step s", "data s", "forward s", "peak alloc GiB", "peak reserved GiB"], [row]),
+    ]
 
 
 def nccl_section(r: dict) -> list[str]:
     rows = [[name, status, fmt(r["seconds"].get(name), 4)] for name, status in r["collectives"].items()]
-    return [f"Backend {r['backend']} (NCCL {fmt(r['nccl_version'])}), world size {r['world_size']}. "
-            f"**{r['note']}.**", "", *table(["collective", "result", "seconds"], rows)]
+    return [
+        f"Backend {r['backend']} (NCCL {fmt(r['nccl_version'])}), world size {r['world_size']}. **{r['note']}.**",
+        "",
+        *table(["collective", "result", "seconds"], rows),
+    ]
 
 
-SECTIONS = {"clip_vitb16": clip_section, "m2_encoder": m2_section, "loss_memory": loss_section,
-            "victor": method_section, "space2": method_section, "nccl": nccl_section}
+SECTIONS = {
+    "clip_vitb16": clip_section,
+    "m2_encoder": m2_section,
+    "loss_memory": loss_section,
+    "victor": method_section,
+    "space2": method_section,
+    "nccl": nccl_section,
+}
 
 
 def markdown(record: dict) -> str:

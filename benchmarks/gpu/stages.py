@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import corpora
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import corpora
 from training import REPO, Runner, deep_update, mmpt_run, open_clip_run
 
 if str(REPO) not in sys.path:  # the other benchmarks (benchmarks.train_throughput, ...) as modules
@@ -38,6 +37,7 @@ BERT_BASE_CHINESE_VOCAB = 21128
 @dataclass(frozen=True)
 class Profile:
     """Sizes of one kind of run: the GPU suite, or the CPU dry run that checks it end to end in a minute."""
+
     dry_run: bool
     device: str
     precision: str
@@ -60,24 +60,74 @@ class Profile:
     space2_overrides: dict = field(default_factory=dict)
 
 
-GPU = Profile(dry_run=False, device="cuda", precision="bf16", workers=12, steps=15, warmup=5, search_steps=3,
-              clip_model="ViT-B-16", clip_batch=256, matmul_size=8192, m2_batch=256, m2_batch_cap=4096, m2_tile=1024,
-              loss_batch=4096, loss_batch_cap=2**22, victor_batch=None, space2_batch=None,
-              victor_overrides={"method": {"text": {"vocab_size": BERT_BASE_CHINESE_VOCAB}}})
+GPU = Profile(
+    dry_run=False,
+    device="cuda",
+    precision="bf16",
+    workers=12,
+    steps=15,
+    warmup=5,
+    search_steps=3,
+    clip_model="ViT-B-16",
+    clip_batch=256,
+    matmul_size=8192,
+    m2_batch=256,
+    m2_batch_cap=4096,
+    m2_tile=1024,
+    loss_batch=4096,
+    loss_batch_cap=2**22,
+    victor_batch=None,
+    space2_batch=None,
+    victor_overrides={"method": {"text": {"vocab_size": BERT_BASE_CHINESE_VOCAB}}},
+)
 
 DRY = Profile(
-    dry_run=True, device="cpu", precision="bf16", workers=0, steps=2, warmup=1, search_steps=1,
-    clip_model=str(REPO / "benchmarks/configs/bench-vit-tiny.json"), clip_batch=4, matmul_size=256,
-    m2_batch=2, m2_batch_cap=4, m2_tile=6, loss_batch=64, loss_batch_cap=128, victor_batch=2, space2_batch=4,
+    dry_run=True,
+    device="cpu",
+    precision="bf16",
+    workers=0,
+    steps=2,
+    warmup=1,
+    search_steps=1,
+    clip_model=str(REPO / "benchmarks/configs/bench-vit-tiny.json"),
+    clip_batch=4,
+    matmul_size=256,
+    m2_batch=2,
+    m2_batch_cap=4,
+    m2_tile=6,
+    loss_batch=64,
+    loss_batch_cap=128,
+    victor_batch=2,
+    space2_batch=4,
     # The shapes of tests/test_config_matrix.py's shrunk configs: the same code paths, tiny.
-    m2_overrides={"method": {"arch": {"vocab_size": None, "width": 32, "heads": 2, "lower_layers": 1,
-                                      "shared_layers": 1, "output_dim": 16, "image_size": 32, "patch_size": 8,
-                                      "text_positions": 32, "context_length": 24, "position_init_std": 0.02},
-                             "augment": {"randaugment": False}}},
-    victor_overrides={"method": {"video": {"backbone": "resnet10t", "image_size": 32, "num_frames": 4, "width": 32,
-                                        "layers": 1, "heads": 2},
-                              "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 24},
-                              "embed_dim": 16, "cross_layers": 1, "queue_size": 16, "frame_queue_size": 32}},
+    m2_overrides={
+        "method": {
+            "arch": {
+                "vocab_size": None,
+                "width": 32,
+                "heads": 2,
+                "lower_layers": 1,
+                "shared_layers": 1,
+                "output_dim": 16,
+                "image_size": 32,
+                "patch_size": 8,
+                "text_positions": 32,
+                "context_length": 24,
+                "position_init_std": 0.02,
+            },
+            "augment": {"randaugment": False},
+        }
+    },
+    victor_overrides={
+        "method": {
+            "video": {"backbone": "resnet10t", "image_size": 32, "num_frames": 4, "width": 32, "layers": 1, "heads": 2},
+            "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 24},
+            "embed_dim": 16,
+            "cross_layers": 1,
+            "queue_size": 16,
+            "frame_queue_size": 32,
+        }
+    },
     space2_overrides={"method": {"max_len": 64, "max_turns": 4, "max_utt_len": 16}},
 )
 
@@ -100,8 +150,15 @@ class Context:
 # ----------------------------------------------------------------------------- shared measurements
 
 
-def search_batch(trial: Callable[[int], dict], start: int, cap: int, deadline: float, growth: float = 2.0,
-                 known_fit: int | None = None, clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+def search_batch(
+    trial: Callable[[int], dict],
+    start: int,
+    cap: int,
+    deadline: float,
+    growth: float = 2.0,
+    known_fit: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, Any]:
     """The largest batch that fits: halve from `start` while trials run out of memory, double while they fit,
     up to `cap`, stopping when the next trial (estimated at `growth` x the last one's wall time) would
     pass `deadline`. `known_fit`: a smaller batch already seen to fit (no halving below `start` then).
@@ -147,8 +204,13 @@ def matmul_peak(device: str, size: int, repeats: int = 50) -> dict[str, Any]:
         a @ b
     synchronize(device)
     seconds = (time.perf_counter() - started) / repeats
-    return {"size": size, "dtype": "bfloat16", "repeats": repeats, "seconds": seconds,
-            "tflops": 2 * size**3 / seconds / 1e12}
+    return {
+        "size": size,
+        "dtype": "bfloat16",
+        "repeats": repeats,
+        "seconds": seconds,
+        "tflops": 2 * size**3 / seconds / 1e12,
+    }
 
 
 def synchronize(device: str) -> None:
@@ -208,10 +270,28 @@ def clip_vitb16(ctx: Context) -> dict[str, Any]:
     shards, batch and precision; step-time breakdown, peak memory and MFU."""
     p = ctx.profile
     digits = corpora.digits(ctx.data, p.dry_run)
-    runs = [mmpt_run(f"mmpt ZeRO-{zero}", ctx.work, clip_config(p, digits, zero), p.steps, p.clip_batch,
-                     trainer="mmpt", zero_stage=zero) for zero in (0, 2)]
-    runs.append(open_clip_run("open_clip_train", ctx.work, open_clip_args(p, digits), p.clip_batch,
-                              trainer="open_clip_train", zero_stage=None))
+    runs = [
+        mmpt_run(
+            f"mmpt ZeRO-{zero}",
+            ctx.work,
+            clip_config(p, digits, zero),
+            p.steps,
+            p.clip_batch,
+            trainer="mmpt",
+            zero_stage=zero,
+        )
+        for zero in (0, 2)
+    ]
+    runs.append(
+        open_clip_run(
+            "open_clip_train",
+            ctx.work,
+            open_clip_args(p, digits),
+            p.clip_batch,
+            trainer="open_clip_train",
+            zero_stage=None,
+        )
+    )
     records = []
     for index, run in enumerate(runs):
         records.append(ctx.runner.run(run, run_share(ctx, len(runs) - index + 1), p.warmup))
@@ -222,12 +302,26 @@ def clip_vitb16(ctx: Context) -> dict[str, Any]:
     for record in records:
         if record.get("step_s"):
             achieved = flops / record["step_s"] / 1e12
-            record.update(achieved_tflops=achieved, mfu_measured_peak=achieved / peak["tflops"],
-                          mfu_nominal_peak=None if nominal is None else achieved / nominal)
-    return {"model": Path(p.clip_model).stem, "batch": p.clip_batch, "precision": p.precision,
-            "open_clip_precision": "amp_bf16", "steps": p.steps, "warmup_steps": p.warmup,
-            "loader_workers": p.workers, "flops_per_step": flops, "matmul": peak, "nominal_peak_tflops": nominal,
-            "nominal_note": NOMINAL_NOTE, "runs": records, "errors": failures(records)}
+            record.update(
+                achieved_tflops=achieved,
+                mfu_measured_peak=achieved / peak["tflops"],
+                mfu_nominal_peak=None if nominal is None else achieved / nominal,
+            )
+    return {
+        "model": Path(p.clip_model).stem,
+        "batch": p.clip_batch,
+        "precision": p.precision,
+        "open_clip_precision": "amp_bf16",
+        "steps": p.steps,
+        "warmup_steps": p.warmup,
+        "loader_workers": p.workers,
+        "flops_per_step": flops,
+        "matmul": peak,
+        "nominal_peak_tflops": nominal,
+        "nominal_note": NOMINAL_NOTE,
+        "runs": records,
+        "errors": failures(records),
+    }
 
 
 def clip_config(p: Profile, digits: Path, zero: int) -> dict:
@@ -236,8 +330,15 @@ def clip_config(p: Profile, digits: Path, zero: int) -> dict:
 
     return {
         "method": {"name": "open_clip", "model": p.clip_model, "zeroshot": {"dataset": None}},
-        "data": {"train": {"sources": [{"shards": str(digits / "train/en-*.tar")}], "mode": "resampled",
-                           "batch_size": p.clip_batch, "num_workers": p.workers, "shuffle_buffer": 1000}},
+        "data": {
+            "train": {
+                "sources": [{"shards": str(digits / "train/en-*.tar")}],
+                "mode": "resampled",
+                "batch_size": p.clip_batch,
+                "num_workers": p.workers,
+                "shuffle_buffer": 1000,
+            }
+        },
         "optim": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.98], "eps": 1e-6, "warmup_steps": WARMUP_LR_STEPS},
         "train": {"grad_clip": 0.0, "precision": p.precision, "zero_stage": zero, "seed": 0},
     }
@@ -249,12 +350,49 @@ def open_clip_args(p: Profile, digits: Path) -> list[str]:
 
     shards = sorted((digits / "train").glob("en-*.tar"))
     pattern = f"{digits / 'train'}/en-{{{shards[0].stem[3:]}..{shards[-1].stem[3:]}}}.tar"
-    return ["--train-data", pattern, "--dataset-type", "webdataset", "--dataset-resampled",
-            "--train-num-samples", str(p.steps * p.clip_batch), "--epochs", "1", "--batch-size", str(p.clip_batch),
-            "--workers", str(p.workers), "--model", Path(p.clip_model).stem, "--lr", str(LR), "--wd", str(WD),
-            "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6", "--warmup", str(WARMUP_LR_STEPS),
-            "--precision", "amp_bf16", "--device", p.device, "--local-loss", "--gather-with-grad",
-            "--log-every-n-steps", "1", "--save-frequency", "0", "--report-to", "", "--seed", "0"]
+    return [
+        "--train-data",
+        pattern,
+        "--dataset-type",
+        "webdataset",
+        "--dataset-resampled",
+        "--train-num-samples",
+        str(p.steps * p.clip_batch),
+        "--epochs",
+        "1",
+        "--batch-size",
+        str(p.clip_batch),
+        "--workers",
+        str(p.workers),
+        "--model",
+        Path(p.clip_model).stem,
+        "--lr",
+        str(LR),
+        "--wd",
+        str(WD),
+        "--beta1",
+        "0.9",
+        "--beta2",
+        "0.98",
+        "--eps",
+        "1e-6",
+        "--warmup",
+        str(WARMUP_LR_STEPS),
+        "--precision",
+        "amp_bf16",
+        "--device",
+        p.device,
+        "--local-loss",
+        "--gather-with-grad",
+        "--log-every-n-steps",
+        "1",
+        "--save-frequency",
+        "0",
+        "--report-to",
+        "",
+        "--seed",
+        "0",
+    ]
 
 
 def m2_encoder(ctx: Context) -> dict[str, Any]:
@@ -270,37 +408,77 @@ def m2_encoder(ctx: Context) -> dict[str, Any]:
         def trial(batch: int, search: bool, zero: int = zero, accum: int = accum) -> dict:
             steps = p.search_steps if search else p.steps
             config = m2_config(p, digits, batch, zero, accum, search)
-            run = mmpt_run(f"m2 ZeRO-{zero} accum{accum} b{batch}{' search' if search else ''}", ctx.work, config,
-                           steps, batch * accum, zero_stage=zero, grad_accum=accum)
+            run = mmpt_run(
+                f"m2 ZeRO-{zero} accum{accum} b{batch}{' search' if search else ''}",
+                ctx.work,
+                config,
+                steps,
+                batch * accum,
+                zero_stage=zero,
+                grad_accum=accum,
+            )
             return ctx.runner.run(run, max(1.0, share_end - time.monotonic()), p.warmup)
 
         measured = search_batch(lambda b: trial(b, search=False), p.m2_batch, p.m2_batch, share_end)
         fit = measured["largest_fit"]
         throughput = next((t for t in measured["trials"] if t["batch"] == fit), None)
-        search = (search_batch(lambda b: trial(b, search=True), 2 * fit, p.m2_batch_cap, share_end, known_fit=fit)
-                  if fit else {"largest_fit": None, "first_oom": None, "stopped_by": "nothing fits", "trials": []})
-        results.append({"zero_stage": zero, "grad_accum": accum, "throughput": throughput,
-                        "throughput_trials": measured["trials"], "largest_fit": search["largest_fit"],
-                        "first_oom": search["first_oom"] or measured["first_oom"],
-                        "stopped_by": search["stopped_by"] if fit else measured["stopped_by"],
-                        "search_trials": search["trials"]})
-        errors += [f"ZeRO-{zero} accum {accum}: {t['status']}: {t.get('error')}"
-                   for t in measured["trials"] + search["trials"] if t["status"] == "error"]
+        search = (
+            search_batch(lambda b: trial(b, search=True), 2 * fit, p.m2_batch_cap, share_end, known_fit=fit)
+            if fit
+            else {"largest_fit": None, "first_oom": None, "stopped_by": "nothing fits", "trials": []}
+        )
+        results.append(
+            {
+                "zero_stage": zero,
+                "grad_accum": accum,
+                "throughput": throughput,
+                "throughput_trials": measured["trials"],
+                "largest_fit": search["largest_fit"],
+                "first_oom": search["first_oom"] or measured["first_oom"],
+                "stopped_by": search["stopped_by"] if fit else measured["stopped_by"],
+                "search_trials": search["trials"],
+            }
+        )
+        errors += [
+            f"ZeRO-{zero} accum {accum}: {t['status']}: {t.get('error')}"
+            for t in measured["trials"] + search["trials"]
+            if t["status"] == "error"
+        ]
         if throughput is None:
             errors.append(f"ZeRO-{zero} accum {accum}: no throughput run completed ({measured['stopped_by']})")
-    return {"config": "configs/m2_encoder/0.4b.yaml", "precision": p.precision, "loss": "gba_itc",
-            "tile_size": p.m2_tile, "steps": p.steps, "warmup_steps": p.warmup, "search_steps": p.search_steps,
-            "batch_cap": p.m2_batch_cap, "loader_workers": p.workers, "settings": results, "errors": errors}
+    return {
+        "config": "configs/m2_encoder/0.4b.yaml",
+        "precision": p.precision,
+        "loss": "gba_itc",
+        "tile_size": p.m2_tile,
+        "steps": p.steps,
+        "warmup_steps": p.warmup,
+        "search_steps": p.search_steps,
+        "batch_cap": p.m2_batch_cap,
+        "loader_workers": p.workers,
+        "settings": results,
+        "errors": errors,
+    }
 
 
 def m2_config(p: Profile, digits: Path, batch: int, zero: int, accum: int, search: bool) -> dict:
     """The shipped 0.4B config on the digits shards; batch-size trials leave RandAugment out (memory only)."""
     config = {
         "extends": str(REPO / "configs/m2_encoder/0.4b.yaml"),
-        "method": {"tokenizer": str(digits / "tokenizer.json"), "init_from": None, "zeroshot": {"dataset": None},
-                   "loss": {"accumulation_steps": None, "tile_size": p.m2_tile}},
-        "data": {"train": {"sources": [{"shards": str(digits / f"train/{lang}-*.tar")} for lang in ("en", "zh")],
-                           "batch_size": batch, "num_workers": p.workers, "shuffle_buffer": 1000}},
+        "method": {
+            "tokenizer": str(digits / "tokenizer.json"),
+            "init_from": None,
+            "zeroshot": {"dataset": None},
+            "loss": {"accumulation_steps": None, "tile_size": p.m2_tile},
+        },
+        "data": {
+            "train": {
+                "sources": [{"shards": str(digits / f"train/{lang}-*.tar")} for lang in ("en", "zh")],
+                "batch_size": batch,
+                "num_workers": p.workers,
+                "shuffle_buffer": 1000,
+            }
+        },
         "train": {"zero_stage": zero, "grad_accum": accum, "precision": p.precision},
     }
     deep_update(config, p.m2_overrides)
@@ -313,9 +491,16 @@ def training_configs(p: Profile, data: Path) -> dict[str, dict]:
     """Every config a profile trains (whether or not its corpora exist yet), by run name: for checking them."""
     digits = data / "digits"
     configs = {f"clip ZeRO-{zero}": clip_config(p, digits, zero) for zero in (0, 2)}
-    configs.update({f"m2 ZeRO-{zero} accum{accum}{' search' if search else ''}":
-                    m2_config(p, digits, p.m2_batch, zero, accum, search)
-                    for zero in (2, 3) for accum in (1, 4) for search in (False, True)})
+    configs.update(
+        {
+            f"m2 ZeRO-{zero} accum{accum}{' search' if search else ''}": m2_config(
+                p, digits, p.m2_batch, zero, accum, search
+            )
+            for zero in (2, 3)
+            for accum in (1, 4)
+            for search in (False, True)
+        }
+    )
     configs["victor"] = victor_config(p, data / "moving_digits", "pyav")
     configs["space2"] = space2_config(p, data / "dialogs", data / "bert")
     return configs
@@ -334,16 +519,33 @@ def loss_memory(ctx: Context) -> dict[str, Any]:
     for index, (name, _, loss) in enumerate(losses):
         loss_trial(loss, 8, p.device)  # warm the kernels once
         share_end = time.monotonic() + ctx.left() / (len(losses) - index)
-        found = search_batch(lambda rows, loss=loss: loss_trial(loss, rows, p.device), p.loss_batch, p.loss_batch_cap,
-                             share_end, growth=4.0)  # time grows with b^2
+        found = search_batch(
+            lambda rows, loss=loss: loss_trial(loss, rows, p.device),
+            p.loss_batch,
+            p.loss_batch_cap,
+            share_end,
+            growth=4.0,
+        )  # time grows with b^2
         results.append({"variant": name, **found})
     if p.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    errors = [f"{r['variant']} b={t['batch']}: {t.get('error')}" for r in results for t in r["trials"]
-              if t["status"] == "error"]
-    return {"dim": DIM, "dtype": "float32", "tile_size": tile_of(losses), "world_size": 1,
-            "memory": "torch.cuda.max_memory_allocated above the features" if p.device.startswith("cuda")
-            else "resident set above the features (CPU)", "variants": results, "errors": errors}
+    errors = [
+        f"{r['variant']} b={t['batch']}: {t.get('error')}"
+        for r in results
+        for t in r["trials"]
+        if t["status"] == "error"
+    ]
+    return {
+        "dim": DIM,
+        "dtype": "float32",
+        "tile_size": tile_of(losses),
+        "world_size": 1,
+        "memory": "torch.cuda.max_memory_allocated above the features"
+        if p.device.startswith("cuda")
+        else "resident set above the features (CPU)",
+        "variants": results,
+        "errors": errors,
+    }
 
 
 def tile_of(losses: list) -> int | None:
@@ -352,8 +554,9 @@ def tile_of(losses: list) -> int | None:
 
 def loss_trial(loss, rows: int, device: str) -> dict[str, Any]:
     """One forward + backward of `loss` on random unit features: its time and peak memory above the features."""
-    from benchmarks.contrastive_loss import DIM, PeakMemory
     from probe import is_oom
+
+    from benchmarks.contrastive_loss import DIM, PeakMemory
 
     image = text = scale = None
     try:
@@ -392,17 +595,29 @@ def victor(ctx: Context) -> dict[str, Any]:
     p = ctx.profile
     clips = corpora.moving_digits(ctx.data, p.dry_run)
     backend = video_backend()
-    return {**one_method(ctx, "victor", victor_config(p, clips, backend), p.victor_batch),
-            "config": "configs/victor/base.yaml", "video_backend": backend}
+    return {
+        **one_method(ctx, "victor", victor_config(p, clips, backend), p.victor_batch),
+        "config": "configs/victor/base.yaml",
+        "video_backend": backend,
+    }
 
 
 def victor_config(p: Profile, clips: Path, backend: str) -> dict:
     config = {
         "extends": str(REPO / "configs/victor/base.yaml"),
-        "method": {"tokenizer": str(clips / "tokenizer.json"), "video": {"backbone_weights": None},
-                   "retrieval": {"dataset": None}, "backend": backend},
-        "data": {"train": {"sources": [{"shards": str(clips / f"train/{lang}-*.tar")} for lang in ("en", "zh")],
-                           "num_workers": p.workers, "shuffle_buffer": 200}},
+        "method": {
+            "tokenizer": str(clips / "tokenizer.json"),
+            "video": {"backbone_weights": None},
+            "retrieval": {"dataset": None},
+            "backend": backend,
+        },
+        "data": {
+            "train": {
+                "sources": [{"shards": str(clips / f"train/{lang}-*.tar")} for lang in ("en", "zh")],
+                "num_workers": p.workers,
+                "shuffle_buffer": 200,
+            }
+        },
         "train": {"precision": p.precision},
     }
     return deep_update(config, p.victor_overrides)
@@ -420,18 +635,27 @@ def space2(ctx: Context) -> dict[str, Any]:
     p = ctx.profile
     dialogs = corpora.dialogs(ctx.data)
     encoder = corpora.bert_checkpoint(ctx.data / ("bert-tiny" if p.dry_run else "bert-base"), dialogs, p.dry_run)
-    return {**one_method(ctx, "space2", space2_config(p, dialogs, encoder), p.space2_batch),
-            "config": "configs/space2/base.yaml",
-            "encoder": "random BERT, bert-base shape" if not p.dry_run else "random BERT, 2 x 32"}
+    return {
+        **one_method(ctx, "space2", space2_config(p, dialogs, encoder), p.space2_batch),
+        "config": "configs/space2/base.yaml",
+        "encoder": "random BERT, bert-base shape" if not p.dry_run else "random BERT, 2 x 32",
+    }
 
 
 def space2_config(p: Profile, dialogs: Path, encoder: Path) -> dict:
     config = {
         "extends": str(REPO / "configs/space2/base.yaml"),
         "method": {"encoder": str(encoder), "intent_eval": {"dataset": None}},
-        "data": {"train": {"sources": [{"name": kind, "shards": str(dialogs / f"shards/{kind}-*.tar")}
-                                       for kind in ("labelled", "unlabelled")],
-                           "num_workers": p.workers, "shuffle_buffer": 1000}},
+        "data": {
+            "train": {
+                "sources": [
+                    {"name": kind, "shards": str(dialogs / f"shards/{kind}-*.tar")}
+                    for kind in ("labelled", "unlabelled")
+                ],
+                "num_workers": p.workers,
+                "shuffle_buffer": 1000,
+            }
+        },
         "train": {"precision": p.precision},
     }
     return deep_update(config, p.space2_overrides)
@@ -454,9 +678,18 @@ def one_method(ctx: Context, name: str, config: dict, batch: int | None) -> dict
     errors = [f"b={t['batch']}: {t['status']}: {t.get('error')}" for t in found["trials"] if t["status"] == "error"]
     if measured is None:
         errors.append(f"no run completed ({found['stopped_by']})")
-    return {"precision": p.precision, "config_batch": config_batch, "start_batch": start,
-            "batch": found["largest_fit"], "steps": p.steps, "warmup_steps": p.warmup, "loader_workers": p.workers,
-            "run": measured, "trials": found["trials"], "errors": errors}
+    return {
+        "precision": p.precision,
+        "config_batch": config_batch,
+        "start_batch": start,
+        "batch": found["largest_fit"],
+        "steps": p.steps,
+        "warmup_steps": p.warmup,
+        "loader_workers": p.workers,
+        "run": measured,
+        "trials": found["trials"],
+        "errors": errors,
+    }
 
 
 def ensure_process_group(device: str) -> str:
@@ -531,12 +764,18 @@ def nccl(ctx: Context) -> dict[str, Any]:
         dist.barrier()
         return True
 
-    checks = {"all_gather_with_grad (all_gather + reduce-scatter backward)": gather_with_grad,
-              "all_gather": all_gather, "all_gather_into_tensor": all_gather_into_tensor,
-              "reduce_scatter_tensor": reduce_scatter_tensor, "reduce_scatter_rows": reduce_scatter_rows,
-              "all_reduce (sum)": all_reduce, "broadcast": broadcast,
-              "all_gather_object (variable size)": all_gather_object, "new_group + all_gather": subgroup_all_gather,
-              "barrier": barrier}
+    checks = {
+        "all_gather_with_grad (all_gather + reduce-scatter backward)": gather_with_grad,
+        "all_gather": all_gather,
+        "all_gather_into_tensor": all_gather_into_tensor,
+        "reduce_scatter_tensor": reduce_scatter_tensor,
+        "reduce_scatter_rows": reduce_scatter_rows,
+        "all_reduce (sum)": all_reduce,
+        "broadcast": broadcast,
+        "all_gather_object (variable size)": all_gather_object,
+        "new_group + all_gather": subgroup_all_gather,
+        "barrier": barrier,
+    }
     nccl_only = {"reduce_scatter_tensor"}  # gloo has none; mmpt emulates it there with scatters
     statuses: dict[str, str] = {}
     seconds: dict[str, float] = {}
@@ -553,9 +792,15 @@ def nccl(ctx: Context) -> dict[str, Any]:
         except Exception as exc:  # reported per collective
             statuses[name] = f"error: {type(exc).__name__}: {exc}"[:300]
     errors = [f"{k}: {v}" for k, v in statuses.items() if v not in ("ok", SKIPPED_ON_GLOO)]
-    return {"backend": backend, "nccl_version": nccl_version() if backend == "nccl" else None,
-            "world_size": dist.get_world_size(), "note": WORLD_ONE_NOTE, "collectives": statuses,
-            "seconds": seconds, "errors": errors}
+    return {
+        "backend": backend,
+        "nccl_version": nccl_version() if backend == "nccl" else None,
+        "world_size": dist.get_world_size(),
+        "note": WORLD_ONE_NOTE,
+        "collectives": statuses,
+        "seconds": seconds,
+        "errors": errors,
+    }
 
 
 def nccl_version() -> str | None:
@@ -567,9 +812,12 @@ def nccl_version() -> str | None:
 
 
 STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
-    "clip_vitb16": clip_vitb16, "m2_encoder": m2_encoder, "loss_memory": loss_memory, "victor": victor,
-    "space2": space2, "nccl": nccl,
+    "clip_vitb16": clip_vitb16,
+    "m2_encoder": m2_encoder,
+    "loss_memory": loss_memory,
+    "victor": victor,
+    "space2": space2,
+    "nccl": nccl,
 }
 # Seconds each stage may take on the GPU (corpus building included); together 21.5 minutes.
 GPU_CAPS = {"clip_vitb16": 300, "m2_encoder": 540, "loss_memory": 120, "victor": 150, "space2": 120, "nccl": 60}
-

@@ -50,8 +50,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, default=None, help="where gpu.md and gpu.json go")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (corpora, runs, logs)")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, help="gpu.json files to merge into one report")
-    parser.add_argument("--isolate", action="store_true",
-                        help="with --dry-run: the GPU's process layout (a process per stage and per run); slower")
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="with --dry-run: the GPU's process layout (a process per stage and per run); slower",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run these stages here
     parser.add_argument("--context", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -69,8 +72,11 @@ def gpu_info() -> dict[str, str] | None:
     """Name, driver and memory of GPU 0 from nvidia-smi; None where there is none."""
     if shutil.which("nvidia-smi") is None:
         return None
-    query = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                           capture_output=True, text=True)
+    query = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    )
     if query.returncode or not query.stdout.strip():
         return None
     name, driver, memory = (part.strip() for part in query.stdout.splitlines()[0].split(","))
@@ -86,7 +92,6 @@ def version(name: str) -> str | None:
 
 def environment() -> dict[str, Any]:
     import torch
-
     from stages import nccl_version
 
     return {
@@ -94,11 +99,26 @@ def environment() -> dict[str, Any]:
         "gpu": gpu_info(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-                     "nccl": nccl_version(),
-                     **{name: version(name) for name in ("deepspeed", "open_clip_torch", "transformers", "timm",
-                                                         "webdataset", "pydantic", "av", "decord")}},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+            "nccl": nccl_version(),
+            **{
+                name: version(name)
+                for name in (
+                    "deepspeed",
+                    "open_clip_torch",
+                    "transformers",
+                    "timm",
+                    "webdataset",
+                    "pydantic",
+                    "av",
+                    "decord",
+                )
+            },
+        },
     }
 
 
@@ -107,9 +127,8 @@ def environment() -> dict[str, Any]:
 
 def run_worker(names: list[str], context_file: Path) -> int:
     """Run `names` one after another in this process, each until its own deadline; one result file per stage."""
-    import torch.distributed as dist
-
     import stages
+    import torch.distributed as dist
     from training import Runner
 
     context = json.loads(context_file.read_text())
@@ -151,8 +170,13 @@ def launch(names: list[str], caps: dict[str, float], work: Path, dry_run: bool, 
     if dry_run:  # tiny shapes: torch's thread pool only spins against the other processes of a small machine
         env.setdefault("OMP_NUM_THREADS", "1")
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, str(HERE / "suite.py"), "--worker", ",".join(names),
-                                    "--context", str(context)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(
+            [sys.executable, str(HERE / "suite.py"), "--worker", ",".join(names), "--context", str(context)],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         try:
             code = process.wait(timeout=timeout)
             why = f"its process exited with {code} before writing a result"
@@ -162,8 +186,16 @@ def launch(names: list[str], caps: dict[str, float], work: Path, dry_run: bool, 
     outcomes = {}
     for name in names:
         result = work / "results" / f"{name}.json"
-        outcomes[name] = json.loads(result.read_text()) if result.is_file() else {
-            "status": "failed", "error": f"{why}; log {log}: {log_tail(log)}", "results": None, "cap_s": caps[name]}
+        outcomes[name] = (
+            json.loads(result.read_text())
+            if result.is_file()
+            else {
+                "status": "failed",
+                "error": f"{why}; log {log}: {log_tail(log)}",
+                "results": None,
+                "cap_s": caps[name],
+            }
+        )
     return outcomes
 
 
@@ -188,8 +220,11 @@ def run_stages(names: list[str], budget: float, work: Path, dry_run: bool, isola
             outcomes[name] = {"status": "skipped", "error": f"suite budget spent ({budget:.0f} s)", "results": None}
         else:
             outcomes.update(launch([name], {name: cap}, work, dry_run, isolate))
-        print(f"stage {name}: {outcomes[name]['status']}"
-              + (f" ({outcomes[name]['error']})" if outcomes[name]["error"] else ""), flush=True)
+        print(
+            f"stage {name}: {outcomes[name]['status']}"
+            + (f" ({outcomes[name]['error']})" if outcomes[name]["error"] else ""),
+            flush=True,
+        )
     return outcomes
 
 
@@ -222,8 +257,12 @@ def merge(files: list[Path]) -> dict:
     stages: dict[str, dict] = {}
     for record in records:
         stages.update(record["stages"])
-    return {**records[0], "stages": stages, "merged_from": [str(f) for f in files],
-            "dry_run": any(r.get("dry_run") for r in records)}
+    return {
+        **records[0],
+        "stages": stages,
+        "merged_from": [str(f) for f in files],
+        "dry_run": any(r.get("dry_run") for r in records),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -242,14 +281,22 @@ def main(argv: list[str]) -> int:
         return 2
     work = args.work or Path(tempfile.gettempdir()) / ("mmpt-gpu-dry" if args.dry_run else "mmpt-gpu-bench")
     started = time.monotonic()
-    record = {"suite": "benchmarks/gpu/suite.py", "dry_run": args.dry_run, "budget_s": args.budget,
-              "environment": environment(), "stages": {}}
+    record = {
+        "suite": "benchmarks/gpu/suite.py",
+        "dry_run": args.dry_run,
+        "budget_s": args.budget,
+        "environment": environment(),
+        "stages": {},
+    }
     record["stages"] = run_stages(args.only, args.budget, work, args.dry_run, isolate=args.isolate or not args.dry_run)
     record["seconds"] = time.monotonic() - started
     write(record, output_dirs(args.output_dir, args.dry_run))
     failed = [n for n, s in record["stages"].items() if s["status"] != "ok"]
-    print(f"suite: {len(record['stages']) - len(failed)} of {len(record['stages'])} stages ok in "
-          f"{record['seconds']:.0f} s" + (f"; not ok: {', '.join(failed)}" if failed else ""), flush=True)
+    print(
+        f"suite: {len(record['stages']) - len(failed)} of {len(record['stages'])} stages ok in "
+        f"{record['seconds']:.0f} s" + (f"; not ok: {', '.join(failed)}" if failed else ""),
+        flush=True,
+    )
     return 1 if failed else 0
 
 

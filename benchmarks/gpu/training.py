@@ -75,8 +75,15 @@ def mmpt_run(name: str, work: Path, config: dict, steps: int, global_batch: int,
 
 def open_clip_run(name: str, work: Path, args: list[str], global_batch: int, **facts: Any) -> Run:
     logs = work / "open_clip_logs"
-    return Run(name, OPEN_CLIP_MAIN, [*args, "--logs", str(logs), "--name", slug(name)], logs / slug(name), False,
-               global_batch, facts)
+    return Run(
+        name,
+        OPEN_CLIP_MAIN,
+        [*args, "--logs", str(logs), "--name", slug(name)],
+        logs / slug(name),
+        False,
+        global_batch,
+        facts,
+    )
 
 
 def slug(name: str) -> str:
@@ -117,16 +124,26 @@ class Runner:
         result = self.logs / f"{slug(run.name)}.json"
         log = self.logs / f"{slug(run.name)}.log"
         result.unlink(missing_ok=True)
-        command = [sys.executable, str(PROBE), str(result), *(["--mmpt"] if run.mmpt else []), "--",
-                   str(run.script), *run.args]
+        command = [
+            sys.executable,
+            str(PROBE),
+            str(result),
+            *(["--mmpt"] if run.mmpt else []),
+            "--",
+            str(run.script),
+            *run.args,
+        ]
         with log.open("w") as out:
             process = subprocess.Popen(command, cwd=REPO, env=self._env(run), stdout=out, stderr=subprocess.STDOUT)
             try:
                 process.wait(timeout=max(1.0, timeout))
             except subprocess.TimeoutExpired:
                 kill_tree(process)
-                return {"status": "timeout", "wall_s": timeout,
-                        "error": f"stopped after {timeout:.0f} s (its share of the stage's time)"}
+                return {
+                    "status": "timeout",
+                    "wall_s": timeout,
+                    "error": f"stopped after {timeout:.0f} s (its share of the stage's time)",
+                }
         if not result.is_file():
             return {"status": "error", "error": f"exited with {process.returncode}: {tail(log)}"}
         record = json.loads(result.read_text())
@@ -181,16 +198,23 @@ def mmpt_steps(run_dir: Path) -> list[dict[str, float]]:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if "step_time_per_rank" in record:
-            steps.append({"step_s": record["step_time_per_rank"][0], "data_s": record["data_time_per_rank"][0],
-                          "forward_s": record["forward_time_per_rank"][0]})
+            steps.append(
+                {
+                    "step_s": record["step_time_per_rank"][0],
+                    "data_s": record["data_time_per_rank"][0],
+                    "forward_s": record["forward_time_per_rank"][0],
+                }
+            )
     return steps
 
 
 def open_clip_steps(log_dir: Path) -> list[dict[str, float]]:
     """Per logged step: open_clip's `Data (t)` and `Batch (t)` (batch time includes data time)."""
     text = (log_dir / "out.log").read_text()
-    return [{"step_s": float(b), "data_s": float(d), "forward_s": None}
-            for d, b in re.findall(r"Data \(t\): ([0-9.]+) Batch \(t\): ([0-9.]+)", text)]
+    return [
+        {"step_s": float(b), "data_s": float(d), "forward_s": None}
+        for d, b in re.findall(r"Data \(t\): ([0-9.]+) Batch \(t\): ([0-9.]+)", text)
+    ]
 
 
 def summarise_steps(steps: list[dict], warmup: int, global_batch: int) -> dict[str, Any]:
@@ -205,11 +229,16 @@ def summarise_steps(steps: list[dict], warmup: int, global_batch: int) -> dict[s
     step = median("step_s")
     forward = median("forward_s")
     return {
-        "steps_logged": len(steps), "steps_timed": len(timed), "step_s": step,
-        "step_s_min": min(s["step_s"] for s in timed), "step_s_max": max(s["step_s"] for s in timed),
-        "data_s": median("data_s"), "compute_s": statistics.median(s["step_s"] - s["data_s"] for s in timed),
+        "steps_logged": len(steps),
+        "steps_timed": len(timed),
+        "step_s": step,
+        "step_s_min": min(s["step_s"] for s in timed),
+        "step_s_max": max(s["step_s"] for s in timed),
+        "data_s": median("data_s"),
+        "compute_s": statistics.median(s["step_s"] - s["data_s"] for s in timed),
         "forward_s": forward,
-        "backward_optimizer_s": None if forward is None else
-        statistics.median(s["step_s"] - s["data_s"] - s["forward_s"] for s in timed),
+        "backward_optimizer_s": None
+        if forward is None
+        else statistics.median(s["step_s"] - s["data_s"] - s["forward_s"] for s in timed),
         "samples_per_s": global_batch / step if step else None,
     }

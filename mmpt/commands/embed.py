@@ -18,11 +18,14 @@ import argparse
 import io
 import json
 import os
-import sys
 from pathlib import Path
 
-MODALITY_FIELDS = {"image": ("jpg", "jpeg", "png", "webp"), "video": ("mp4", "webm", "avi"),
-                   "text": ("txt", "text", "caption"), "dialog": ("json",)}
+MODALITY_FIELDS = {
+    "image": ("jpg", "jpeg", "png", "webp"),
+    "video": ("mp4", "webm", "avi"),
+    "text": ("txt", "text", "caption"),
+    "dialog": ("json",),
+}
 
 
 def output_paths(out: Path, shard: str) -> tuple[Path, Path]:
@@ -133,11 +136,23 @@ def write_manifest(args: argparse.Namespace, shards: list[str]) -> dict | None:
     if not all(output_paths(out, s)[0].is_file() for s in shards):
         return None
     records = [json.loads(output_paths(out, s)[1].read_text()) for s in shards]
-    manifest = {"model": str(args.model), "modality": args.modality, "shards": [
-        {"shard": r["shard"], "embeddings": output_paths(out, r["shard"])[0].name, "samples": r["samples"],
-         "embedded": r["embedded"], "failed": r["failed"]} for r in records],
-        "samples": sum(r["samples"] for r in records), "embedded": sum(r["embedded"] for r in records),
-        "failed": sum(r["failed"] for r in records)}
+    manifest = {
+        "model": str(args.model),
+        "modality": args.modality,
+        "shards": [
+            {
+                "shard": r["shard"],
+                "embeddings": output_paths(out, r["shard"])[0].name,
+                "samples": r["samples"],
+                "embedded": r["embedded"],
+                "failed": r["failed"],
+            }
+            for r in records
+        ],
+        "samples": sum(r["samples"] for r in records),
+        "embedded": sum(r["embedded"] for r in records),
+        "failed": sum(r["failed"] for r in records),
+    }
     _atomic_write(out / "manifest.json", json.dumps(manifest, indent=1).encode())
     return manifest
 
@@ -167,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         run_process(0, 1, args, shards)
     manifest = write_manifest(args, shards)  # whichever process finds every shard done writes it
     if manifest is not None:
-        print(f"{manifest['embedded']} of {manifest['samples']} samples embedded ({manifest['failed']} failed) "
-              f"-> {Path(args.out) / 'manifest.json'}")
+        print(
+            f"{manifest['embedded']} of {manifest['samples']} samples embedded ({manifest['failed']} failed) "
+            f"-> {Path(args.out) / 'manifest.json'}"
+        )
     return 0
 
 

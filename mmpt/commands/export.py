@@ -13,7 +13,6 @@ are the run's own DeepSpeed files, read with DeepSpeed's loader; the release is 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 
@@ -41,7 +40,7 @@ def consolidated_weights(run_dir: Path, tag: str) -> dict:
         state.update({name: buffers[name] for name in partitioned})
     prefix = "model."  # the engine trains TrainingModule(model, loss); the loss holds no weights to release
     # zero_to_fp32 returns views into one flat buffer: own copies, so safetensors sees no shared storage
-    return {k[len(prefix):]: v.float().clone() for k, v in state.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v.float().clone() for k, v in state.items() if k.startswith(prefix)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint is None and (run_dir / "model.safetensors").is_file():
         state, origin = load_file(str(run_dir / "model.safetensors")), "model.safetensors"
     else:
-        checkpoint = (find_resume(run_dir, "auto") if args.checkpoint in (None, "latest")
-                      else run_dir / "checkpoints" / args.checkpoint)
+        checkpoint = (
+            find_resume(run_dir, "auto")
+            if args.checkpoint in (None, "latest")
+            else run_dir / "checkpoints" / args.checkpoint
+        )
         if checkpoint is None or not checkpoint.is_dir():
             parser.error(f"{run_dir}: no {'complete checkpoint' if checkpoint is None else checkpoint} to export")
         state, origin = consolidated_weights(run_dir, checkpoint.name), checkpoint.name

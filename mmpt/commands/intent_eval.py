@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,9 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shots", type=int, nargs="*", default=[10])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--no-full", action="store_true", help="skip the full-data head")
-    parser.add_argument("--finetune-epochs", type=int, default=0,
-                        help="also fine-tune the whole encoder with a linear head for this many epochs per setting "
-                             "(the SPACE-2/DialoGLUE protocol; 0: linear probe only)")
+    parser.add_argument(
+        "--finetune-epochs",
+        type=int,
+        default=0,
+        help="also fine-tune the whole encoder with a linear head for this many epochs per setting "
+        "(the SPACE-2/DialoGLUE protocol; 0: linear probe only)",
+    )
     parser.add_argument("--finetune-lr", type=float, default=3e-5, help="the encoder's learning rate when fine-tuning")
     parser.add_argument("--output", default=None, help="JSON file to write (default: print only)")
     args = parser.parse_args(argv)
@@ -58,8 +61,15 @@ def main(argv: list[str] | None = None) -> int:
         encoder = DialogEncoder(AutoTokenizer.from_pretrained(path), DialogInputSpec(), with_mlm=False)
         name = args.encoder
     finetune = FineTuning(epochs=args.finetune_epochs, lr=args.finetune_lr) if args.finetune_epochs else None
-    result = intent_classification(model, encoder, resolve_intent_dataset(args.dataset, args.data_root),
-                                   shots=args.shots, full=not args.no_full, seeds=args.seeds, finetune=finetune)
+    result = intent_classification(
+        model,
+        encoder,
+        resolve_intent_dataset(args.dataset, args.data_root),
+        shots=args.shots,
+        full=not args.no_full,
+        seeds=args.seeds,
+        finetune=finetune,
+    )
     result["model"] = name
     text = json.dumps(result, indent=2)
     if args.output:

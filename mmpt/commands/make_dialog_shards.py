@@ -30,17 +30,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trigger-role", default="user", help="user, system or user_system (substring test)")
     parser.add_argument("--max-turns", type=int, default=16)
     parser.add_argument("--shard-size", type=int, default=2000)
-    parser.add_argument("--max-skip-rate", type=float, default=0.1,
-                        help="fail (exit 3) when more than this fraction of the labelled or unlabelled dialogs "
-                             "are skipped")
+    parser.add_argument(
+        "--max-skip-rate",
+        type=float,
+        default=0.1,
+        help="fail (exit 3) when more than this fraction of the labelled or unlabelled dialogs are skipped",
+    )
     args = parser.parse_args(argv)
 
     from mmpt.data.dialog import write_dialog_shards
     from mmpt.data.shards import DataError
 
-    reports = write_dialog_shards(args.out, labelled=args.labelled, unlabelled=args.unlabelled, intent=args.intent,
-                                  trigger_role=args.trigger_role, max_turns=args.max_turns,
-                                  shard_size=args.shard_size)
+    reports = write_dialog_shards(
+        args.out,
+        labelled=args.labelled,
+        unlabelled=args.unlabelled,
+        intent=args.intent,
+        trigger_role=args.trigger_role,
+        max_turns=args.max_turns,
+        shard_size=args.shard_size,
+    )
     summary = {name: {k: v for k, v in r.to_dict().items() if k != "skipped_records"} for name, r in reports.items()}
     print(json.dumps(summary, indent=2))
     for name, report in reports.items():
@@ -48,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipped {name}: {file} dialog {dialog_id!r}: {reason}", file=sys.stderr)
     for name, report in reports.items():
         if report.skip_rate() > args.max_skip_rate:
-            raise DataError(f"{len(report.skipped)} of {report.dialogs + len(report.skipped)} {name} dialogs were "
-                            f"skipped, more than --max-skip-rate={args.max_skip_rate} (commonest: "
-                            f"{report.commonest_reason()}); every one is listed in {args.out}/report.json")
+            raise DataError(
+                f"{len(report.skipped)} of {report.dialogs + len(report.skipped)} {name} dialogs were "
+                f"skipped, more than --max-skip-rate={args.max_skip_rate} (commonest: "
+                f"{report.commonest_reason()}); every one is listed in {args.out}/report.json"
+            )
     return 0
 
 

@@ -34,8 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--captions", required=True, help="MSR-VTT json, video_id,sentence csv, or jsonl")
     parser.add_argument("--out", required=True, help="shard prefix, e.g. shards/msrvtt/train")
     parser.add_argument("--shard-size", type=int, default=1000)
-    parser.add_argument("--max-skip-rate", type=float, default=0.01,
-                        help="fail (exit 3) when more than this fraction of the captioned videos are missing")
+    parser.add_argument(
+        "--max-skip-rate",
+        type=float,
+        default=0.01,
+        help="fail (exit 3) when more than this fraction of the captioned videos are missing",
+    )
     args = parser.parse_args(argv)
 
     from mmpt.data.shards import DataError, MissingDataError
@@ -59,13 +63,17 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = write_video_shards(samples(), args.out, shard_size=args.shard_size)
     written = sum(sizes.values())
-    print(f"wrote {written} clips ({sum(len(captions[v]) for v in captions if v not in missing)} captions) into "
-          f"{len(sizes)} shard(s) at {args.out}-*.tar; {len(missing)} captioned video(s) not found")
+    print(
+        f"wrote {written} clips ({sum(len(captions[v]) for v in captions if v not in missing)} captions) into "
+        f"{len(sizes)} shard(s) at {args.out}-*.tar; {len(missing)} captioned video(s) not found"
+    )
     for video in missing[:20]:
         print(f"missing: {video} (looked for {folder / video}.mp4, .webm, .avi)", file=sys.stderr)
     if missing and len(missing) > args.max_skip_rate * len(captions):
-        raise DataError(f"{len(missing)} of {len(captions)} captioned videos are not in {folder} "
-                        f"(e.g. {missing[0]!r}), more than --max-skip-rate={args.max_skip_rate}")
+        raise DataError(
+            f"{len(missing)} of {len(captions)} captioned videos are not in {folder} "
+            f"(e.g. {missing[0]!r}), more than --max-skip-rate={args.max_skip_rate}"
+        )
     return 0
 
 

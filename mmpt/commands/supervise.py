@@ -30,10 +30,17 @@ def main(argv: list[str] | None = None) -> int:
         if code in (0, CONFIG_ERROR):
             return code
         if attempt == args.max_restarts:
-            print(f"supervise: the run failed with exit code {code} after {attempt} restart(s); giving up",
-                  file=sys.stderr, flush=True)
+            print(
+                f"supervise: the run failed with exit code {code} after {attempt} restart(s); giving up",
+                file=sys.stderr,
+                flush=True,
+            )
             return code
-        print(f"supervise: the run failed with exit code {code}; restart {attempt + 1} of {args.max_restarts} "
-              "from the latest checkpoint", file=sys.stderr, flush=True)
+        print(
+            f"supervise: the run failed with exit code {code}; restart {attempt + 1} of {args.max_restarts} "
+            "from the latest checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(args.delay)
     return 1

@@ -23,10 +23,18 @@ import time
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                        help="a module to import before the config is read, e.g. one that registers a method "
-                             "(mmpt.methods.register); may repeat")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module to import before the config is read, e.g. one that registers a method "
+        "(mmpt.methods.register); may repeat",
+    )
+    parser.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-4 train.max_steps=100")
     return parser.parse_args(argv)
 
@@ -48,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, rank: int) -> int:
-    from mmpt.engine.deepspeed_config import check_precision
     from mmpt.config_loader import load_config
+    from mmpt.engine.deepspeed_config import check_precision
 
     for module in args.imports:
         try:
@@ -60,10 +68,11 @@ def run(args: argparse.Namespace, rank: int) -> int:
             raise ConfigError(f"--import {module}: {exc} (is its folder on PYTHONPATH?)") from None
     cfg = load_config(args.config, args.overrides)  # validated before any process group starts
     check_precision(cfg)
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+    )
     from mmpt.engine import train
 
     train(cfg)
     return 0
-

@@ -24,28 +24,46 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="run directory (config.yaml + model.safetensors)")
     parser.add_argument("--dataset", required=True)
-    parser.add_argument("--task", default="zeroshot_classification", choices=["zeroshot_classification", "zeroshot_retrieval"])
+    parser.add_argument(
+        "--task", default="zeroshot_classification", choices=["zeroshot_classification", "zeroshot_retrieval"]
+    )
     parser.add_argument("--language", default="en")
-    parser.add_argument("--output", default=".", help="JSON file (*.json) or folder to write the result to "
-                        "(default: the current folder, as <task>_<dataset>_<hash of its path>_<language>.json); "
-                        "the evaluated run's folder is never written")
-    parser.add_argument("--foreign-class-names", action="store_true",
-                        help="accept class names not written in --language (e.g. English names in Chinese prompts)")
+    parser.add_argument(
+        "--output",
+        default=".",
+        help="JSON file (*.json) or folder to write the result to "
+        "(default: the current folder, as <task>_<dataset>_<hash of its path>_<language>.json); "
+        "the evaluated run's folder is never written",
+    )
+    parser.add_argument(
+        "--foreign-class-names",
+        action="store_true",
+        help="accept class names not written in --language (e.g. English names in Chinese prompts)",
+    )
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     args = parser.parse_args(argv)
 
     from mmpt.eval import DEMO_SETS
-    from mmpt.release import load_run
     from mmpt.methods.base import save_eval_record
+    from mmpt.release import load_run
 
     if args.dataset not in DEMO_SETS and args.dataset != "moving_digits" and not Path(args.dataset).exists():
-        raise FileNotFoundError(f"--dataset {args.dataset} does not exist (a dataset folder or file, or a demo set: "
-                                f"{', '.join([*DEMO_SETS, 'moving_digits'])})")
+        raise FileNotFoundError(
+            f"--dataset {args.dataset} does not exist (a dataset folder or file, or a demo set: "
+            f"{', '.join([*DEMO_SETS, 'moving_digits'])})"
+        )
     cfg, method, model = load_run(args.model, device=args.device)
     if not hasattr(method, "zeroshot"):
         parser.error(f"method '{cfg.method_name}' has no zero-shot evaluation")
-    result = method.zeroshot(model, cfg, Path(args.model), args.dataset, args.language, task=args.task,
-                             foreign_class_names=args.foreign_class_names)
+    result = method.zeroshot(
+        model,
+        cfg,
+        Path(args.model),
+        args.dataset,
+        args.language,
+        task=args.task,
+        foreign_class_names=args.foreign_class_names,
+    )
     print(json.dumps(result, indent=2, ensure_ascii=False))
     output = Path(args.output)
     if output.suffix == ".json":

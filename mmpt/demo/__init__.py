@@ -14,11 +14,14 @@ from pathlib import Path
 from mmpt.registry import Registry
 
 Builder = Callable[..., Path]
-CORPORA: Registry[Builder] = Registry("demo corpus", builtin={
-    "digits": "mmpt.demo.digits",
-    "dialogs": "mmpt.demo.dialogs",
-    "moving_digits": "mmpt.demo.moving_digits",
-})
+CORPORA: Registry[Builder] = Registry(
+    "demo corpus",
+    builtin={
+        "digits": "mmpt.demo.digits",
+        "dialogs": "mmpt.demo.dialogs",
+        "moving_digits": "mmpt.demo.moving_digits",
+    },
+)
 register = CORPORA.register
 
 

@@ -21,8 +21,10 @@ def is_built(root: str | os.PathLike, version: int = 1) -> bool:
         return False
     found = built_version(marker)
     if found != version:
-        raise RuntimeError(f"{root} holds a demo corpus built by version {found} of its builder; this mmpt "
-                           f"builds version {version}. Delete {root} and it is rebuilt on next use.")
+        raise RuntimeError(
+            f"{root} holds a demo corpus built by version {found} of its builder; this mmpt "
+            f"builds version {version}. Delete {root} and it is rebuilt on next use."
+        )
     return True
 
 

@@ -2,7 +2,8 @@
 
 Training shards hold one caption per sample, English (`train/en-*.tar`) and Chinese (`train/zh-*.tar`)
 as two sources to mix. A stratified held-out split is written in the CLIP_benchmark webdataset layout
-(`zeroshot/test/{0..N-1}.tar` with `png` + `cls`, `nshards.txt`, `classnames.txt`, `zeroshot_classification_templates.txt`,
+(`zeroshot/test/{0..N-1}.tar` with `png` + `cls`, `nshards.txt`, `classnames.txt`,
+`zeroshot_classification_templates.txt`,
 and `_zh` variants of both) for zero-shot classification, and as image files with
 `zeroshot/retrieval_{en,zh}.jsonl` (`{"image", "caption": [...]}` lines) for retrieval.
 `zeroshot_unseen/` is the same held-out scans drawn smaller or larger and shifted (renderings the
@@ -21,11 +22,12 @@ import random
 from pathlib import Path
 
 import numpy as np
-from mmpt.demo import register
-from mmpt.demo.corpus import fresh_staging, is_built, mark_complete, publish
+from PIL import Image
+
 from mmpt.data.shards import ShardSetWriter
 from mmpt.data.tokenizer import train_wordpiece
-from PIL import Image
+from mmpt.demo import register
+from mmpt.demo.corpus import fresh_staging, is_built, mark_complete, publish
 
 NAMES = {
     "en": ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"],
@@ -34,18 +36,36 @@ NAMES = {
 # {w}: the digit as a word, {n}: as a numeral.
 TRAIN_TEMPLATES = {
     "en": [
-        "a handwritten digit {w}", "a handwritten {n}", "the number {w}, written by hand",
-        "a scan of a handwritten {w}", "a small picture of the digit {n}", "handwriting of the number {w}",
-        "a {w} written with a pen", "an image of the numeral {n}", "a blurry handwritten {w}",
+        "a handwritten digit {w}",
+        "a handwritten {n}",
+        "the number {w}, written by hand",
+        "a scan of a handwritten {w}",
+        "a small picture of the digit {n}",
+        "handwriting of the number {w}",
+        "a {w} written with a pen",
+        "an image of the numeral {n}",
+        "a blurry handwritten {w}",
     ],
     "zh": [
-        "手写的数字{w}", "手写的{n}", "一个手写的数字{w}", "数字{n}的手写扫描图", "手写体的{w}",
-        "一张数字{w}的小图片", "用笔写的{w}", "数字{n}的图片", "模糊的手写{w}",
+        "手写的数字{w}",
+        "手写的{n}",
+        "一个手写的数字{w}",
+        "数字{n}的手写扫描图",
+        "手写体的{w}",
+        "一张数字{w}的小图片",
+        "用笔写的{w}",
+        "数字{n}的图片",
+        "模糊的手写{w}",
     ],
 }
 # Held-out prompts for zero-shot classification ({c}: class name), CLIP_benchmark style.
 EVAL_TEMPLATES = {
-    "en": ["a photo of the digit {c}.", "a handwritten {c}.", "an image of the number {c}.", "the digit {c}, written by hand."],
+    "en": [
+        "a photo of the digit {c}.",
+        "a handwritten {c}.",
+        "an image of the number {c}.",
+        "the digit {c}, written by hand.",
+    ],
     "zh": ["一张数字{c}的照片。", "手写的{c}。", "数字{c}的图片。", "手写的数字{c}。"],
 }
 # Wordings used nowhere else, for `zeroshot_unseen/`.
@@ -102,8 +122,9 @@ def caption(language: str, label: int, template: str) -> str:
     return template.format(w=NAMES[language][label], n=str(label))
 
 
-def write_classification_set(folder: Path, pngs: dict[int, bytes], labels: np.ndarray,
-                             templates: dict[str, list[str]], shard_size: int) -> None:
+def write_classification_set(
+    folder: Path, pngs: dict[int, bytes], labels: np.ndarray, templates: dict[str, list[str]], shard_size: int
+) -> None:
     """`pngs` (scan index -> image) as a CLIP_benchmark webdataset set with per-language class names and prompts."""
     with ShardSetWriter(folder / "test" / "test", max_samples=shard_size) as writer:
         for index, png in pngs.items():
@@ -166,16 +187,23 @@ def build_digits(
         (zeroshot / "images" / f"{index:04d}.png").write_bytes(png)
         for language in LANGUAGES:
             captions = [t.format(c=NAMES[language][int(labels[index])]) for t in EVAL_TEMPLATES[language][:2]]
-            retrieval[language].append(json.dumps({"image": f"images/{index:04d}.png", "caption": captions},
-                                                  ensure_ascii=False))
+            retrieval[language].append(
+                json.dumps({"image": f"images/{index:04d}.png", "caption": captions}, ensure_ascii=False)
+            )
     for language, lines in retrieval.items():  # the official M2-Encoder retrieval layout
         (zeroshot / f"retrieval_{language}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     write_classification_set(zeroshot, pngs, labels, EVAL_TEMPLATES, shard_size)
 
     draw = np.random.default_rng(seed + 1)
-    shifted = {index: _shifted_png(images[index], image_size, float(draw.uniform(*UNSEEN_SCALE)),
-                                   *(int(v) for v in draw.integers(-UNSEEN_SHIFT, UNSEEN_SHIFT + 1, size=2)))
-               for index in test_ids}
+    shifted = {
+        index: _shifted_png(
+            images[index],
+            image_size,
+            float(draw.uniform(*UNSEEN_SCALE)),
+            *(int(v) for v in draw.integers(-UNSEEN_SHIFT, UNSEEN_SHIFT + 1, size=2)),
+        )
+        for index in test_ids
+    }
     write_classification_set(staging / "zeroshot_unseen", shifted, labels, UNSEEN_TEMPLATES, shard_size)
 
     for prompts in (EVAL_TEMPLATES, UNSEEN_TEMPLATES):

@@ -34,11 +34,12 @@ import random
 from pathlib import Path
 
 import numpy as np
-from mmpt.demo import register
-from mmpt.demo.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
+from PIL import Image
+
 from mmpt.data.shards import ShardSetWriter
 from mmpt.data.tokenizer import train_wordpiece
-from PIL import Image
+from mmpt.demo import register
+from mmpt.demo.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
 
 LANGUAGES = ("en", "zh")
 KINDS = ("move", "order")
@@ -48,8 +49,14 @@ NAMES = {
 }
 # Direction -> (dx, dy), image coordinates (y grows downwards).
 DIRECTIONS = {
-    "left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1),
-    "up_left": (-1, -1), "up_right": (1, -1), "down_left": (-1, 1), "down_right": (1, 1),
+    "left": (-1, 0),
+    "right": (1, 0),
+    "up": (0, -1),
+    "down": (0, 1),
+    "up_left": (-1, -1),
+    "up_right": (1, -1),
+    "down_left": (-1, 1),
+    "down_right": (1, 1),
 }
 # Per direction and language: (towards, where it starts, where it ends).
 DIRECTION_WORDS = {
@@ -78,22 +85,38 @@ DIRECTION_WORDS = {
 # order: {a}/{b} words, {aa}/{ab} with articles, {na}/{nb} numerals; a appears first.
 TRAIN_TEMPLATES = {
     ("move", "en"): [
-        "the digit {w} moves {to}.", "{aw} slides {to}.", "the number {n} travels {to} across the screen.",
-        "{aw} moves from {src} to {dst}.", "a handwritten {w} drifts {to} on a black background.",
-        "the digit {n} goes {to}.", "a white {w} glides from {src} to {dst}.",
+        "the digit {w} moves {to}.",
+        "{aw} slides {to}.",
+        "the number {n} travels {to} across the screen.",
+        "{aw} moves from {src} to {dst}.",
+        "a handwritten {w} drifts {to} on a black background.",
+        "the digit {n} goes {to}.",
+        "a white {w} glides from {src} to {dst}.",
     ],
     ("move", "zh"): [
-        "数字{w}{to}移动。", "一个{w}{to}滑动。", "数字{n}{to}穿过画面。", "一个{w}从{src}移到{dst}。",
-        "黑色背景上，手写的{w}{to}飘动。", "数字{n}{to}运动。", "白色的{w}从{src}滑到{dst}。",
+        "数字{w}{to}移动。",
+        "一个{w}{to}滑动。",
+        "数字{n}{to}穿过画面。",
+        "一个{w}从{src}移到{dst}。",
+        "黑色背景上，手写的{w}{to}飘动。",
+        "数字{n}{to}运动。",
+        "白色的{w}从{src}滑到{dst}。",
     ],
     ("order", "en"): [
-        "first {aa} appears, then {ab}.", "the digit {a} appears first, followed by the digit {b}.",
-        "{aa} shows up before {ab}.", "{ab} appears after {aa}.", "first the number {na}, then the number {nb}.",
+        "first {aa} appears, then {ab}.",
+        "the digit {a} appears first, followed by the digit {b}.",
+        "{aa} shows up before {ab}.",
+        "{ab} appears after {aa}.",
+        "first the number {na}, then the number {nb}.",
         "the digit {a} appears, and then the digit {b} joins it.",
     ],
     ("order", "zh"): [
-        "先出现数字{a}，然后出现数字{b}。", "数字{a}先出现，接着出现数字{b}。", "{a}在{b}之前出现。",
-        "{b}在{a}之后出现。", "先是数字{na}，然后是数字{nb}。", "数字{a}出现后，数字{b}也出现了。",
+        "先出现数字{a}，然后出现数字{b}。",
+        "数字{a}先出现，接着出现数字{b}。",
+        "{a}在{b}之前出现。",
+        "{b}在{a}之后出现。",
+        "先是数字{na}，然后是数字{nb}。",
+        "数字{a}出现后，数字{b}也出现了。",
     ],
 }
 EVAL_TEMPLATES = {
@@ -150,7 +173,7 @@ def _render(clip: dict, scans: list[np.ndarray], frames: int, size: int, rng: ra
     canvas = np.zeros((frames, size, size), dtype=np.float32)
 
     def paste(t: int, glyph: np.ndarray, x: int, y: int) -> None:
-        window = canvas[t, y:y + glyph_size, x:x + glyph_size]
+        window = canvas[t, y : y + glyph_size, x : x + glyph_size]
         np.maximum(window, glyph, out=window)
 
     if clip["kind"] == "move":
@@ -325,18 +348,23 @@ def build_moving_digits(
             key = f"test-{index:04d}"
             video = make(clip, test_scans)
             (test / "videos" / f"{key}.mp4").write_bytes(video)
-            captions = {lang: [caption(t, lang, clip) for t in EVAL_TEMPLATES[clip["kind"], lang]]
-                        for lang in LANGUAGES}
+            captions = {
+                lang: [caption(t, lang, clip) for t in EVAL_TEMPLATES[clip["kind"], lang]] for lang in LANGUAGES
+            }
             for language, sentences in captions.items():
                 texts += sentences
-                retrieval[language].append(json.dumps({"video": f"videos/{key}.mp4", "caption": sentences},
-                                                      ensure_ascii=False))
+                retrieval[language].append(
+                    json.dumps({"video": f"videos/{key}.mp4", "caption": sentences}, ensure_ascii=False)
+                )
                 rows[language].append((key, sentences[0]))
-            writer.write({
-                "__key__": key, "mp4": video,
-                "json": json.dumps({"sentences": captions["en"], **clip}, ensure_ascii=False),
-                "zh.json": json.dumps({"sentences": captions["zh"], **clip}, ensure_ascii=False),
-            })
+            writer.write(
+                {
+                    "__key__": key,
+                    "mp4": video,
+                    "json": json.dumps({"sentences": captions["en"], **clip}, ensure_ascii=False),
+                    "zh.json": json.dumps({"sentences": captions["zh"], **clip}, ensure_ascii=False),
+                }
+            )
     (test / "nshards.txt").write_text(str(len(writer.sizes)))
     for language in LANGUAGES:
         (test / f"retrieval_{language}.jsonl").write_text("\n".join(retrieval[language]) + "\n", encoding="utf-8")

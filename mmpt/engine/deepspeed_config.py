@@ -36,11 +36,15 @@ def hpz_partition_size(setting: int | str, world_size: int) -> int:
     size down silently and fail late on one that does not divide it."""
     size = int(mdist.local_world_size()) if setting == "node" else setting
     if size > world_size or world_size % size:
-        raise ConfigError(f"config key 'train.hpz_partition_size' = {setting!r} ({size} ranks) must divide the "
-                          f"{world_size} ranks")
+        raise ConfigError(
+            f"config key 'train.hpz_partition_size' = {setting!r} ({size} ranks) must divide the {world_size} ranks"
+        )
     if size == world_size and world_size > 1:
-        log.warning("train.hpz_partition_size covers all %d ranks: every gather is still world-wide, and each rank "
-                    "keeps a secondary shard for nothing", world_size)
+        log.warning(
+            "train.hpz_partition_size covers all %d ranks: every gather is still world-wide, and each rank "
+            "keeps a secondary shard for nothing",
+            world_size,
+        )
     return size
 
 
@@ -75,22 +79,27 @@ def zero_optimization(train: TrainConfig, use_cuda: bool, world_size: int = 1) -
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_cuda}
     for key in ("reduce_bucket_size", "overlap_comm"):
         if stage == 0 and getattr(train, key) is not None:
-            raise ConfigError(f"config key 'train.{key}' needs train.zero_stage >= 1 (ZeRO-0 all-reduces "
-                              "every gradient at once)")
+            raise ConfigError(
+                f"config key 'train.{key}' needs train.zero_stage >= 1 (ZeRO-0 all-reduces every gradient at once)"
+            )
     if stage in (1, 2):
         on_cpu = not use_cuda
-        zero.update({
-            "reduce_scatter": not on_cpu,
-            "contiguous_gradients": not on_cpu,
-            "overlap_comm": bool(train.overlap_comm),
-            "reduce_bucket_size": train.reduce_bucket_size or (CPU_REDUCE_BUCKET if on_cpu else GPU_REDUCE_BUCKET),
-            # DeepSpeed's default; it only reads it where the backend lacks all_gather_into_tensor (gloo
-            # and NCCL have it: the updated partitions are gathered in one call whatever this says).
-            "allgather_bucket_size": 500_000_000,
-        })
+        zero.update(
+            {
+                "reduce_scatter": not on_cpu,
+                "contiguous_gradients": not on_cpu,
+                "overlap_comm": bool(train.overlap_comm),
+                "reduce_bucket_size": train.reduce_bucket_size or (CPU_REDUCE_BUCKET if on_cpu else GPU_REDUCE_BUCKET),
+                # DeepSpeed's default; it only reads it where the backend lacks all_gather_into_tensor (gloo
+                # and NCCL have it: the updated partitions are gathered in one call whatever this says).
+                "allgather_bucket_size": 500_000_000,
+            }
+        )
     if train.hpz_partition_size is not None and stage != 3:
-        raise ConfigError("config key 'train.hpz_partition_size' needs train.zero_stage = 3 (ZeRO++ partitions "
-                          "parameters, which only ZeRO-3 does)")
+        raise ConfigError(
+            "config key 'train.hpz_partition_size' needs train.zero_stage = 3 (ZeRO++ partitions "
+            "parameters, which only ZeRO-3 does)"
+        )
     if stage == 3:
         if train.hpz_partition_size is not None:
             zero["zero_hpz_partition_size"] = hpz_partition_size(train.hpz_partition_size, world_size)

@@ -30,8 +30,13 @@ def evaluate_sets(method: Method, model: nn.Module, cfg: Config, run_dir: Path) 
         started = time.perf_counter()
         for language in eval_set.languages:
             metrics = method.evaluate_set(model, cfg, run_dir, eval_set, language)
-            results.update({f"eval/{eval_set.label}/{language}/{name}": value for name, value in metrics.items()
-                            if isinstance(value, (int, float))})
+            results.update(
+                {
+                    f"eval/{eval_set.label}/{language}/{name}": value
+                    for name, value in metrics.items()
+                    if isinstance(value, (int, float))
+                }
+            )
         results[f"eval/{eval_set.label}/seconds"] = round(time.perf_counter() - started, 3)
     return results
 

@@ -37,8 +37,15 @@ def parse(text: str) -> list[Fault]:
         head, *conditions = item.split(",")
         action, _, point = head.partition("@")
         where = dict(condition.split("=", 1) for condition in conditions)
-        faults.append(Fault(action, point, int(where["step"]) if "step" in where else None,
-                            int(where["rank"]) if "rank" in where else None, where.get("once")))
+        faults.append(
+            Fault(
+                action,
+                point,
+                int(where["step"]) if "step" in where else None,
+                int(where["rank"]) if "rank" in where else None,
+                where.get("once"),
+            )
+        )
     return faults
 
 

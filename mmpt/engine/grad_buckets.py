@@ -44,8 +44,9 @@ class BucketedAllReduce:
         current: list[nn.Parameter] = []
         filled = 0
         for param in reversed(params):  # backward runs roughly in reverse order of registration
-            if current and (param.dtype != current[0].dtype or param.device != current[0].device
-                            or filled >= bucket_bytes):
+            if current and (
+                param.dtype != current[0].dtype or param.device != current[0].device or filled >= bucket_bytes
+            ):
                 self._add_bucket(current)
                 current, filled = [], 0
             current.append(param)
@@ -68,7 +69,7 @@ class BucketedAllReduce:
         flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         offset = 0
         for param in params:
-            self.views[param] = flat[offset:offset + param.numel()].view_as(param)
+            self.views[param] = flat[offset : offset + param.numel()].view_as(param)
             self.bucket_of[param] = len(self.buckets)
             offset += param.numel()
         self.buckets.append(flat)
@@ -92,8 +93,10 @@ class BucketedAllReduce:
         if not self.reducing or self.shared_memory:
             return
         if param.grad is not self.views[param]:
-            raise RuntimeError("a gradient stopped being a view of its bucket (was .grad replaced or set to None "
-                               "between the step's start and its backward?)")
+            raise RuntimeError(
+                "a gradient stopped being a view of its bucket (was .grad replaced or set to None "
+                "between the step's start and its backward?)"
+            )
         index = self.bucket_of[param]
         self.ready[index] += 1
         self._launch(until_incomplete=True)

@@ -38,7 +38,8 @@ class NonFiniteGuard:
     def read(self) -> int:
         """At a logging step (a host read): the steps skipped since the start of the run."""
         self._window_skips, self._worst, total = (
-            int(v) for v in torch.stack([self.in_window, self.worst_in_a_row, self.total]).tolist())
+            int(v) for v in torch.stack([self.in_window, self.worst_in_a_row, self.total]).tolist()
+        )
         self.in_window = self.in_window * 0
         self.worst_in_a_row = self.in_a_row
         return total
@@ -46,10 +47,16 @@ class NonFiniteGuard:
     def check(self, step: int, losses: dict[str, float]) -> None:
         """After `read()`: warn about the window's skipped steps; raise once `max_in_a_row` were skipped in a row."""
         if self._window_skips:
-            log.warning("%d step(s) skipped up to step %d: non-finite loss or gradients (%d in a row at most; "
-                        "losses %s)", self._window_skips, step, self._worst, {k: round(v, 4) for k, v in losses.items()})
+            log.warning(
+                "%d step(s) skipped up to step %d: non-finite loss or gradients (%d in a row at most; losses %s)",
+                self._window_skips,
+                step,
+                self._worst,
+                {k: round(v, 4) for k, v in losses.items()},
+            )
         if self._worst >= self.max_in_a_row:
             raise NonFiniteError(
                 f"stopping at step {step}: {self._worst} optimizer steps in a row had a non-finite loss or gradient "
                 f"(train.max_bad_steps={self.max_in_a_row}); last losses {losses}. Lower optim.lr, check the data "
-                "(data/skipped in metrics.jsonl) or use fp32, then resume from the last checkpoint.")
+                "(data/skipped in metrics.jsonl) or use fp32, then resume from the last checkpoint."
+            )

@@ -32,17 +32,37 @@ def start_wandb(settings: WandbConfig, run_dir: Path, config: dict):
     id_file = run_dir / WANDB_ID_FILE
     if not id_file.is_file():
         id_file.write_text(uuid.uuid4().hex[:8] + "\n")  # W&B's own id shape: 8 lowercase letters and digits
-    return wandb.init(project=settings.project, entity=settings.entity, name=settings.name or run_dir.name,
-                      mode=settings.mode, tags=settings.tags or None, dir=str(run_dir), config=config,
-                      id=id_file.read_text().strip(), resume="allow")
+    return wandb.init(
+        project=settings.project,
+        entity=settings.entity,
+        name=settings.name or run_dir.name,
+        mode=settings.mode,
+        tags=settings.tags or None,
+        dir=str(run_dir),
+        config=config,
+        id=id_file.read_text().strip(),
+        resume="allow",
+    )
+
 
 log = logging.getLogger(__name__)
 
 
 class MetricLogger:
-    def __init__(self, run_dir: Path, *, max_steps: int, start_step: int, global_batch: int,
-                 tensorboard: bool, progress_bar: bool, straggler_factor: float = 1.5, straggler_windows: int = 3,
-                 wandb: WandbConfig | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        max_steps: int,
+        start_step: int,
+        global_batch: int,
+        tensorboard: bool,
+        progress_bar: bool,
+        straggler_factor: float = 1.5,
+        straggler_windows: int = 3,
+        wandb: WandbConfig | None = None,
+        config: dict | None = None,
+    ):
         self.rank = mdist.get_rank()
         self.run_dir = run_dir
         self.straggler_factor, self.straggler_windows = straggler_factor, straggler_windows
@@ -74,8 +94,16 @@ class MetricLogger:
         if self._bar is not None:
             self._bar.update(1)
 
-    def log_window(self, step: int, lr: float, times: dict[str, float], counts: dict[str, dict[str, int]],
-                   sources: list[str], skipped_steps: int, state_bytes: tuple[float, float] | None) -> dict:
+    def log_window(
+        self,
+        step: int,
+        lr: float,
+        times: dict[str, float],
+        counts: dict[str, dict[str, int]],
+        sources: list[str],
+        skipped_steps: int,
+        state_bytes: tuple[float, float] | None,
+    ) -> dict:
         """Reduce the window over ranks and write it (rank 0); returns the record. Every rank calls it.
 
         `counts`: this rank's sample counts by source (`sources` in order); `state_bytes`: this rank's
@@ -86,8 +114,11 @@ class MetricLogger:
         self.data_counts = data_counts.nest(summed, sources)
         optimizer_bytes, momentum_bytes = state_bytes or (0.0, None)
         mib = mdist.all_gather_floats([optimizer_bytes / 2**20, (momentum_bytes or 0.0) / 2**20])
-        extra: dict = {**data_counts.metrics(self.data_counts), "skipped_steps": skipped_steps,
-                       "optimizer_state_mib_per_rank": [round(m[0], 1) for m in mib]}
+        extra: dict = {
+            **data_counts.metrics(self.data_counts),
+            "skipped_steps": skipped_steps,
+            "optimizer_state_mib_per_rank": [round(m[0], 1) for m in mib],
+        }
         if momentum_bytes is not None:
             extra["momentum_copy_mib_per_rank"] = [round(m[1], 3) for m in mib]
         record = self.reduce(step, lr, times, extra)
@@ -124,8 +155,9 @@ class MetricLogger:
             return
         # Waiting in a collective makes every rank's step as slow as the slowest, so a straggler
         # shows in the time it works on its own: data + forward (less the loss's gather waits).
-        self._watch_stragglers(step, [d + f for d, f in zip(record["data_time_per_rank"],
-                                                             record["forward_time_per_rank"])])
+        self._watch_stragglers(
+            step, [d + f for d, f in zip(record["data_time_per_rank"], record["forward_time_per_rank"])]
+        )
         self._emit(step, record)
 
     def _watch_stragglers(self, step: int, busy_times: list[float]) -> None:
@@ -136,9 +168,16 @@ class MetricLogger:
             self._slow_windows[rank] = self._slow_windows[rank] + 1 if ratio > self.straggler_factor else 0
             if self._slow_windows[rank] >= self.straggler_windows:
                 if rank not in self.stragglers:
-                    log.warning("straggler: rank %d takes %.1fx the median time to reach the step's collectives "
-                                "(%.3fs vs %.3fs) for %d logging windows up to step %d",
-                                rank, ratio, seconds, median, self._slow_windows[rank], step)
+                    log.warning(
+                        "straggler: rank %d takes %.1fx the median time to reach the step's collectives "
+                        "(%.3fs vs %.3fs) for %d logging windows up to step %d",
+                        rank,
+                        ratio,
+                        seconds,
+                        median,
+                        self._slow_windows[rank],
+                        step,
+                    )
                 self.stragglers[rank] = max(ratio, self.stragglers.get(rank, 0.0))
 
     def _emit(self, step: int, record: dict) -> None:
@@ -202,8 +241,10 @@ class MetricLogger:
 
     def close(self) -> None:
         if self.rank == 0:
-            summary = {"stragglers": {str(rank): round(ratio, 2) for rank, ratio in sorted(self.stragglers.items())},
-                       "data": self.data_counts}
+            summary = {
+                "stragglers": {str(rank): round(ratio, 2) for rank, ratio in sorted(self.stragglers.items())},
+                "data": self.data_counts,
+            }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         for handle in (self._bar, self._writer, self._jsonl):
             if handle is not None:

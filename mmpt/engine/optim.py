@@ -21,7 +21,11 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> 
             plain.append(param)
         else:
             decay.append(param)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
+    return [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0})
+        if g["params"]
+    ]
 
 
 class SkippingAdamW(torch.optim.AdamW):
@@ -68,8 +72,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0) -> 
     return kind(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
 
 
-def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.0,
-                  decay: str = "cosine") -> Callable[[int], float]:
+def warmup_cosine(
+    warmup_steps: int, total_steps: int, min_ratio: float = 0.0, decay: str = "cosine"
+) -> Callable[[int], float]:
     """LR multiplier: linear from 1/warmup to 1 over `warmup_steps`, then `decay` (cosine or linear) to `min_ratio`.
 
     Kept rather than taken from transformers because the warmup is open_clip's (`(step + 1) / warmup`:

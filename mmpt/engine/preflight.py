@@ -10,12 +10,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from mmpt.artifacts import ReleaseError
 from mmpt.config import Config, ConfigError
 from mmpt.data.shards import DataError, expand_shards
 from mmpt.eval import DEMO_NAMES
 from mmpt.eval.retrieval_formats import is_shard_pattern
 from mmpt.methods import Method
-from mmpt.artifacts import ReleaseError
 
 WILDCARDS = "*?[{"
 
@@ -38,11 +38,15 @@ def check_inputs(cfg: Config, method: Method) -> None:
         except DataError as exc:
             raise ConfigError(f"config key 'data.train.sources.{index}.shards': {exc}") from None
     if cfg.run.resume not in ("auto", "none") and not Path(cfg.run.resume).exists():
-        raise ConfigError(f"config key 'run.resume': {cfg.run.resume} does not exist (auto: the newest checkpoint "
-                          "in run.output_dir, if any; none: start afresh)")
+        raise ConfigError(
+            f"config key 'run.resume': {cfg.run.resume} does not exist (auto: the newest checkpoint "
+            "in run.output_dir, if any; none: start afresh)"
+        )
     if cfg.run.wandb is not None and cfg.run.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("config key 'run.wandb': logging to Weights & Biases needs the wandb package "
-                          "(pip install 'mmpt[wandb]'), or remove the key")
+        raise ConfigError(
+            "config key 'run.wandb': logging to Weights & Biases needs the wandb package "
+            "(pip install 'mmpt[wandb]'), or remove the key"
+        )
     for index, eval_set in enumerate(cfg.data.eval):
         key, dataset = f"data.eval.{index}.dataset", eval_set.dataset
         if dataset in DEMO_NAMES or built_later(dataset):

@@ -82,7 +82,7 @@ class Batches:
 
     def load_resharded(self, states: list[dict[str, Any]], step: int) -> None:
         """Readers saved by another layout, one per data-parallel rank (sequence-parallel ranks share one)."""
-        self.loader.reshard(states[::len(states) // states[0]["world_size"]])
+        self.loader.reshard(states[:: len(states) // states[0]["world_size"]])
         self.start()
 
 
@@ -123,8 +123,10 @@ class Run:
     def state_bytes(self) -> tuple[float, float | None]:
         """This rank's bytes of optimizer state and of momentum copies (None when the model keeps none)."""
         copies = self.needs.momentum_copies
-        return (float(optimizer_state_bytes(self.engine.optimizer, self.engine.module)),
-                float(momentum_bytes(copies)) if copies else None)
+        return (
+            float(optimizer_state_bytes(self.engine.optimizer, self.engine.module)),
+            float(momentum_bytes(copies)) if copies else None,
+        )
 
     def close(self) -> None:
         self.watchdog.close()
@@ -168,8 +170,9 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     watchdog = Watchdog(run_dir, rank, world_size, cfg.train.watchdog_timeout)
     hooks = StepHooks([watchdog.reached], FaultInjector.from_environment(rank))
     spec = loader.dataset.spec
-    checkpointer = Checkpointer(run_dir, cfg.train.keep_last, (spec.world_size, spec.num_workers), hooks.reached,
-                                partitioned=momentum)
+    checkpointer = Checkpointer(
+        run_dir, cfg.train.keep_last, (spec.world_size, spec.num_workers), hooks.reached, partitioned=momentum
+    )
     checkpointer.register("data", batches)
     checkpointer.register("rng", RngState(lambda at: seed_everything(cfg.train.seed + layout.data_rank + 7919 * at)))
 
@@ -180,26 +183,54 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         step, saved = checkpointer.restore(engine, checkpoint, universal or checkpoint)
         if rank == 0:
             same = saved == checkpointer.layout
-            log.warning("resumed from %s at step %d" + ("" if same else ", saved by %d ranks x %d workers, on %d x %d: "
-                        "data readers restart at epoch %d"), checkpoint, step,
-                        *(() if same else (*saved, spec.world_size, spec.num_workers, spec.start_epoch)))
+            log.warning(
+                "resumed from %s at step %d"
+                + ("" if same else ", saved by %d ranks x %d workers, on %d x %d: data readers restart at epoch %d"),
+                checkpoint,
+                step,
+                *(() if same else (*saved, spec.world_size, spec.num_workers, spec.start_epoch)),
+            )
     # Finished: its final checkpoint and weights are written (rank 0's word: other nodes may not share its disk).
     if step >= cfg.train.max_steps and mdist.all_gather_floats([(run_dir / WEIGHTS).is_file()])[0][0]:
         watchdog.close()
         if rank == 0:
-            print(f"mmpt: {run_dir} already finished at step {step} (train.max_steps={cfg.train.max_steps}): nothing "
-                  "to do; raise train.max_steps to train on, or set run.output_dir to start another run", flush=True)
+            print(
+                f"mmpt: {run_dir} already finished at step {step} (train.max_steps={cfg.train.max_steps}): nothing "
+                "to do; raise train.max_steps to train on, or set run.output_dir to start another run",
+                flush=True,
+            )
         return None, step
     if rank == 0:
         log.info(startup_summary(cfg, engine.module.model, loader, initial_weights, step, checkpoint))
 
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * layout.data_size
-    metrics = MetricLogger(run_dir, max_steps=cfg.train.max_steps, start_step=step, global_batch=global_batch,
-                           tensorboard=cfg.run.tensorboard, progress_bar=cfg.run.progress_bar,
-                           straggler_factor=cfg.train.straggler_factor, straggler_windows=cfg.train.straggler_windows,
-                           wandb=cfg.run.wandb, config=cfg.to_dict())
-    return Run(cfg, method, run_dir, layout, engine, batches, checkpointer, hooks, metrics, watchdog, momentum,
-               float_dtype, step), step
+    metrics = MetricLogger(
+        run_dir,
+        max_steps=cfg.train.max_steps,
+        start_step=step,
+        global_batch=global_batch,
+        tensorboard=cfg.run.tensorboard,
+        progress_bar=cfg.run.progress_bar,
+        straggler_factor=cfg.train.straggler_factor,
+        straggler_windows=cfg.train.straggler_windows,
+        wandb=cfg.run.wandb,
+        config=cfg.to_dict(),
+    )
+    return Run(
+        cfg,
+        method,
+        run_dir,
+        layout,
+        engine,
+        batches,
+        checkpointer,
+        hooks,
+        metrics,
+        watchdog,
+        momentum,
+        float_dtype,
+        step,
+    ), step
 
 
 def start_process_group() -> tuple[int, int]:
@@ -214,8 +245,11 @@ def start_process_group() -> tuple[int, int]:
     mdist.barrier()
     release_cpu_allreduce_buffer()
     if shm_collectives.route_deepspeed_collectives() and mdist.get_rank() == 0:
-        log.info("all %d CPU ranks on this host: gradient all-reduces and ZeRO's gathers go through DeepSpeed's "
-                 "shared-memory kernel", mdist.get_world_size())
+        log.info(
+            "all %d CPU ranks on this host: gradient all-reduces and ZeRO's gathers go through DeepSpeed's "
+            "shared-memory kernel",
+            mdist.get_world_size(),
+        )
     return mdist.get_rank(), mdist.get_world_size()
 
 
@@ -228,8 +262,10 @@ def release_cpu_allreduce_buffer() -> None:
     the process group starts (the barrier before this call), so the name is no longer needed;
     the memory goes when the last rank exits.
     """
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{mdist.get_rank()}")
+    name = (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{mdist.get_rank()}"
+    )
     Path("/dev/shm", name).unlink(missing_ok=True)
 
 
@@ -261,13 +297,16 @@ def check_pooled_accumulation(method: Method, model: nn.Module, grad_accum: int)
         elif isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
             reason = "batch norm in training mode"
         if reason:
-            raise ConfigError(f"method '{method.name}' pools train.grad_accum={grad_accum} micro-batches per step, which "
-                              f"needs the same features in its pool and gradient passes, but model module '{name}' has "
-                              f"{reason}: turn it off or set train.grad_accum=1")
+            raise ConfigError(
+                f"method '{method.name}' pools train.grad_accum={grad_accum} micro-batches per step, which "
+                f"needs the same features in its pool and gradient passes, but model module '{name}' has "
+                f"{reason}: turn it off or set train.grad_accum=1"
+            )
 
 
-def build_engine(cfg: Config, method: Method, layout: mdist.ParallelLayout, world_size: int,
-                 load_universal: bool = False) -> tuple[Any, str | None]:
+def build_engine(
+    cfg: Config, method: Method, layout: mdist.ParallelLayout, world_size: int, load_universal: bool = False
+) -> tuple[Any, str | None]:
     """(DeepSpeed engine, what `Method.load_initial_weights` said it loaded, or None)."""
     import deepspeed
 
@@ -280,8 +319,10 @@ def build_engine(cfg: Config, method: Method, layout: mdist.ParallelLayout, worl
         batch_norm_across_ranks(model, mdist.data_parallel_group())
     if layout.sequence_parallel > 1:
         if not needs.sequence_parallel:
-            raise ConfigError(f"config key 'train.sequence_parallel': method '{method.name}' declares no transformer "
-                              "to split along the sequence; set it to 1")
+            raise ConfigError(
+                f"config key 'train.sequence_parallel': method '{method.name}' declares no transformer "
+                "to split along the sequence; set it to 1"
+            )
         split_sequences(needs.sequence_parallel, layout.sequence_group, layout.sequence_parallel)
     module = TrainingModule(method, model, method.build_loss(cfg), needs)
     optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage)
@@ -289,7 +330,9 @@ def build_engine(cfg: Config, method: Method, layout: mdist.ParallelLayout, worl
         optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio, cfg.optim.decay)
     )
     engine, _, _, _ = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=schedule,
+        model=module,
+        optimizer=optimizer,
+        lr_scheduler=schedule,
         config=deepspeed_config(cfg, world_size, load_universal=load_universal),
     )
     if cfg.train.zero_stage == 0 and (world_size == 1 or isinstance(engine.optimizer, SkippingAdamW)):

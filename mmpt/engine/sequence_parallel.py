@@ -33,11 +33,13 @@ from mmpt.config import ConfigError
 from mmpt.distributed import all_gather_with_grad
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-            dropout: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout: float
+) -> torch.Tensor:
     """Attention of [B, L, h, d] queries, keys and values (this rank's heads, every token)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=attn_mask, dropout_p=dropout)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, dropout_p=dropout
+    )
     return out.transpose(1, 2)
 
 
@@ -98,12 +100,16 @@ def split_sequences(modules: Sequence[nn.Module], group: dist.ProcessGroup, sett
     for module in modules:
         attentions = [m for m in module.modules() if isinstance(m, Attention)]
         if not attentions:
-            raise ConfigError(f"config key 'train.sequence_parallel': {type(module).__name__} has no timm Attention "
-                              "layer to split the sequence around")
+            raise ConfigError(
+                f"config key 'train.sequence_parallel': {type(module).__name__} has no timm Attention "
+                "layer to split the sequence around"
+            )
         for attention in attentions:
             if attention.num_heads % setting:
-                raise ConfigError(f"config key 'train.sequence_parallel': {setting} ranks share out attention heads "
-                                  f"evenly, but {type(module).__name__} has {attention.num_heads} heads per layer")
+                raise ConfigError(
+                    f"config key 'train.sequence_parallel': {setting} ranks share out attention heads "
+                    f"evenly, but {type(module).__name__} has {attention.num_heads} heads per layer"
+                )
     hooks = _SplitSequence(group)
     for module in modules:
         for attention in [m for m in module.modules() if isinstance(m, Attention)]:

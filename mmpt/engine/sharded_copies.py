@@ -76,7 +76,7 @@ class ShardedCopies:
         flat = full.detach().reshape(-1)
         partition = torch.zeros(size, dtype=full.dtype, device=full.device)
         count = max(0, min(size, flat.numel() - start))
-        partition[:count] = flat[start:start + count]
+        partition[:count] = flat[start : start + count]
         return partition
 
     def is_partition(self, tensor: torch.Tensor) -> bool:
@@ -102,7 +102,7 @@ class ShardedCopies:
         whole, offset = [], 0
         for partition, shard in zip(partitions, shards):
             size = partition.numel()
-            whole.append(by_rank[:, offset:offset + size].reshape(-1)[:shard.numel].view(shard.shape))
+            whole.append(by_rank[:, offset : offset + size].reshape(-1)[: shard.numel].view(shard.shape))
             offset += size
         return whole
 
@@ -133,8 +133,11 @@ class ShardedCopies:
 
     def shapes(self, module: nn.Module) -> dict[str, list[int]]:
         """{state-dict name: full shape} of `module`'s partitioned tensors, for readers of a checkpoint."""
-        return {name: list(self._shards[id(t)].shape) for name, t in module.state_dict(keep_vars=True).items()
-                if id(t) in self._shards}
+        return {
+            name: list(self._shards[id(t)].shape)
+            for name, t in module.state_dict(keep_vars=True).items()
+            if id(t) in self._shards
+        }
 
 
 def momentum_bytes(copies: Iterable[MomentumCopy]) -> int:

@@ -62,11 +62,11 @@ def all_gather_into_(output: torch.Tensor, piece: torch.Tensor, rank: int, world
     size = piece.numel()
     if flat.numel() != size * world:
         raise ValueError(f"gather of {world} pieces of {size} elements into a tensor of {flat.numel()}")
-    mine = flat[rank * size:(rank + 1) * size]
+    mine = flat[rank * size : (rank + 1) * size]
     if mine.data_ptr() != piece.data_ptr():
         mine.copy_(piece.reshape(-1))
-    flat[:rank * size].zero_()
-    flat[(rank + 1) * size:].zero_()
+    flat[: rank * size].zero_()
+    flat[(rank + 1) * size :].zero_()
     all_reduce_sum_(flat)
 
 
@@ -90,9 +90,14 @@ def route_deepspeed_collectives() -> bool:
     plain_all_reduce, plain_all_gather = backend.all_reduce, backend.all_gather_into_tensor
 
     def servable(tensor: torch.Tensor, group, async_op: bool) -> bool:
-        return (not async_op and tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.numel() > 0
-                and _KERNEL_LEVEL.get(tensor.dtype, 99) <= level
-                and (group is None or dist.get_world_size(group) == world))
+        return (
+            not async_op
+            and tensor.device.type == "cpu"
+            and tensor.is_contiguous()
+            and tensor.numel() > 0
+            and _KERNEL_LEVEL.get(tensor.dtype, 99) <= level
+            and (group is None or dist.get_world_size(group) == world)
+        )
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         if backend._reduce_op(op) == dist.ReduceOp.SUM and servable(tensor, group, async_op):
@@ -102,8 +107,7 @@ def route_deepspeed_collectives() -> bool:
     def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
         if servable(output_tensor, group, async_op) and input_tensor.dtype == output_tensor.dtype:
             return all_gather_into_(output_tensor, input_tensor, dist.get_rank(group), world)
-        return plain_all_gather(output_tensor=output_tensor, input_tensor=input_tensor, group=group,
-                                async_op=async_op)
+        return plain_all_gather(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
 
     backend.all_reduce = all_reduce
     backend.all_gather_into_tensor = all_gather_into_tensor

@@ -30,8 +30,14 @@ from mmpt.models.m2_official import CheckpointMismatch
 
 EXIT_UNEXPECTED, EXIT_CONFIG, EXIT_DATA, EXIT_NON_FINITE, EXIT_CHECKPOINT, EXIT_HANG = 1, 2, 3, 4, 5, 75
 # Errors a surviving rank gets from its collective library when a peer process is gone.
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
-             "NCCL communicator was aborted", "Socket Timeout")
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+)
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ def ending(exc: BaseException, rank: int) -> Ending | None:
     if peer_lost(exc):
         # Launchers report the exit code of whichever failed process they notice first (DeepSpeed's polls
         # every second): lingering lets them notice, and report, the rank that stopped for a reason.
-        return Ending(f"rank {rank}: stopped because another rank ended the run (see its line)", EXIT_UNEXPECTED,
-                      linger_s=5.0)
+        return Ending(
+            f"rank {rank}: stopped because another rank ended the run (see its line)", EXIT_UNEXPECTED, linger_s=5.0
+        )
     return None

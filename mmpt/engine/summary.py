@@ -23,8 +23,14 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
-def startup_summary(cfg: Config, model: nn.Module, loader: StatefulLoader, initial_weights: str | None,
-                    start_step: int, resumed_from: Path | None) -> str:
+def startup_summary(
+    cfg: Config,
+    model: nn.Module,
+    loader: StatefulLoader,
+    initial_weights: str | None,
+    start_step: int,
+    resumed_from: Path | None,
+) -> str:
     layout, world = mdist.layout(), mdist.get_world_size()
     per_node = int(mdist.local_world_size())
     batch, accum = cfg.data.train.batch_size, cfg.train.grad_accum
@@ -44,10 +50,13 @@ def startup_summary(cfg: Config, model: nn.Module, loader: StatefulLoader, initi
     for source, spec in zip(cfg.data.train.sources, loader.dataset.spec.sources):
         samples = count_samples(spec.urls)
         keys = ", ".join(f"{name}_key={getattr(source, f'{name}_key')}" for name in source.fields_set())
-        lines.append(f"source {spec.name!r}: {len(spec.urls)} shard(s)"
-                     + (f", {samples:,} samples" if samples is not None else "")
-                     + f", weight {spec.weight:g}" + (f", {keys}" if keys else "")
-                     + (f", text {source.text_encoding}" if source.text_encoding != "utf-8" else ""))
+        lines.append(
+            f"source {spec.name!r}: {len(spec.urls)} shard(s)"
+            + (f", {samples:,} samples" if samples is not None else "")
+            + f", weight {spec.weight:g}"
+            + (f", {keys}" if keys else "")
+            + (f", text {source.text_encoding}" if source.text_encoding != "utf-8" else "")
+        )
     save = f"every {cfg.train.save_every} steps" if cfg.train.save_every else "at the end"
     lines.append(f"checkpoints {save} (keep {cfg.train.keep_last})")
     if cfg.data.eval:

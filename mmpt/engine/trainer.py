@@ -37,11 +37,16 @@ def train(cfg: Config) -> dict[str, Any]:
             run.metrics.update(losses)
             if run.due(cfg.train.log_every):
                 log_window(run)
-            if cfg.data.eval and cfg.train.eval_every and run.step % cfg.train.eval_every == 0 \
-                    and run.step < cfg.train.max_steps:  # the end of training evaluates in `finish`
+            if (
+                cfg.data.eval
+                and cfg.train.eval_every
+                and run.step % cfg.train.eval_every == 0
+                and run.step < cfg.train.max_steps
+            ):  # the end of training evaluates in `finish`
                 run.hooks.reached("eval", run.step)
-                run.metrics.write_eval(run.step, evaluate_while_training(run.method, run.engine.module.model, cfg,
-                                                                         run.run_dir))
+                run.metrics.write_eval(
+                    run.step, evaluate_while_training(run.method, run.engine.module.model, cfg, run.run_dir)
+                )
                 run.hooks.reached("eval", run.step)
             if run.due(cfg.train.save_every):
                 run.hooks.reached("checkpoint", run.step)
@@ -63,8 +68,9 @@ def train_step(run: runs.Run) -> dict[str, torch.Tensor]:
     at = run.step + 1
     run.spans.start("data")
     run.hooks.reached("data", at)  # inside the span: an injected slow loader shows in data time
-    micro_batches = [to_device(next(run.batches), run.engine.device, run.float_dtype)
-                     for _ in range(run.cfg.train.grad_accum)]
+    micro_batches = [
+        to_device(next(run.batches), run.engine.device, run.float_dtype) for _ in range(run.cfg.train.grad_accum)
+    ]
     run.spans.stop("data")
     losses = optimizer_step(run.engine, micro_batches, run.hooks, at, run.spans)
     if (run.needs.after_step or run.needs.momentum_copies) and run.engine.was_step_applied():
@@ -77,8 +83,15 @@ def log_window(run: runs.Run) -> None:
     run.hooks.reached("log", run.step)
     times = run.spans.take()  # waits for the window's work: the one host sync of a logging window
     loader = run.batches.loader
-    record = run.metrics.log_window(run.step, run.engine.get_lr()[0], times, loader.counts_by_source(),
-                                    loader.source_names, run.guard.read(), run.state_bytes())
+    record = run.metrics.log_window(
+        run.step,
+        run.engine.get_lr()[0],
+        times,
+        loader.counts_by_source(),
+        loader.source_names,
+        run.guard.read(),
+        run.state_bytes(),
+    )
     run.guard.check(run.step, {k.removeprefix("loss/"): v for k, v in record.items() if k.startswith("loss/")})
 
 
@@ -120,8 +133,13 @@ def step_skipped(engine) -> torch.Tensor | bool:
     return not engine.was_step_applied()
 
 
-def optimizer_step(engine, micro_batches: list[dict[str, Any]], hooks: StepHooks | None = None, step: int = 0,
-                   spans: Spans | None = None) -> dict[str, torch.Tensor]:
+def optimizer_step(
+    engine,
+    micro_batches: list[dict[str, Any]],
+    hooks: StepHooks | None = None,
+    step: int = 0,
+    spans: Spans | None = None,
+) -> dict[str, torch.Tensor]:
     """Forward/backward every micro-batch and step: each loss term averaged over them, as device tensors
     (nothing is read back to the host). `spans` times each forward ("forward"; the loss's gathers time
     themselves as "gather"); `hooks` are told where step `step` is (forward, backward, step)."""

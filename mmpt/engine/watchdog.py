@@ -6,8 +6,8 @@ collectives of a step happen in backward and step). The training loop only notes
 watchdog's thread writes the newest one to `<run_dir>/heartbeats/rank_<r>.json` when it checks (once a
 second; more often only for timeouts under 10 s), with the time it was noted, so the step does no file
 I/O and a shared filesystem sees at most one small write per rank and second. A rank stuck in a phase
-has written that phase within a second of entering it. The lagging ranks are those furthest behind, or, when all are at the same point,
-those silent longest: a rank stuck in a collective waits for exactly those.
+has written that phase within a second of entering it. The lagging ranks are those furthest behind, or, when
+all are at the same point, those silent longest: a rank stuck in a collective waits for exactly those.
 
 Rank 0 says the diagnosis: the other ranks wait `grace` seconds longer before they act, so a hang
 ends with one report from rank 0 (and the launcher stops the rest), unless rank 0 itself cannot
@@ -103,14 +103,18 @@ class Watchdog:
                 oldest = min(r["time"] for r in reports)
                 lagging = [r for r in reports if r["time"] - oldest < 1.0]
         missing = sorted(set(range(self.world_size)) - {r["rank"] for r in reports})
-        where = "; ".join(f"rank {r['rank']}: step {r['step']} {r['phase']}, silent {now - r['time']:.0f}s"
-                          for r in sorted(reports, key=lambda r: r["rank"]))
+        where = "; ".join(
+            f"rank {r['rank']}: step {r['step']} {r['phase']}, silent {now - r['time']:.0f}s"
+            for r in sorted(reports, key=lambda r: r["rank"])
+        )
         names = ", ".join(str(r["rank"]) for r in lagging) or "unknown"
-        return (f"watchdog: rank {self.rank} made no progress for {silent:.0f}s (> {self.timeout:.0f}s) in "
-                f"'{self.phase}' of step {self.step}; lagging rank(s): {names}"
-                f"{'; no heartbeat from rank(s) ' + str(missing) if missing else ''}. All ranks: {where}. "
-                f"{'' if self.rank == 0 else 'Rank 0 did not report. '}"
-                f"Exiting with {EXIT_HANG}; restart to resume from the latest checkpoint.")
+        return (
+            f"watchdog: rank {self.rank} made no progress for {silent:.0f}s (> {self.timeout:.0f}s) in "
+            f"'{self.phase}' of step {self.step}; lagging rank(s): {names}"
+            f"{'; no heartbeat from rank(s) ' + str(missing) if missing else ''}. All ranks: {where}. "
+            f"{'' if self.rank == 0 else 'Rank 0 did not report. '}"
+            f"Exiting with {EXIT_HANG}; restart to resume from the latest checkpoint."
+        )
 
     def _read_all(self) -> list[dict]:
         reports = []

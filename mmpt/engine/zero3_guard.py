@@ -21,9 +21,24 @@ from torch.utils._pytree import tree_leaves
 
 # Ops that read a placeholder's metadata or swap its storage (DeepSpeed itself does this while it
 # gathers and releases parameters); only computing with its values is the error.
-_METADATA = {"__get__", "__set__", "numel", "size", "dim", "is_floating_point", "element_size", "data_ptr",
-             "__repr__", "__format__", "untyped_storage", "record_stream", "requires_grad_", "is_contiguous",
-             "__hash__", "__eq__"}
+_METADATA = {
+    "__get__",
+    "__set__",
+    "numel",
+    "size",
+    "dim",
+    "is_floating_point",
+    "element_size",
+    "data_ptr",
+    "__repr__",
+    "__format__",
+    "untyped_storage",
+    "record_stream",
+    "requires_grad_",
+    "is_contiguous",
+    "__hash__",
+    "__eq__",
+}
 
 
 class PartitionedParameterError(RuntimeError):
@@ -45,7 +60,8 @@ class _Guard(TorchFunctionMode):
                         f"parameter '{name}' (shape {tuple(leaf.ds_shape)}) was used by {_op_name(func)} in "
                         f"{self.where} while ZeRO-3 had it partitioned: method code may read parameters only inside "
                         f"training_step/step_pool (which run in the engine's forward) or in an AfterStep that "
-                        f"lists them in `reads`")
+                        f"lists them in `reads`"
+                    )
         return func(*args, **kwargs)
 
 

@@ -52,7 +52,9 @@ def embed_utterances(model, encoder, texts: list[str], batch_size: int = 64) -> 
     device = next(model.parameters()).device
     parts = []
     for start in range(0, len(texts), batch_size):
-        parts.append(model.encode_dialog(dialog_batch(encoder, texts[start:start + batch_size], device)).float().cpu().numpy())
+        parts.append(
+            model.encode_dialog(dialog_batch(encoder, texts[start : start + batch_size], device)).float().cpu().numpy()
+        )
     model.train(was_training)
     return np.concatenate(parts)
 
@@ -67,8 +69,9 @@ def kshot_indices(labels: list[str], k: int, seed: int) -> list[int]:
     return sorted(chosen)
 
 
-def linear_head_accuracy(train_x: np.ndarray, train_y: list[str], test_x: np.ndarray, test_y: list[str],
-                         seed: int) -> float:
+def linear_head_accuracy(
+    train_x: np.ndarray, train_y: list[str], test_x: np.ndarray, test_y: list[str], seed: int
+) -> float:
     head = LogisticRegression(C=10.0, max_iter=3000, random_state=seed)
     head.fit(train_x, train_y)
     return float((head.predict(test_x) == np.array(test_y)).mean())
@@ -87,8 +90,15 @@ class FineTuning:
     batch_size: int = 32
 
 
-def finetune_accuracy(model, encoder, train: list[tuple[str, str]], test: list[tuple[str, str]],
-                      val: list[tuple[str, str]] | None, settings: FineTuning, seed: int = 0) -> float:
+def finetune_accuracy(
+    model,
+    encoder,
+    train: list[tuple[str, str]],
+    test: list[tuple[str, str]],
+    val: list[tuple[str, str]] | None,
+    settings: FineTuning,
+    seed: int = 0,
+) -> float:
     """Test accuracy of a copy of `model` fine-tuned whole, with a linear head on its CLS state."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
@@ -97,15 +107,17 @@ def finetune_accuracy(model, encoder, train: list[tuple[str, str]], test: list[t
     index = {c: i for i, c in enumerate(intents)}
     hidden = tuned.dialog_vector(dialog_batch(encoder, [train[0][0]], device)).shape[-1]
     head = nn.Linear(hidden, len(intents)).to(device)
-    optimizer = torch.optim.AdamW([{"params": tuned.parameters(), "lr": settings.lr},
-                                   {"params": head.parameters(), "lr": settings.head_lr}], weight_decay=0.01)
+    optimizer = torch.optim.AdamW(
+        [{"params": tuned.parameters(), "lr": settings.lr}, {"params": head.parameters(), "lr": settings.head_lr}],
+        weight_decay=0.01,
+    )
 
     @torch.no_grad()
     def accuracy(rows: list[tuple[str, str]]) -> float:
         tuned.eval()
         right = 0
         for start in range(0, len(rows), 64):
-            part = rows[start:start + 64]
+            part = rows[start : start + 64]
             predicted = head(tuned.dialog_vector(dialog_batch(encoder, [t for t, _ in part], device))).argmax(-1)
             right += sum(intents[p] == c for p, (_, c) in zip(predicted.tolist(), part))
         tuned.train()
@@ -117,7 +129,7 @@ def finetune_accuracy(model, encoder, train: list[tuple[str, str]], test: list[t
         order = list(range(len(train)))
         generator.shuffle(order)
         for start in range(0, len(order), settings.batch_size):
-            part = [train[i] for i in order[start:start + settings.batch_size]]
+            part = [train[i] for i in order[start : start + settings.batch_size]]
             logits = head(tuned.dialog_vector(dialog_batch(encoder, [t for t, _ in part], device)))
             loss = F.cross_entropy(logits, torch.tensor([index[c] for _, c in part], device=device))
             optimizer.zero_grad()
@@ -129,8 +141,17 @@ def finetune_accuracy(model, encoder, train: list[tuple[str, str]], test: list[t
     return result
 
 
-def intent_classification(model, encoder, data_dir: str | Path, *, shots: list[int], full: bool = True,
-                          seeds: int = 3, batch_size: int = 64, finetune: FineTuning | None = None) -> dict[str, Any]:
+def intent_classification(
+    model,
+    encoder,
+    data_dir: str | Path,
+    *,
+    shots: list[int],
+    full: bool = True,
+    seeds: int = 3,
+    batch_size: int = 64,
+    finetune: FineTuning | None = None,
+) -> dict[str, Any]:
     """Linear-probe accuracies (full data and each k-shot setting) and, with `finetune`, the same settings
     fully fine-tuned (one run per setting: fine-tuning is the costly protocol)."""
     data_dir = Path(data_dir)
@@ -165,8 +186,18 @@ def intent_classification(model, encoder, data_dir: str | Path, *, shots: list[i
         metrics[f"{k}shot/accuracy_std"] = float(np.std(scores))
         if finetune:
             metrics[f"{k}shot/finetuned_accuracy"] = finetune_accuracy(model, encoder, draws[0], test, val, finetune)
-    return {"dataset": str(data_dir), "task": "intent_classification", "intents": len(set(train_y)),
-            "train": len(train), "test": len(test), "metrics": metrics, "runs": runs, "kshot_splits": splits,
-            "protocols": {"accuracy": "linear probe on the frozen encoder",
-                          "finetuned_accuracy": "whole encoder + linear head fine-tuned" + (
-                              ", test accuracy at the best validation epoch" if val else ", after the last epoch")}}
+    return {
+        "dataset": str(data_dir),
+        "task": "intent_classification",
+        "intents": len(set(train_y)),
+        "train": len(train),
+        "test": len(test),
+        "metrics": metrics,
+        "runs": runs,
+        "kshot_splits": splits,
+        "protocols": {
+            "accuracy": "linear probe on the frozen encoder",
+            "finetuned_accuracy": "whole encoder + linear head fine-tuned"
+            + (", test accuracy at the best validation epoch" if val else ", after the last epoch"),
+        },
+    }

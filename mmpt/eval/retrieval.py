@@ -61,7 +61,9 @@ def encode_texts(model, tokenize, texts: list[str], batch_size: int, device) -> 
     features = []
     for start in range(0, len(distinct), batch_size):
         tokens = tokenize(distinct[start : start + batch_size])
-        features.append(model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device)).float().cpu())
+        features.append(
+            model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device)).float().cpu()
+        )
     return F.normalize(torch.cat(features), dim=-1), torch.tensor([row[t] for t in texts])
 
 
@@ -78,8 +80,16 @@ def recall_metrics(image_features: torch.Tensor, text_features: torch.Tensor, ma
 
 
 @torch.no_grad()
-def zeroshot_retrieval(model, tokenize, transform, path: str | os.PathLike, batch_size: int = 256,
-                       device: str | torch.device = "cpu", normalize_text=None, fields=None) -> dict:
+def zeroshot_retrieval(
+    model,
+    tokenize,
+    transform,
+    path: str | os.PathLike,
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+    normalize_text=None,
+    fields=None,
+) -> dict:
     """Retrieval metrics of `model` on any layout `read_retrieval_set` reads (`fields`: where shard samples keep
     their image and captions)."""
     model.eval()

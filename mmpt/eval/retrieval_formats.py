@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from mmpt.data.image_text import decode_text, pick_field
 from mmpt.data.fields import SampleFields
+from mmpt.data.image_text import decode_text, pick_field
 from mmpt.data.shards import DataError, MissingDataError, expand_shards
 from mmpt.data.stream import read_shard
 
@@ -89,7 +89,7 @@ def load_retrieval_set(path: str | os.PathLike, media: str = "image") -> tuple[l
             record = json.loads(line)
             file, texts = record[media], record["caption"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DataError(f"{path}:{number}: expected {{\"{media}\": path, \"caption\": [...]}} ({exc})") from None
+            raise DataError(f'{path}:{number}: expected {{"{media}": path, "caption": [...]}} ({exc})') from None
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts:
             raise DataError(f"{path}:{number}: no captions")
@@ -115,7 +115,9 @@ def load_json_annotations(path: Path, split: str = "test") -> tuple[list[Path], 
                 texts = [s["raw"].strip() for s in image["sentences"]]
                 files.append(path.parent / image.get("filepath", "") / image["filename"])
             except (KeyError, TypeError) as exc:
-                raise DataError(f"{path}: images[{number}] lacks {exc} (Karpathy layout: filename, sentences[].raw)") from None
+                raise DataError(
+                    f"{path}: images[{number}] lacks {exc} (Karpathy layout: filename, sentences[].raw)"
+                ) from None
             captions.append(texts)
     elif isinstance(data, list):
         for number, record in enumerate(data):
@@ -123,10 +125,10 @@ def load_json_annotations(path: Path, split: str = "test") -> tuple[list[Path], 
                 texts = record["caption"]
                 files.append(_resolve(path.parent, record["image"]))
             except (KeyError, TypeError) as exc:
-                raise DataError(f"{path}: record {number} lacks {exc} (expected {{\"image\", \"caption\"}})") from None
+                raise DataError(f'{path}: record {number} lacks {exc} (expected {{"image", "caption"}})') from None
             captions.append([texts] if isinstance(texts, str) else list(texts))
     else:
-        raise DataError(f"{path}: expected a Karpathy split ({{\"images\": [...]}}) or a list of {{\"image\", \"caption\"}}")
+        raise DataError(f'{path}: expected a Karpathy split ({{"images": [...]}}) or a list of {{"image", "caption"}}')
     if not files:
         raise DataError(f"{path}: no '{split}' images")
     if any(not texts for texts in captions):
@@ -158,8 +160,10 @@ def load_chinese_clip(texts_file: Path) -> RetrievalSet:
             text, image_ids = record["text"], record["image_ids"]
             rows = [row[str(i)] for i in image_ids]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DataError(f"{texts_file}:{number}: expected {{\"text_id\", \"text\", \"image_ids\"}} with ids of "
-                            f"{images_file.name} ({type(exc).__name__}: {exc})") from None
+            raise DataError(
+                f'{texts_file}:{number}: expected {{"text_id", "text", "image_ids"}} with ids of '
+                f"{images_file.name} ({type(exc).__name__}: {exc})"
+            ) from None
         if not rows:
             raise DataError(f"{texts_file}:{number}: no image_ids")
         pairs += [(r, len(texts)) for r in rows]
@@ -190,14 +194,19 @@ def load_shard_retrieval(pattern: str, fields: SampleFields) -> tuple[list[Image
     return images, captions
 
 
-def load_wds_retrieval(folder: Path, split: str = "test", fields: SampleFields | None = None,
-                       ) -> tuple[list[ImageBytes], list[list[str]]]:
+def load_wds_retrieval(
+    folder: Path,
+    split: str = "test",
+    fields: SampleFields | None = None,
+) -> tuple[list[ImageBytes], list[list[str]]]:
     """A CLIP_benchmark webdataset retrieval folder (its `txt` holds a caption per line, unless `fields` names
     other caption keys)."""
     fields = fields or SampleFields()
     kind = folder / "dataset_type.txt"
     if not kind.exists() or kind.read_text().strip().lower() != "retrieval":
-        raise DataError(f"{folder}: a retrieval folder needs dataset_type.txt saying 'retrieval' (CLIP_benchmark's layout)")
+        raise DataError(
+            f"{folder}: a retrieval folder needs dataset_type.txt saying 'retrieval' (CLIP_benchmark's layout)"
+        )
     shards = sorted((folder / split).glob("*.tar"), key=lambda p: (len(p.stem), p.stem))  # 0, 1, ..., 10
     if not shards:
         raise DataError(f"{folder}: no {split}/*.tar shards")
@@ -207,8 +216,9 @@ def load_wds_retrieval(folder: Path, split: str = "test", fields: SampleFields |
             sample["__shard__"] = shard
             name = f"{shard}:{sample['__key__']}"
             if fields.caption is None:
-                texts = [t.strip() for t in decode_text(pick_field(sample, ("txt",), "caption")).splitlines()
-                         if t.strip()]
+                texts = [
+                    t.strip() for t in decode_text(pick_field(sample, ("txt",), "caption")).splitlines() if t.strip()
+                ]
             else:
                 texts = fields.captions(sample)
             if not texts:

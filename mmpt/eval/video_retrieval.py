@@ -61,13 +61,17 @@ def _didemo(path: Path, root: Path) -> tuple[list[Path], list[list[str]]]:
         for record in records:
             grouped.setdefault(record["video"], []).append(record["description"].strip())
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise DataError(f"{path}: expected DiDeMo's list of {{\"video\", \"description\"}} ({type(exc).__name__}: {exc})") from None
+        raise DataError(
+            f'{path}: expected DiDeMo\'s list of {{"video", "description"}} ({type(exc).__name__}: {exc})'
+        ) from None
     videos = [root / name if (root / name).is_file() else _find_video(root, Path(name).stem) for name in grouped]
     return videos, [[" ".join(sentences)] for sentences in grouped.values()]
 
 
-def load_video_retrieval_set(path: str | os.PathLike, video_root: str | os.PathLike | None = None,
-                             ) -> tuple[list[Path], list[list[str]]]:
+def load_video_retrieval_set(
+    path: str | os.PathLike,
+    video_root: str | os.PathLike | None = None,
+) -> tuple[list[Path], list[list[str]]]:
     """(video files, captions of each) from a jsonl or an MSR-VTT-style csv."""
     path = Path(path)
     if not path.is_file():
@@ -96,9 +100,15 @@ def video_rank_metrics(video_features: torch.Tensor, text_features: torch.Tensor
 
 
 @torch.no_grad()
-def video_retrieval(model, tokenize: Callable, decode_video: Callable[[bytes], torch.Tensor], path: str | os.PathLike,
-                    batch_size: int = 64, device: str | torch.device = "cpu",
-                    video_root: str | os.PathLike | None = None) -> dict:
+def video_retrieval(
+    model,
+    tokenize: Callable,
+    decode_video: Callable[[bytes], torch.Tensor],
+    path: str | os.PathLike,
+    batch_size: int = 64,
+    device: str | torch.device = "cpu",
+    video_root: str | os.PathLike | None = None,
+) -> dict:
     """Retrieval metrics of `model` (`encode_video`, `encode_text`) on an annotation file.
 
     `decode_video(bytes)` gives one clip's model input (frames [T, C, H, W]), e.g. an evaluation-mode

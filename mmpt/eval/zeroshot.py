@@ -38,8 +38,11 @@ log = logging.getLogger(__name__)
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 ID_LIKE = re.compile(r"^(n\d{8}|\d+)$")  # ImageNet synsets, class numbers
 # Languages whose script tells their text apart from English; others (Latin script) are not checked.
-SCRIPTS = {"zh": re.compile(r"[\u3400-\u9fff]"), "ja": re.compile(r"[\u3040-\u30ff\u3400-\u9fff]"),
-           "ko": re.compile(r"[\uac00-\ud7af]")}
+SCRIPTS = {
+    "zh": re.compile(r"[\u3400-\u9fff]"),
+    "ja": re.compile(r"[\u3040-\u30ff\u3400-\u9fff]"),
+    "ko": re.compile(r"[\uac00-\ud7af]"),
+}
 FOREIGN_HINT = "or allow names in another language (method.zeroshot.foreign_class_names, --foreign-class-names)"
 
 
@@ -71,12 +74,20 @@ def language_files(folder: Path, stem: str, language: str) -> list[Path]:
     for English the plain file (`classnames.txt`), then the suffixed file (`classnames_zh.txt`), then for
     other languages the plain file (a dataset root made for that language; see `language_lines`)."""
     plain = [folder / f"{stem}.txt"]
-    return [folder / language / f"{stem}.txt", *(plain if language == "en" else []),
-            folder / f"{stem}_{language}.txt", *(plain if language != "en" else [])]
+    return [
+        folder / language / f"{stem}.txt",
+        *(plain if language == "en" else []),
+        folder / f"{stem}_{language}.txt",
+        *(plain if language != "en" else []),
+    ]
 
 
-def language_lines(folder: Path, stem: str, language: str, foreign_ok: bool = False,
-                   ) -> tuple[list[str] | None, Path | None, list[Path]]:
+def language_lines(
+    folder: Path,
+    stem: str,
+    language: str,
+    foreign_ok: bool = False,
+) -> tuple[list[str] | None, Path | None, list[Path]]:
     """(lines, file, files looked at) of the first of `language_files` written in `language` (any, with
     `foreign_ok`); lines and file are None when there is none. A file in another language's script is passed
     over: the plain file of a multilingual root is English."""
@@ -95,19 +106,29 @@ def foreign_files(looked: list[Path]) -> str:
     return f"; {', '.join(found)} {'is' if len(found) == 1 else 'are'} not written in it" if found else ""
 
 
-def load_templates(folder: Path, language: str, defaults: dict[str, list[str]] = DEFAULT_TEMPLATES,
-                   ) -> tuple[list[str], str]:
+def load_templates(
+    folder: Path,
+    language: str,
+    defaults: dict[str, list[str]] = DEFAULT_TEMPLATES,
+) -> tuple[list[str], str]:
     """(prompt templates, where they came from); mmpt's defaults for the language, with a warning, when
     the dataset has none."""
     _, found, looked = language_lines(folder, "zeroshot_classification_templates", language)
     if found is None:
         templates = defaults.get(language)
         if not templates:
-            raise DataError(f"{folder}: no '{language}' prompt templates (looked for {', '.join(map(str, looked))}) "
-                            f"and mmpt has no default '{language}' templates")
+            raise DataError(
+                f"{folder}: no '{language}' prompt templates (looked for {', '.join(map(str, looked))}) "
+                f"and mmpt has no default '{language}' templates"
+            )
         source = f"mmpt default '{language}' templates ({len(templates)} prompts; the dataset has none)"
-        log.warning("%s: no '%s' prompt templates (looked for %s); using %s", folder, language,
-                    ", ".join(str(p.relative_to(folder)) for p in looked), source)
+        log.warning(
+            "%s: no '%s' prompt templates (looked for %s); using %s",
+            folder,
+            language,
+            ", ".join(str(p.relative_to(folder)) for p in looked),
+            source,
+        )
         return templates, source
     templates = _lines(found)
     if any("{c}" not in t for t in templates):
@@ -115,8 +136,9 @@ def load_templates(folder: Path, language: str, defaults: dict[str, list[str]] =
     return templates, str(found)
 
 
-def load_classification_set(path: str | os.PathLike, language: str = "en", foreign_class_names: bool = False,
-                            fields: SampleFields | None = None) -> ClassificationSet:
+def load_classification_set(
+    path: str | os.PathLike, language: str = "en", foreign_class_names: bool = False, fields: SampleFields | None = None
+) -> ClassificationSet:
     """A CLIP_benchmark folder or ImageFolder with `language`'s class names and templates.
 
     `foreign_class_names`: accept class names not written in `language` (e.g. English names in Chinese prompts).
@@ -125,16 +147,19 @@ def load_classification_set(path: str | os.PathLike, language: str = "en", forei
     fields = fields or SampleFields()
     folder = Path(path)
     if not folder.is_dir():
-        raise MissingDataError(f"zero-shot dataset {str(path)!r} is not a directory (expected a CLIP_benchmark folder "
-                               "or an ImageFolder)")
+        raise MissingDataError(
+            f"zero-shot dataset {str(path)!r} is not a directory (expected a CLIP_benchmark folder or an ImageFolder)"
+        )
     names, names_file, looked = language_lines(folder, "classnames", language, foreign_class_names)
     templates, templates_from = load_templates(folder, language)
 
     shards = sorted(glob.glob(str(folder / "test" / "*.tar")))
     if shards:
         if names is None:
-            raise ClassNamesError(f"{folder}: no '{language}' class names (looked for {', '.join(map(str, looked))}"
-                                  f"{foreign_files(looked)}); the webdataset layout needs them, {FOREIGN_HINT}")
+            raise ClassNamesError(
+                f"{folder}: no '{language}' class names (looked for {', '.join(map(str, looked))}"
+                f"{foreign_files(looked)}); the webdataset layout needs them, {FOREIGN_HINT}"
+            )
 
         def wds_samples() -> Iterator[tuple[bytes, int, str]]:
             for shard in shards:
@@ -145,14 +170,30 @@ def load_classification_set(path: str | os.PathLike, language: str = "en", forei
 
         return ClassificationSet(folder.name, names, templates, wds_samples, templates_from)
 
-    return class_folder_set(folder, names_file, templates, templates_from, IMAGE_SUFFIXES,
-                            "neither test/*.tar shards nor class sub-folders found", language, foreign_class_names,
-                            looked)
+    return class_folder_set(
+        folder,
+        names_file,
+        templates,
+        templates_from,
+        IMAGE_SUFFIXES,
+        "neither test/*.tar shards nor class sub-folders found",
+        language,
+        foreign_class_names,
+        looked,
+    )
 
 
-def class_folder_set(folder: Path, names_file: Path | None, templates: list[str], templates_from: str,
-                     suffixes: set[str] | tuple[str, ...], none_found: str, language: str = "en",
-                     foreign_class_names: bool = False, looked: list[Path] = ()) -> ClassificationSet:
+def class_folder_set(
+    folder: Path,
+    names_file: Path | None,
+    templates: list[str],
+    templates_from: str,
+    suffixes: set[str] | tuple[str, ...],
+    none_found: str,
+    language: str = "en",
+    foreign_class_names: bool = False,
+    looked: list[Path] = (),
+) -> ClassificationSet:
     """One sub-folder per class (files with `suffixes`), named by `names_file` or by the folders' names;
     folder names that are ids, or not written in `language`, are refused (`ClassNamesError`)."""
     # sub-folders are classes, except per-language folders of class names and templates
@@ -164,20 +205,28 @@ def class_folder_set(folder: Path, names_file: Path | None, templates: list[str]
     else:
         classnames = [d.name.replace("_", " ") for d in class_dirs]
         ids = [d.name for d in class_dirs if ID_LIKE.match(d.name)]
-        missing = (f"{folder}: no '{language}' class names (looked for {', '.join(map(str, looked))}"
-                   f"{foreign_files(looked)})")
+        missing = (
+            f"{folder}: no '{language}' class names (looked for {', '.join(map(str, looked))}{foreign_files(looked)})"
+        )
         if ids and any(path.exists() for path in looked):
-            raise ClassNamesError(f"{missing}, and the class folders are ids: give {language}/classnames.txt, "
-                                  f"{FOREIGN_HINT}")
+            raise ClassNamesError(
+                f"{missing}, and the class folders are ids: give {language}/classnames.txt, {FOREIGN_HINT}"
+            )
         if ids:
-            raise ClassNamesError(f"{folder}: class folders are named by ids ({', '.join(ids[:3])}"
-                                  f"{', ...' if len(ids) > 3 else ''}), which say nothing to a text encoder: give "
-                                  "classnames.txt (one name per line, in the folders' sorted order)")
+            raise ClassNamesError(
+                f"{folder}: class folders are named by ids ({', '.join(ids[:3])}"
+                f"{', ...' if len(ids) > 3 else ''}), which say nothing to a text encoder: give "
+                "classnames.txt (one name per line, in the folders' sorted order)"
+            )
         if not (foreign_class_names or written_in(classnames, language)):
-            raise ClassNamesError(f"{missing}, and the class folders' names ({', '.join(classnames[:3])}, ...) are not "
-                                  f"written in '{language}': give {language}/classnames.txt, {FOREIGN_HINT}")
+            raise ClassNamesError(
+                f"{missing}, and the class folders' names ({', '.join(classnames[:3])}, ...) are not "
+                f"written in '{language}': give {language}/classnames.txt, {FOREIGN_HINT}"
+            )
     if len(classnames) != len(class_dirs):
-        raise DataError(f"{names_file} lists {len(classnames)} classes but {folder} has {len(class_dirs)} class folders")
+        raise DataError(
+            f"{names_file} lists {len(classnames)} classes but {folder} has {len(class_dirs)} class folders"
+        )
 
     def folder_samples() -> Iterator[tuple[bytes, int, str]]:
         for label, class_dir in enumerate(class_dirs):
@@ -200,8 +249,14 @@ def build_classifier(model, tokenize, classnames: list[str], templates: list[str
 
 
 @torch.no_grad()
-def classify(encode: Callable[[torch.Tensor], torch.Tensor], prepare: Callable[[bytes], torch.Tensor],
-             classifier: torch.Tensor, dataset: ClassificationSet, batch_size: int, what: str = "image") -> dict[str, float]:
+def classify(
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    prepare: Callable[[bytes], torch.Tensor],
+    classifier: torch.Tensor,
+    dataset: ClassificationSet,
+    batch_size: int,
+    what: str = "image",
+) -> dict[str, float]:
     """acc1, acc5 and mean per-class recall: `prepare` turns each sample's bytes into a model input,
     `encode` a stacked batch of them into features (an undecodable sample is an error here: an
     evaluation set is fixed, skipping would change it)."""
@@ -218,7 +273,9 @@ def classify(encode: Callable[[torch.Tensor], torch.Tensor], prepare: Callable[[
         except Exception as exc:
             raise DataError(f"zero-shot {what} {sample_id} cannot be decoded: {exc}") from None
         if not 0 <= label < len(dataset.classnames):
-            raise DataError(f"zero-shot {what} {sample_id} has label {label}, but there are {len(dataset.classnames)} class names")
+            raise DataError(
+                f"zero-shot {what} {sample_id} has label {label}, but there are {len(dataset.classnames)} class names"
+            )
         labels.append(label)
         if len(inputs) == batch_size:
             flush(inputs)
@@ -249,5 +306,10 @@ def zeroshot_classification(
     model.eval()
     classifier = build_classifier(model, tokenize, dataset.classnames, dataset.templates, device)
     dtype = next(model.parameters()).dtype
-    return classify(lambda images: model.encode_image(images.to(device=device, dtype=dtype)),
-                    lambda data: transform(decode_image(data)), classifier, dataset, batch_size)
+    return classify(
+        lambda images: model.encode_image(images.to(device=device, dtype=dtype)),
+        lambda data: transform(decode_image(data)),
+        classifier,
+        dataset,
+        batch_size,
+    )

@@ -12,13 +12,16 @@ from mmpt.errors import ConfigError
 from mmpt.methods.base import AfterStep, EngineNeeds, Method, MethodConfig
 from mmpt.registry import NotRegistered, Registry
 
-METHODS: Registry[Method] = Registry("method", builtin={
-    "clip": "mmpt.methods.clip",
-    "m2_encoder": "mmpt.methods.m2_encoder",
-    "open_clip": "mmpt.methods.open_clip",
-    "space2": "mmpt.methods.space2",
-    "victor": "mmpt.methods.victor",
-})
+METHODS: Registry[Method] = Registry(
+    "method",
+    builtin={
+        "clip": "mmpt.methods.clip",
+        "m2_encoder": "mmpt.methods.m2_encoder",
+        "open_clip": "mmpt.methods.open_clip",
+        "space2": "mmpt.methods.space2",
+        "victor": "mmpt.methods.victor",
+    },
+)
 
 
 def register(method: Method) -> Method:
@@ -41,5 +44,14 @@ def method_config_class(name: str | None) -> type[MethodConfig]:
     return get_method(name).config_class
 
 
-__all__ = ["METHODS", "AfterStep", "EngineNeeds", "Method", "MethodConfig", "get_method", "list_methods",
-           "method_config_class", "register"]
+__all__ = [
+    "METHODS",
+    "AfterStep",
+    "EngineNeeds",
+    "Method",
+    "MethodConfig",
+    "get_method",
+    "list_methods",
+    "method_config_class",
+    "register",
+]

@@ -139,8 +139,9 @@ class Method(Generic[SectionT]):
         """What this method needs from the engine for `model` (the one place the engine learns it)."""
         return EngineNeeds()
 
-    def training_step(self, model: nn.Module, loss: nn.Module, batch: dict[str, Any],
-                      pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
+    def training_step(
+        self, model: nn.Module, loss: nn.Module, batch: dict[str, Any], pool: Any = None, index: int = 0
+    ) -> dict[str, torch.Tensor]:
         """One micro-batch (`index` of the step, `pool` from `EngineNeeds.step_pool`): named loss terms to sum.
 
         The rule for parameters: `training_step` and the step pool are the only method code that computes
@@ -155,8 +156,9 @@ class Method(Generic[SectionT]):
         """Evaluation at the end of training, on one process with the full (unsharded) model."""
         return {}
 
-    def evaluate_set(self, model: nn.Module, cfg: Config, run_dir: Path, eval_set: EvalSetConfig,
-                     language: str) -> dict[str, float]:
+    def evaluate_set(
+        self, model: nn.Module, cfg: Config, run_dir: Path, eval_set: EvalSetConfig, language: str
+    ) -> dict[str, float]:
         """Metrics of one `data.eval` set in one language (a task of `eval_tasks`), with `model` in eval mode,
         during training (the engine restores modes and RNG afterwards) or at its end."""
         raise NotImplementedError
@@ -175,13 +177,20 @@ def copy_tokenizer(run_dir: Path, name: str, source: str | None) -> None:
         shutil.copyfile(source, target)
 
 
-def eval_record(run_dir: Path, dataset: str, task: str, language: str, metrics: dict[str, Any],
-                **details: Any) -> dict[str, Any]:
+def eval_record(
+    run_dir: Path, dataset: str, task: str, language: str, metrics: dict[str, Any], **details: Any
+) -> dict[str, Any]:
     """A CLIP_benchmark-style result; retrieval results say how their ranks treat ties."""
     from mmpt.eval.retrieval import RANK_TIES
 
-    result = {"dataset": dataset, "model": str(run_dir), "task": task, "language": language, "metrics": metrics,
-              **details}
+    result = {
+        "dataset": dataset,
+        "model": str(run_dir),
+        "task": task,
+        "language": language,
+        "metrics": metrics,
+        **details,
+    }
     if "retrieval" in task:
         result["rank_ties"] = RANK_TIES
     return result
@@ -204,8 +213,10 @@ def stream_spec(cfg: Config, *, rank: int, world_size: int) -> StreamSpec:
 
     train = cfg.data.train
     return StreamSpec(
-        sources=[Source.from_pattern(s.shards, s.weight, name=s.name or s.shards, fields=s.sample_fields())
-                 for s in train.sources],
+        sources=[
+            Source.from_pattern(s.shards, s.weight, name=s.name or s.shards, fields=s.sample_fields())
+            for s in train.sources
+        ],
         batch_size=train.batch_size,
         per_source=train.compose == "per_source",
         seed=cfg.train.seed,

@@ -18,10 +18,10 @@ from torch import nn
 from mmpt.config import Config
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.losses import ContrastiveLoss
+from mmpt.methods import register
 from mmpt.methods.base import MethodConfig
 from mmpt.methods.image_text import TINY_IMAGE_TEXT_DATA, ImageTextMethod, PlacementAugment, ZeroShotConfig
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
-from mmpt.methods import register
 
 
 class ClipConfig(MethodConfig):
@@ -32,17 +32,25 @@ class ClipConfig(MethodConfig):
     tokenizer: str = Field(description="path of a `tokenizers` tokenizer.json (copied into the run directory)")
     image_mean: tuple[float, float, float] = OPENAI_DATASET_MEAN
     image_std: tuple[float, float, float] = OPENAI_DATASET_STD
-    augment: PlacementAugment = Field(default_factory=PlacementAugment,
-                                      description="added to open_clip's training transform (crop 0.9-1)")
+    augment: PlacementAugment = Field(
+        default_factory=PlacementAugment, description="added to open_clip's training transform (crop 0.9-1)"
+    )
     zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
 
 
 class ClipMethod(ImageTextMethod[ClipConfig]):
     name = "clip"
     config_class = ClipConfig
-    tiny_overrides = (*TINY_IMAGE_TEXT_DATA, "method.tokenizer={digits}/tokenizer.json", "method.embed_dim=16",
-                      "method.image.image_size=32", "method.text.width=32", "method.text.layers=1",
-                      "method.text.heads=2", "method.zeroshot.dataset=null")
+    tiny_overrides = (
+        *TINY_IMAGE_TEXT_DATA,
+        "method.tokenizer={digits}/tokenizer.json",
+        "method.embed_dim=16",
+        "method.image.image_size=32",
+        "method.text.width=32",
+        "method.text.layers=1",
+        "method.text.heads=2",
+        "method.zeroshot.dataset=null",
+    )
 
     def tokenizer_file_name(self, cfg: Config) -> str:
         return "tokenizer.json"

@@ -12,8 +12,8 @@ from torch import nn
 from torchvision import transforms as T
 
 from mmpt.config import Config, Section
-from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, uint8_transform
 from mmpt.data.fields import SampleFields
+from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, uint8_transform
 from mmpt.data.loader import BatchStream
 from mmpt.data.shards import DataError
 from mmpt.eval import DEMO_SETS, resolve_dataset
@@ -23,16 +23,23 @@ from mmpt.methods.base import Method, copy_tokenizer, eval_record, save_eval_rec
 
 
 class ZeroShotConfig(Section):
-    dataset: str | None = Field(None, description="CLIP_benchmark/ImageFolder path, or a demo set name ('digits'); "
-                                                  "reported as zeroshot/<language>/<metric>. null: no evaluation "
-                                                  "at the end of training, extra_datasets included")
-    extra_datasets: list[str] = Field(default_factory=list, description="more sets evaluated the same way, reported as "
-                                                                        "zeroshot/<folder or set name>/<language>/<metric>")
+    dataset: str | None = Field(
+        None,
+        description="CLIP_benchmark/ImageFolder path, or a demo set name ('digits'); "
+        "reported as zeroshot/<language>/<metric>. null: no evaluation "
+        "at the end of training, extra_datasets included",
+    )
+    extra_datasets: list[str] = Field(
+        default_factory=list,
+        description="more sets evaluated the same way, reported as zeroshot/<folder or set name>/<language>/<metric>",
+    )
     languages: list[str] = Field(default_factory=lambda: ["en"])
     batch_size: int = Field(256, gt=0)
     foreign_class_names: bool = Field(
-        False, description="accept class names not written in the prompt language (English names in Chinese "
-        "prompts); otherwise such sets, and class folders named by ids, are config errors")
+        False,
+        description="accept class names not written in the prompt language (English names in Chinese "
+        "prompts); otherwise such sets, and class folders named by ids, are config errors",
+    )
 
 
 class PlacementAugment(Section):
@@ -49,8 +56,9 @@ class PlacementAugment(Section):
         steps = list(transform.transforms)
         at = next(i for i, step in enumerate(steps) if isinstance(step, T.ToTensor))
         shift = (self.affine_translate,) * 2 if self.affine_translate else None
-        affine = T.RandomAffine(degrees=0, translate=shift, scale=self.affine_scale,
-                                interpolation=T.InterpolationMode.BILINEAR, fill=0)
+        affine = T.RandomAffine(
+            degrees=0, translate=shift, scale=self.affine_scale, interpolation=T.InterpolationMode.BILINEAR, fill=0
+        )
         return T.Compose([*steps[:at], affine, *steps[at:]])
 
 
@@ -67,8 +75,10 @@ def model_images(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
 
 
 # The image-text methods' test data: both languages of the digits corpus, and its zero-shot set while training.
-TINY_IMAGE_TEXT_DATA = ('data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}, {{shards: "{digits}/train/zh-*.tar"}}]',
-                        'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [zh]}}]')
+TINY_IMAGE_TEXT_DATA = (
+    'data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}, {{shards: "{digits}/train/zh-*.tar"}}]',
+    'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [zh]}}]',
+)
 
 
 class ImageTextSettings(Protocol):
@@ -101,18 +111,31 @@ class ImageTextMethod(Method[SettingsT]):
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
         zs = self.settings(cfg).zeroshot
-        sets = {"method.zeroshot.dataset": zs.dataset,
-                **{f"method.zeroshot.extra_datasets.{i}": name for i, name in enumerate(zs.extra_datasets)}}
+        sets = {
+            "method.zeroshot.dataset": zs.dataset,
+            **{f"method.zeroshot.extra_datasets.{i}": name for i, name in enumerate(zs.extra_datasets)},
+        }
         paths = {key: name for key, name in sets.items() if name is not None and name not in DEMO_SETS}
         return {"method.tokenizer": self.tokenizer_source(cfg), **paths}
 
     def check_eval_sets(self, cfg: Config) -> None:
         zs = self.settings(cfg).zeroshot
-        end = [("method.zeroshot.dataset", zs.dataset, zs.languages, zs.foreign_class_names),
-               *((f"method.zeroshot.extra_datasets.{i}", d, zs.languages, zs.foreign_class_names)
-                 for i, d in enumerate(zs.extra_datasets))] if zs.dataset is not None else []
-        sets = [(f"data.eval.{i}.dataset", s.dataset, s.languages, s.foreign_class_names)
-                for i, s in enumerate(cfg.data.eval) if s.task == "zeroshot_classification"]
+        end = (
+            [
+                ("method.zeroshot.dataset", zs.dataset, zs.languages, zs.foreign_class_names),
+                *(
+                    (f"method.zeroshot.extra_datasets.{i}", d, zs.languages, zs.foreign_class_names)
+                    for i, d in enumerate(zs.extra_datasets)
+                ),
+            ]
+            if zs.dataset is not None
+            else []
+        )
+        sets = [
+            (f"data.eval.{i}.dataset", s.dataset, s.languages, s.foreign_class_names)
+            for i, s in enumerate(cfg.data.eval)
+            if s.task == "zeroshot_classification"
+        ]
         for key, dataset, languages, foreign in end + sets:
             if dataset in DEMO_SETS or not Path(dataset).is_dir():
                 continue  # a demo set (built later) or a retrieval file
@@ -134,8 +157,11 @@ class ImageTextMethod(Method[SettingsT]):
         return [self.tokenizer_file_name(cfg)]
 
     def preprocessors(self, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        return {"tokenizer": self.tokenizer(cfg, run_dir), "preprocess": self.image_transform(cfg, train=False),
-                "preprocess_train": self.image_transform(cfg, train=True)}
+        return {
+            "tokenizer": self.tokenizer(cfg, run_dir),
+            "preprocess": self.image_transform(cfg, train=False),
+            "preprocess_train": self.image_transform(cfg, train=True),
+        }
 
     def tokenizer(self, cfg: Config, run_dir: Path):
         """The run's own copy of the tokenizer, so a run directory is self-contained."""
@@ -147,8 +173,9 @@ class ImageTextMethod(Method[SettingsT]):
         decoder = ImageTextDecoder(transform, self.tokenizer(cfg, run_dir), attention_mask=self.uses_attention_mask)
         return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size), decoder)
 
-    def training_step(self, model: nn.Module, loss: nn.Module, batch: dict[str, Any],
-                      pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
+    def training_step(
+        self, model: nn.Module, loss: nn.Module, batch: dict[str, Any], pool: Any = None, index: int = 0
+    ) -> dict[str, torch.Tensor]:
         images = model_images(model, batch["image"])
         image_features, text_features, scale = model(images, batch["input_ids"], batch.get("attention_mask"))
         if pool is None:
@@ -173,15 +200,32 @@ class ImageTextMethod(Method[SettingsT]):
     eval_sample_fields = ("caption", "image")
 
     def evaluate_set(self, model: nn.Module, cfg: Config, run_dir: Path, eval_set, language: str) -> dict[str, float]:
-        record = self.zeroshot(model, cfg, run_dir, eval_set.dataset, language, task=eval_set.task,
-                               foreign_class_names=eval_set.foreign_class_names, fields=eval_set.sample_fields())
+        record = self.zeroshot(
+            model,
+            cfg,
+            run_dir,
+            eval_set.dataset,
+            language,
+            task=eval_set.task,
+            foreign_class_names=eval_set.foreign_class_names,
+            fields=eval_set.sample_fields(),
+        )
         return record["metrics"]
+
     caption_normalization = None  # applied to retrieval captions, as the method's official evaluation does
     uses_attention_mask = True  # False: training batches carry no attention mask (the model does not read it)
 
-    def zeroshot(self, model: nn.Module, cfg: Config, run_dir: Path, dataset: str, language: str,
-                 task: str = "zeroshot_classification", foreign_class_names: bool | None = None,
-                 fields: SampleFields | None = None) -> dict[str, Any]:
+    def zeroshot(
+        self,
+        model: nn.Module,
+        cfg: Config,
+        run_dir: Path,
+        dataset: str,
+        language: str,
+        task: str = "zeroshot_classification",
+        foreign_class_names: bool | None = None,
+        fields: SampleFields | None = None,
+    ) -> dict[str, Any]:
         """One zero-shot run (classification, or retrieval over a jsonl) as a CLIP_benchmark-style record
         (not saved: the caller decides where). `foreign_class_names`: accept class names not written in
         `language` (None: as `method.zeroshot.foreign_class_names` says); `fields`: where a set read from
@@ -192,12 +236,14 @@ class ImageTextMethod(Method[SettingsT]):
         common = dict(batch_size=self.settings(cfg).zeroshot.batch_size, device=device)
         tokenizer, transform = self.tokenizer(cfg, run_dir), self.image_transform(cfg, train=False)
         if task == "zeroshot_retrieval":
-            metrics = zeroshot_retrieval(model, tokenizer, transform, dataset,
-                                         normalize_text=self.caption_normalization, fields=fields, **common)
+            metrics = zeroshot_retrieval(
+                model, tokenizer, transform, dataset, normalize_text=self.caption_normalization, fields=fields, **common
+            )
             return eval_record(run_dir, dataset, task, language, metrics)
         if task == "zeroshot_classification":
-            data = load_classification_set(resolve_dataset(dataset, cfg.data.root), language, foreign_class_names,
-                                           fields)
+            data = load_classification_set(
+                resolve_dataset(dataset, cfg.data.root), language, foreign_class_names, fields
+            )
             metrics = zeroshot_classification(model, tokenizer, transform, data, **common)
             return eval_record(run_dir, dataset, task, language, metrics, templates=data.templates_from)
         raise ValueError(f"unknown zero-shot task {task!r}")

@@ -19,12 +19,18 @@ from mmpt.data.glm_tokenizer import GLMTokenizer
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.eval.retrieval import official_caption_normalization
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
+from mmpt.methods import register
 from mmpt.methods.base import EngineNeeds, MethodConfig
-from mmpt.methods.image_text import TINY_IMAGE_TEXT_DATA, ImageTextMethod, PlacementAugment, ZeroShotConfig, model_images
+from mmpt.methods.image_text import (
+    TINY_IMAGE_TEXT_DATA,
+    ImageTextMethod,
+    PlacementAugment,
+    ZeroShotConfig,
+    model_images,
+)
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 from mmpt.models.m2_official import load_official, load_release_weights
 from mmpt.pretrained import initial_weights
-from mmpt.methods import register
 from mmpt.registry import NotRegistered
 
 OFFICIAL_MEAN, OFFICIAL_STD = M2Encoder.image_mean, M2Encoder.image_std  # the official inception_normalize
@@ -33,9 +39,11 @@ OFFICIAL_MEAN, OFFICIAL_STD = M2Encoder.image_mean, M2Encoder.image_std  # the o
 class GbaItcConfig(Section):
     name: Literal["gba_itc"] = "gba_itc"
     group_size: int | Literal["auto", "world"] = Field(
-        "world", description="ranks per gathering group: an int dividing the world size, auto (ranks per node), world")
+        "world", description="ranks per gathering group: an int dividing the world size, auto (ranks per node), world"
+    )
     accumulation_steps: int | None = Field(
-        None, gt=0, description="K micro-batches pooled per step; must equal train.grad_accum (null: follow it)")
+        None, gt=0, description="K micro-batches pooled per step; must equal train.grad_accum (null: follow it)"
+    )
     tile_size: int = Field(0, ge=0, description="column tile width of the logits; 0 = untiled")
 
 
@@ -50,14 +58,19 @@ class AugmentConfig(PlacementAugment):
 class M2Config(MethodConfig):
     name: Literal["m2_encoder"] = "m2_encoder"
     model: str = Field("m2-encoder-0.4b", description=f"architecture preset: {', '.join(PRESETS.names())}")
-    arch: M2EncoderConfig = Field(default_factory=M2EncoderConfig,
-                                  description="architecture; keys given here override the `model` preset")
+    arch: M2EncoderConfig = Field(
+        default_factory=M2EncoderConfig, description="architecture; keys given here override the `model` preset"
+    )
     tokenizer: str | None = Field(
-        None, description="GLM sp.model (SentencePiece, official) or a WordPiece tokenizer.json. None: the one that "
-        "comes with init_from (the sp.model of an official download, or a release's or run's own)")
+        None,
+        description="GLM sp.model (SentencePiece, official) or a WordPiece tokenizer.json. None: the one that "
+        "comes with init_from (the sp.model of an official download, or a release's or run's own)",
+    )
     init_from: str | None = Field(
-        None, description="weights to start from: an official download folder or its .ckpt, an mmpt release or "
-        "finished run directory, or hf-hub:<org>/<name> (a release); loaded strictly")
+        None,
+        description="weights to start from: an official download folder or its .ckpt, an mmpt release or "
+        "finished run directory, or hf-hub:<org>/<name> (a release); loaded strictly",
+    )
     loss: GbaItcConfig = Field(default_factory=GbaItcConfig)
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
     zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
@@ -65,8 +78,10 @@ class M2Config(MethodConfig):
     @model_validator(mode="after")
     def _a_tokenizer(self) -> M2Config:
         if self.tokenizer is None and self.init_from is None:
-            raise ValueError("set method.tokenizer (a GLM sp.model or a tokenizer.json), or method.init_from to "
-                             "weights that come with one")
+            raise ValueError(
+                "set method.tokenizer (a GLM sp.model or a tokenizer.json), or method.init_from to "
+                "weights that come with one"
+            )
         return self
 
     @field_validator("model")
@@ -93,13 +108,26 @@ class M2Config(MethodConfig):
 class M2EncoderMethod(ImageTextMethod[M2Config]):
     name = "m2_encoder"
     config_class = M2Config
-    tiny_overrides = (*TINY_IMAGE_TEXT_DATA, "method.tokenizer={digits}/tokenizer.json", "method.init_from=null",
-                      "method.arch.vocab_size=null", "method.arch.width=32", "method.arch.heads=2",
-                      "method.arch.lower_layers=1", "method.arch.shared_layers=1", "method.arch.output_dim=16",
-                      "method.arch.image_size=32", "method.arch.patch_size=8", "method.arch.text_positions=32",
-                      "method.arch.context_length=24", "method.arch.position_init_std=0.02",
-                      "method.loss.accumulation_steps=null", "method.loss.tile_size=6", "method.zeroshot.dataset=null",
-                      "method.augment.randaugment=false")
+    tiny_overrides = (
+        *TINY_IMAGE_TEXT_DATA,
+        "method.tokenizer={digits}/tokenizer.json",
+        "method.init_from=null",
+        "method.arch.vocab_size=null",
+        "method.arch.width=32",
+        "method.arch.heads=2",
+        "method.arch.lower_layers=1",
+        "method.arch.shared_layers=1",
+        "method.arch.output_dim=16",
+        "method.arch.image_size=32",
+        "method.arch.patch_size=8",
+        "method.arch.text_positions=32",
+        "method.arch.context_length=24",
+        "method.arch.position_init_std=0.02",
+        "method.loss.accumulation_steps=null",
+        "method.loss.tile_size=6",
+        "method.zeroshot.dataset=null",
+        "method.augment.randaugment=false",
+    )
     caption_normalization = staticmethod(official_caption_normalization)
 
     def check_config(self, cfg: Config) -> None:
@@ -121,8 +149,10 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"config key 'method.init_from': {exc}") from None
         if found is None:
-            raise FileNotFoundError(f"config key 'method.tokenizer': not set, and {init} (method.init_from) comes with "
-                                    "no sp.model or tokenizer.json")
+            raise FileNotFoundError(
+                f"config key 'method.tokenizer': not set, and {init} (method.init_from) comes with "
+                "no sp.model or tokenizer.json"
+            )
         return str(found)
 
     def load_tokenizer(self, path: Path, cfg: Config):
@@ -149,7 +179,9 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
 
     def resolve_defaults(self, cfg: Config) -> None:
         init = self.settings(cfg).init_from
-        if self.settings(cfg).tokenizer is None and (init.startswith("hf-hub:") or Path(init).exists()):  # else preflight says
+        if self.settings(cfg).tokenizer is None and (
+            init.startswith("hf-hub:") or Path(init).exists()
+        ):  # else preflight says
             self.settings(cfg).tokenizer = self.tokenizer_source(cfg)
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:

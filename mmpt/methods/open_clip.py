@@ -16,10 +16,10 @@ from torch import nn
 
 from mmpt.config import Config
 from mmpt.losses import ContrastiveLoss
+from mmpt.methods import register
 from mmpt.methods.base import MethodConfig
 from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig
 from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer, preprocess_settings
-from mmpt.methods import register
 
 
 class OpenClipConfig(MethodConfig):
@@ -33,9 +33,11 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     name = "open_clip"
     config_class = OpenClipConfig
     # The model is named by an open_clip config (no size keys to shrink): its configs name a small one.
-    tiny_overrides = ('data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}]',
-                      'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [en]}}]',
-                      "method.zeroshot.dataset=null")
+    tiny_overrides = (
+        'data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}]',
+        'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [en]}}]',
+        "method.zeroshot.dataset=null",
+    )
     uses_attention_mask = False  # open_clip's text tower pools at the end token
 
     def tokenizer_source(self, cfg: Config) -> None:
@@ -56,8 +58,14 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
 
     def image_transform(self, cfg: Config, train: bool):
         visual = self._preprocess(cfg)
-        return image_transform(visual["image_size"], is_train=train, mean=visual["mean"], std=visual["std"],
-                               interpolation=visual["interpolation"], resize_mode=visual["resize_mode"])
+        return image_transform(
+            visual["image_size"],
+            is_train=train,
+            mean=visual["mean"],
+            std=visual["std"],
+            interpolation=visual["interpolation"],
+            resize_mode=visual["resize_mode"],
+        )
 
     def _preprocess(self, cfg: Config) -> dict:
         """open_clip's preprocessing settings of the model; the model normalises training images with the same."""

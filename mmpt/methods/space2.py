@@ -26,9 +26,9 @@ from mmpt.data.loader import BatchStream
 from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.tree_contrastive import TreeContrastiveLoss
 from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, VIEWS, LabelCodes
+from mmpt.methods import register
 from mmpt.methods.base import Method, MethodConfig, stream_spec
 from mmpt.models.space2 import Space2Encoder
-from mmpt.methods import register
 
 BACKBONE_DIR = "encoder"  # the backbone's config and tokenizer files inside a run directory
 BACKBONE_FILES = ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -43,8 +43,10 @@ def resolve_encoder_path(spec: str) -> Path:
         try:
             return Path(str(resources.files(module))) / sub
         except ModuleNotFoundError:
-            raise FileNotFoundError(f"config key 'method.encoder': Python package {module!r} is not installed "
-                                    f"(pip install {module.replace('_', '-')})") from None
+            raise FileNotFoundError(
+                f"config key 'method.encoder': Python package {module!r} is not installed "
+                f"(pip install {module.replace('_', '-')})"
+            ) from None
     return Path(spec)
 
 
@@ -53,8 +55,12 @@ class IntentEvalConfig(Section):
     shots: list[int] = Field(default_factory=lambda: [10], description="k-shot settings (k examples per intent)")
     full: bool = Field(True, description="also train the head on all training examples")
     seeds: int = Field(3, gt=0, description="k-shot draws (and head seeds) averaged")
-    finetune_epochs: int = Field(0, ge=0, description="also fine-tune the whole encoder per setting for this many "
-                                 "epochs (the SPACE-2/DialoGLUE protocol); 0: linear probe only")
+    finetune_epochs: int = Field(
+        0,
+        ge=0,
+        description="also fine-tune the whole encoder per setting for this many "
+        "epochs (the SPACE-2/DialoGLUE protocol); 0: linear probe only",
+    )
     batch_size: int = Field(64, gt=0)
 
 
@@ -72,8 +78,12 @@ class Space2Config(MethodConfig):
     max_turns: int = Field(16, gt=0, le=16, description="utterances kept per example (the last ones)")
     max_len: int = Field(256, gt=0, description="tokens kept per example (the last ones)")
     mlm_probability: float = Field(0.15, ge=0, le=1)
-    max_label_elements: int = Field(MAX_LABEL_ELEMENTS, gt=0, description="elements per tree view a label may have "
-                                    "(labels travel as fixed-size tensors; a dialog with more is skipped and counted)")
+    max_label_elements: int = Field(
+        MAX_LABEL_ELEMENTS,
+        gt=0,
+        description="elements per tree view a label may have "
+        "(labels travel as fixed-size tensors; a dialog with more is skipped and counted)",
+    )
     intent_eval: IntentEvalConfig = Field(default_factory=IntentEvalConfig)
 
 
@@ -88,11 +98,18 @@ class Space2Loss(nn.Module):
 class Space2Method(Method[Space2Config]):
     name = "space2"
     config_class = Space2Config
-    tiny_overrides = ('data.train.sources=[{{name: labelled, shards: "{dialogs}/shards/labelled-*.tar"}}, '
-                      '{{name: unlabelled, shards: "{dialogs}/shards/unlabelled-*.tar"}}]',
-                      "method.encoder={bert}", "method.max_len=64", "method.max_turns=4", "method.max_utt_len=16",
-                      "method.intent_eval.dataset=null", "method.intent_eval.shots=[2]", "method.intent_eval.seeds=1",
-                      'data.eval=[{{dataset: "{dialogs}/intent", task: intent}}]')
+    tiny_overrides = (
+        'data.train.sources=[{{name: labelled, shards: "{dialogs}/shards/labelled-*.tar"}}, '
+        '{{name: unlabelled, shards: "{dialogs}/shards/unlabelled-*.tar"}}]',
+        "method.encoder={bert}",
+        "method.max_len=64",
+        "method.max_turns=4",
+        "method.max_utt_len=16",
+        "method.intent_eval.dataset=null",
+        "method.intent_eval.shots=[2]",
+        "method.intent_eval.seeds=1",
+        'data.eval=[{{dataset: "{dialogs}/intent", task: intent}}]',
+    )
 
     def check_config(self, cfg: Config) -> None:
         if not self.settings(cfg).project and len(self.settings(cfg).views) != 1:
@@ -126,29 +143,34 @@ class Space2Method(Method[Space2Config]):
 
     def build_model(self, cfg: Config, run_dir: Path) -> Space2Encoder:
         m = self.settings(cfg)
-        return Space2Encoder.from_backbone_dir(str(run_dir / BACKBONE_DIR), subspace_dim=m.subspace_dim,
-                                               dropout=m.dropout)
+        return Space2Encoder.from_backbone_dir(
+            str(run_dir / BACKBONE_DIR), subspace_dim=m.subspace_dim, dropout=m.dropout
+        )
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
         dataset = self.settings(cfg).intent_eval.dataset
-        return {"method.encoder": str(resolve_encoder_path(self.settings(cfg).encoder)),
-                "method.intent_eval.dataset": None if dataset == "dialogs" else dataset}
+        return {
+            "method.encoder": str(resolve_encoder_path(self.settings(cfg).encoder)),
+            "method.intent_eval.dataset": None if dataset == "dialogs" else dataset,
+        }
 
     def load_initial_weights(self, model: Space2Encoder, cfg: Config) -> None:
         model.load_backbone(str(resolve_encoder_path(self.settings(cfg).encoder)))
 
     def build_loss(self, cfg: Config) -> Space2Loss:
         m = self.settings(cfg)
-        contrastive = TreeContrastiveLoss([VIEWS.index(v) for v in m.views], combined=not m.project,
-                                          temperature=m.temperature)
+        contrastive = TreeContrastiveLoss(
+            [VIEWS.index(v) for v in m.views], combined=not m.project, temperature=m.temperature
+        )
         return Space2Loss(contrastive, m.mlm_weight, m.supervised)
 
     def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
         encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg))
         return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size), encoder, collate_dialogs)
 
-    def training_step(self, model: Space2Encoder, loss: Space2Loss, batch: dict[str, Any],
-                      pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
+    def training_step(
+        self, model: Space2Encoder, loss: Space2Loss, batch: dict[str, Any], pool: Any = None, index: int = 0
+    ) -> dict[str, torch.Tensor]:
         groups = {"batch": batch} if "input_ids" in batch else batch
         terms = {}
         for name, group in groups.items():
@@ -161,8 +183,9 @@ class Space2Method(Method[Space2Config]):
         return terms
 
     @staticmethod
-    def contrastive(model: Space2Encoder, loss: TreeContrastiveLoss, group: dict[str, Any],
-                    labels: LabelCodes) -> torch.Tensor:
+    def contrastive(
+        model: Space2Encoder, loss: TreeContrastiveLoss, group: dict[str, Any], labels: LabelCodes
+    ) -> torch.Tensor:
         """Both dropout copies in one pass (the batch concatenated with itself), then the tree-scored loss."""
         n = group["input_ids"].shape[0]
         doubled = {k: torch.cat([group[k], group[k]]) for k in ENCODER_INPUTS}
@@ -175,15 +198,23 @@ class Space2Method(Method[Space2Config]):
 
     eval_tasks = ("intent",)
 
-    def evaluate_set(self, model: Space2Encoder, cfg: Config, run_dir: Path, eval_set,
-                     language: str) -> dict[str, float]:
+    def evaluate_set(
+        self, model: Space2Encoder, cfg: Config, run_dir: Path, eval_set, language: str
+    ) -> dict[str, float]:
         """The intent probe of `method.intent_eval` (shots, seeds; no fine-tuning) on another set."""
         from mmpt.eval.intent import intent_classification, resolve_intent_dataset
 
         ev = self.settings(cfg).intent_eval
         encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg), with_mlm=False)
-        result = intent_classification(model, encoder, resolve_intent_dataset(eval_set.dataset, cfg.data.root),
-                                       shots=ev.shots, full=ev.full, seeds=ev.seeds, batch_size=ev.batch_size)
+        result = intent_classification(
+            model,
+            encoder,
+            resolve_intent_dataset(eval_set.dataset, cfg.data.root),
+            shots=ev.shots,
+            full=ev.full,
+            seeds=ev.seeds,
+            batch_size=ev.batch_size,
+        )
         return result["metrics"]
 
     def evaluate(self, model: Space2Encoder, cfg: Config, run_dir: Path) -> dict[str, Any]:
@@ -193,9 +224,16 @@ class Space2Method(Method[Space2Config]):
         from mmpt.eval.intent import FineTuning, intent_classification, resolve_intent_dataset
 
         encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg), with_mlm=False)
-        result = intent_classification(model, encoder, resolve_intent_dataset(ev.dataset, cfg.data.root),
-                                       shots=ev.shots, full=ev.full, seeds=ev.seeds, batch_size=ev.batch_size,
-                                       finetune=FineTuning(epochs=ev.finetune_epochs) if ev.finetune_epochs else None)
+        result = intent_classification(
+            model,
+            encoder,
+            resolve_intent_dataset(ev.dataset, cfg.data.root),
+            shots=ev.shots,
+            full=ev.full,
+            seeds=ev.seeds,
+            batch_size=ev.batch_size,
+            finetune=FineTuning(epochs=ev.finetune_epochs) if ev.finetune_epochs else None,
+        )
         (run_dir / "eval").mkdir(exist_ok=True)
         (run_dir / "eval" / "intent_classification.json").write_text(json.dumps(result, indent=2))
         return {f"intent/{k}": v for k, v in result["metrics"].items()}

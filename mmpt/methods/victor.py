@@ -40,11 +40,18 @@ from mmpt.losses.victor import (
     permute_sentences,
     random_permutations,
 )
-from mmpt.methods.base import (EngineNeeds, Method, MethodConfig, copy_tokenizer, eval_record,
-                               save_eval_record, stream_spec)
+from mmpt.methods import register
+from mmpt.methods.base import (
+    EngineNeeds,
+    Method,
+    MethodConfig,
+    copy_tokenizer,
+    eval_record,
+    save_eval_record,
+    stream_spec,
+)
 from mmpt.models.clip import TextTowerConfig
 from mmpt.models.victor import VictorModel, VideoTowerConfig, load_backbone_weights
-from mmpt.methods import register
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -83,7 +90,9 @@ class VictorConfig(MethodConfig):
     mfm_temperature: float = Field(0.07, gt=0, description="temperature of intra- and inter-MFM")
     mlm_probability: float = Field(0.15, gt=0, lt=1)
     frame_mask_ratio: float = Field(0.15, gt=0, lt=1, description="frames masked per clip (at least one)")
-    backend: Literal[BACKENDS] | None = Field(None, description="video decoder: decord or pyav (default: decord on x86_64)")
+    backend: Literal[BACKENDS] | None = Field(
+        None, description="video decoder: decord or pyav (default: decord on x86_64)"
+    )
     min_frames: int = Field(1, gt=0, description="shorter videos are skipped and counted")
     retrieval: RetrievalEvalConfig = Field(default_factory=RetrievalEvalConfig)
 
@@ -106,21 +115,42 @@ class VictorLoss(nn.Module):
 class VictorMethod(Method[VictorConfig]):
     name = "victor"
     config_class = VictorConfig
-    tiny_overrides = ('data.train.sources=[{{shards: "{video}/train/en-*.tar"}}, {{shards: "{video}/train/zh-*.tar"}}]',
-                      "method.tokenizer={video}/tokenizer.json", "method.video.backbone=resnet10t",
-                      "method.video.backbone_weights=null", "method.video.image_size=32", "method.video.num_frames=4",
-                      "method.video.width=32", "method.video.layers=1", "method.video.heads=2", "method.text.width=32",
-                      "method.text.layers=1", "method.text.heads=2", "method.text.context_length=24",
-                      "method.text.vocab_size=null", "method.embed_dim=16", "method.cross_layers=1",
-                      "method.queue_size=16", "method.frame_queue_size=32", "method.retrieval.dataset=null",
-                      "method.backend=pyav",
-                      'data.eval=[{{dataset: "{video}/test/retrieval_en.jsonl", task: zeroshot_retrieval}}]')
+    tiny_overrides = (
+        'data.train.sources=[{{shards: "{video}/train/en-*.tar"}}, {{shards: "{video}/train/zh-*.tar"}}]',
+        "method.tokenizer={video}/tokenizer.json",
+        "method.video.backbone=resnet10t",
+        "method.video.backbone_weights=null",
+        "method.video.image_size=32",
+        "method.video.num_frames=4",
+        "method.video.width=32",
+        "method.video.layers=1",
+        "method.video.heads=2",
+        "method.text.width=32",
+        "method.text.layers=1",
+        "method.text.heads=2",
+        "method.text.context_length=24",
+        "method.text.vocab_size=null",
+        "method.embed_dim=16",
+        "method.cross_layers=1",
+        "method.queue_size=16",
+        "method.frame_queue_size=32",
+        "method.retrieval.dataset=null",
+        "method.backend=pyav",
+        'data.eval=[{{dataset: "{video}/test/retrieval_en.jsonl", task: zeroshot_retrieval}}]',
+    )
     sample_fields = ("caption", "video")
     eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")
 
     def evaluate_set(self, model: VictorModel, cfg: Config, run_dir: Path, eval_set, language: str) -> dict[str, float]:
-        record = self.zeroshot(model, cfg, run_dir, eval_set.dataset, language, task=eval_set.task,
-                               foreign_class_names=eval_set.foreign_class_names)
+        record = self.zeroshot(
+            model,
+            cfg,
+            run_dir,
+            eval_set.dataset,
+            language,
+            task=eval_set.task,
+            foreign_class_names=eval_set.foreign_class_names,
+        )
         return record["metrics"]
 
     def check_config(self, cfg: Config) -> None:
@@ -140,30 +170,50 @@ class VictorMethod(Method[VictorConfig]):
         """Frames resized and centre-cropped, the same way for training and evaluation: no flips, since the
         direction of motion is what captions describe. They stay uint8; the model normalises them."""
         m = self.settings(cfg)
-        return VideoTextDecoder(m.video.num_frames, None, self.tokenizer(cfg, run_dir), backend=m.backend,
-                                train=train, min_frames=m.min_frames, clip_transform=ResizeCenterCrop(m.video.image_size),
-                                features_field="npy" if m.video.backbone is None else None)
+        return VideoTextDecoder(
+            m.video.num_frames,
+            None,
+            self.tokenizer(cfg, run_dir),
+            backend=m.backend,
+            train=train,
+            min_frames=m.min_frames,
+            clip_transform=ResizeCenterCrop(m.video.image_size),
+            features_field="npy" if m.video.backbone is None else None,
+        )
 
     def preprocessors(self, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        """"tokenizer" (texts -> ids and mask) and "video" (video bytes -> the model's uint8 [T, 3, H, W]
+        """ "tokenizer" (texts -> ids and mask) and "video" (video bytes -> the model's uint8 [T, 3, H, W]
         input: the middle frame of each of T segments, resized and centre-cropped)."""
-        return {"tokenizer": self.tokenizer(cfg, run_dir),
-                "video": self.video_decoder(cfg, run_dir, train=False).decode_video}
+        return {
+            "tokenizer": self.tokenizer(cfg, run_dir),
+            "video": self.video_decoder(cfg, run_dir, train=False).decode_video,
+        }
 
     def build_model(self, cfg: Config, run_dir: Path) -> VictorModel:
         m = self.settings(cfg)
         text = m.text
         if text.vocab_size is None:
             text = text.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
-        return VictorModel(m.video, text, m.embed_dim, m.cross_layers, m.momentum, m.vsa_temperature,
-                           m.learn_temperature, tasks=[name for name, w in m.tasks.model_dump().items() if w])
+        return VictorModel(
+            m.video,
+            text,
+            m.embed_dim,
+            m.cross_layers,
+            m.momentum,
+            m.vsa_temperature,
+            m.learn_temperature,
+            tasks=[name for name, w in m.tasks.model_dump().items() if w],
+        )
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
         m = self.settings(cfg)
         dataset = None if m.retrieval.dataset == "moving_digits" else m.retrieval.dataset
-        return {"method.tokenizer": m.tokenizer, "method.video.backbone_weights": m.video.backbone_weights,
-                "method.retrieval.dataset": dataset,  # its video_root is read only with a dataset (csv) to read
-                "method.retrieval.video_root": m.retrieval.video_root if dataset else None}
+        return {
+            "method.tokenizer": m.tokenizer,
+            "method.video.backbone_weights": m.video.backbone_weights,
+            "method.retrieval.dataset": dataset,  # its video_root is read only with a dataset (csv) to read
+            "method.retrieval.video_root": m.retrieval.video_root if dataset else None,
+        }
 
     def load_initial_weights(self, model: VictorModel, cfg: Config) -> None:
         weights = self.settings(cfg).video.backbone_weights
@@ -182,19 +232,24 @@ class VictorMethod(Method[VictorConfig]):
         transformers = [model.unimodal.temporal.encoder, model.key.network.temporal.encoder]
         if model.cross is not None:
             transformers.append(model.cross.encoder)
-        return EngineNeeds(momentum_copies=(model.key,), sequence_parallel=tuple(transformers),
-                           batch_norm_across_ranks=True)
+        return EngineNeeds(
+            momentum_copies=(model.key,), sequence_parallel=tuple(transformers), batch_norm_across_ranks=True
+        )
 
     def build_loss(self, cfg: Config) -> VictorLoss:
         tokenizer = TextTokenizer(self.settings(cfg).tokenizer, self.settings(cfg).text.context_length)
-        return VictorLoss(self.settings(cfg), tokenizer.token_id("[MASK]"), self.settings(cfg).text.vocab_size or tokenizer.vocab_size)
+        return VictorLoss(
+            self.settings(cfg), tokenizer.token_id("[MASK]"), self.settings(cfg).text.vocab_size or tokenizer.vocab_size
+        )
 
     def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
-        return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size),
-                           self.video_decoder(cfg, run_dir, train=True))
+        return BatchStream(
+            stream_spec(cfg, rank=rank, world_size=world_size), self.video_decoder(cfg, run_dir, train=True)
+        )
 
-    def training_step(self, model: VictorModel, loss: VictorLoss, batch: dict[str, Any],
-                      pool: Any = None, index: int = 0) -> dict[str, torch.Tensor]:
+    def training_step(
+        self, model: VictorModel, loss: VictorLoss, batch: dict[str, Any], pool: Any = None, index: int = 0
+    ) -> dict[str, torch.Tensor]:
         video = batch["frames"] if "frames" in batch else batch["frame_features"]
         ids, mask = batch["input_ids"], batch["attention_mask"]
         w, towers = loss.weights, model.unimodal
@@ -209,8 +264,14 @@ class VictorMethod(Method[VictorConfig]):
             video_query = towers.pooled_video(towers.temporal(frames))
             text_query = towers.pooled_text(clean_text)
             terms["dual_vsa"] = w.dual_vsa * dual_vsa_loss(
-                video_query, text_query, key_video, key_text, loss.text_queue.contents(), loss.video_queue.contents(),
-                model.vsa_scale())
+                video_query,
+                text_query,
+                key_video,
+                key_text,
+                loss.text_queue.contents(),
+                loss.video_queue.contents(),
+                model.vsa_scale(),
+            )
 
         if w.mlm or w.msom or w.intra_mfm or w.inter_mfm:
             text_ids, labels = ids, None
@@ -220,10 +281,14 @@ class VictorMethod(Method[VictorConfig]):
                 order = random_permutations(batch_size, ids.device)
                 text_ids, *rest = permute_sentences(text_ids, mask, order, *([labels] if labels is not None else []))
                 labels = rest[0] if rest else None
-            frame_mask = mask_frames(batch_size, steps, loss.frame_mask_ratio, frames.device) \
-                if (w.intra_mfm or w.inter_mfm) else None
-            text_out, frame_out = model.cross(towers.text_hidden(text_ids, mask), mask,
-                                              towers.temporal(frames, frame_mask)[:, 1:])
+            frame_mask = (
+                mask_frames(batch_size, steps, loss.frame_mask_ratio, frames.device)
+                if (w.intra_mfm or w.inter_mfm)
+                else None
+            )
+            text_out, frame_out = model.cross(
+                towers.text_hidden(text_ids, mask), mask, towers.temporal(frames, frame_mask)[:, 1:]
+            )
             if w.mlm:
                 chosen = labels != IGNORE
                 terms["mlm"] = w.mlm * masked_lm_loss(model.mlm_head(text_out[chosen]), labels[chosen])
@@ -232,10 +297,13 @@ class VictorMethod(Method[VictorConfig]):
             if frame_mask is not None:
                 predicted = model.frame_head(frame_out)
                 if w.intra_mfm:
-                    terms["intra_mfm"] = w.intra_mfm * intra_mfm_loss(predicted, frames, frame_mask, loss.mfm_temperature)
+                    terms["intra_mfm"] = w.intra_mfm * intra_mfm_loss(
+                        predicted, frames, frame_mask, loss.mfm_temperature
+                    )
                 if w.inter_mfm:
                     terms["inter_mfm"] = w.inter_mfm * inter_mfm_loss(
-                        predicted, key_frames, frame_mask, loss.frame_queue.contents(), loss.mfm_temperature)
+                        predicted, key_frames, frame_mask, loss.frame_queue.contents(), loss.mfm_temperature
+                    )
 
         if w.mfom:
             order = random_permutations(batch_size, ids.device)
@@ -258,12 +326,25 @@ class VictorMethod(Method[VictorConfig]):
         for language in ev.languages:
             record = self.zeroshot(model, cfg, run_dir, ev.dataset, language)
             save_eval_record(record, run_dir / "eval")
-            results.update({f"retrieval/{language}/{key}": value for key, value in record["metrics"].items()
-                            if "recall@" in key or "rank" in key})
+            results.update(
+                {
+                    f"retrieval/{language}/{key}": value
+                    for key, value in record["metrics"].items()
+                    if "recall@" in key or "rank" in key
+                }
+            )
         return results
 
-    def zeroshot(self, model: VictorModel, cfg: Config, run_dir: Path, dataset: str, language: str,
-                 task: str = "zeroshot_retrieval", foreign_class_names: bool = False) -> dict[str, Any]:
+    def zeroshot(
+        self,
+        model: VictorModel,
+        cfg: Config,
+        run_dir: Path,
+        dataset: str,
+        language: str,
+        task: str = "zeroshot_retrieval",
+        foreign_class_names: bool = False,
+    ) -> dict[str, Any]:
         """Text-to-video and video-to-text retrieval on an annotation file (or the demo's held-out split),
         or zero-shot classification over a folder of class-named clips (`foreign_class_names`: accept class
         names not written in `language`)."""
@@ -272,9 +353,14 @@ class VictorMethod(Method[VictorConfig]):
             from mmpt.eval.video_classification import load_video_classification_set, video_classification
 
             data = load_video_classification_set(dataset, language, foreign_class_names)
-            metrics = video_classification(model, self.tokenizer(cfg, run_dir),
-                                           self.video_decoder(cfg, run_dir, train=False).decode_video, data,
-                                           batch_size=ev.batch_size, device=next(model.parameters()).device)
+            metrics = video_classification(
+                model,
+                self.tokenizer(cfg, run_dir),
+                self.video_decoder(cfg, run_dir, train=False).decode_video,
+                data,
+                batch_size=ev.batch_size,
+                device=next(model.parameters()).device,
+            )
             return eval_record(run_dir, dataset, task, language, metrics, templates=data.templates_from)
         if task != "zeroshot_retrieval":
             raise ValueError(f"the victor method evaluates zeroshot_retrieval or zeroshot_classification, not {task!r}")
@@ -283,9 +369,15 @@ class VictorMethod(Method[VictorConfig]):
         path = Path(dataset)
         if dataset == "moving_digits":
             path = Path(cfg.data.root) / "moving_digits" / "test" / f"retrieval_{language}.jsonl"
-        metrics = video_retrieval(model, self.tokenizer(cfg, run_dir), self.video_decoder(cfg, run_dir, train=False).decode_video,
-                                  path, batch_size=ev.batch_size, device=next(model.parameters()).device,
-                                  video_root=ev.video_root)
+        metrics = video_retrieval(
+            model,
+            self.tokenizer(cfg, run_dir),
+            self.video_decoder(cfg, run_dir, train=False).decode_video,
+            path,
+            batch_size=ev.batch_size,
+            device=next(model.parameters()).device,
+            video_root=ev.video_root,
+        )
         return eval_record(run_dir, dataset, task, language, metrics)
 
 

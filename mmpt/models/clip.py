@@ -50,9 +50,13 @@ def bert_text_encoder(cfg: TextTowerConfig) -> BertModel:
         raise ValueError("text tower vocab_size must be resolved (from the tokenizer) before building the model")
     return BertModel(
         BertConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.width, num_hidden_layers=cfg.layers,
-            num_attention_heads=cfg.heads, intermediate_size=int(cfg.width * cfg.mlp_ratio),
-            max_position_embeddings=cfg.context_length, hidden_dropout_prob=cfg.dropout,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.width,
+            num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads,
+            intermediate_size=int(cfg.width * cfg.mlp_ratio),
+            max_position_embeddings=cfg.context_length,
+            hidden_dropout_prob=cfg.dropout,
             attention_probs_dropout_prob=cfg.dropout,
         ),
         add_pooling_layer=False,
@@ -65,8 +69,15 @@ class ClipModel(nn.Module):
     Images are expected normalised with `image_mean` / `image_std` (per channel, of pixels in [0, 1]).
     """
 
-    def __init__(self, image: ImageTowerConfig, text: TextTowerConfig, embed_dim: int, init_logit_scale: float = math.log(1 / 0.07),
-                 image_mean: Sequence[float] = OPENAI_DATASET_MEAN, image_std: Sequence[float] = OPENAI_DATASET_STD):
+    def __init__(
+        self,
+        image: ImageTowerConfig,
+        text: TextTowerConfig,
+        embed_dim: int,
+        init_logit_scale: float = math.log(1 / 0.07),
+        image_mean: Sequence[float] = OPENAI_DATASET_MEAN,
+        image_std: Sequence[float] = OPENAI_DATASET_STD,
+    ):
         super().__init__()
         self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
         self.visual = timm.create_model(image.timm_name, pretrained=False, num_classes=0, **image.timm_kwargs)
@@ -80,7 +91,9 @@ class ClipModel(nn.Module):
         features = self.image_projection(self.visual(images))
         return F.normalize(features, dim=-1) if normalize else features
 
-    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    def encode_text(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True
+    ) -> torch.Tensor:
         hidden = self.text(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean over real tokens
@@ -94,4 +107,3 @@ class ClipModel(nn.Module):
             self.encode_text(input_ids, attention_mask),
             self.logit_scale.exp().clamp(max=100.0),
         )
-

@@ -41,7 +41,10 @@ class M2EncoderConfig(Section):
     context_length: int = Field(52, gt=2)
     layernorm_eps: float = Field(1e-5, gt=0)
     position_init_std: float = Field(
-        1.0, gt=0, description="std of the position tables at init (official: 1.0; small models train better with ~0.02)")
+        1.0,
+        gt=0,
+        description="std of the position tables at init (official: 1.0; small models train better with ~0.02)",
+    )
     grad_checkpointing: bool = False
 
     @model_validator(mode="after")
@@ -51,7 +54,9 @@ class M2EncoderConfig(Section):
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}")
         if self.context_length + FIRST_POSITION > self.text_positions:
-            raise ValueError(f"context_length {self.context_length} needs more than {self.text_positions} text positions")
+            raise ValueError(
+                f"context_length {self.context_length} needs more than {self.text_positions} text positions"
+            )
         return self
 
     @property
@@ -60,8 +65,20 @@ class M2EncoderConfig(Section):
 
 
 PRESETS: Registry[dict] = Registry("M2-Encoder model")
-PRESETS.register("m2-encoder-demo", dict(width=64, heads=4, lower_layers=2, shared_layers=1, output_dim=64,
-                                         image_size=32, patch_size=4, text_positions=64, context_length=24))
+PRESETS.register(
+    "m2-encoder-demo",
+    dict(
+        width=64,
+        heads=4,
+        lower_layers=2,
+        shared_layers=1,
+        output_dim=64,
+        image_size=32,
+        patch_size=4,
+        text_positions=64,
+        context_length=24,
+    ),
+)
 PRESETS.register("m2-encoder-0.4b", dict(width=768, heads=12, lower_layers=9, shared_layers=3, output_dim=768))
 PRESETS.register("m2-encoder-1b", dict(width=1024, heads=16, lower_layers=21, shared_layers=3, output_dim=1024))
 PRESETS.register("m2-encoder-10b", dict(width=4096, heads=32, lower_layers=21, shared_layers=3, output_dim=1024))
@@ -138,15 +155,17 @@ class Encoder(nn.Module):
         super().__init__()
         if positions is not None:
             vision_rows, text_rows = positions
-            self.embed_positions = Multiway(lambda: nn.Embedding(vision_rows, cfg.width),
-                                            lambda: nn.Embedding(text_rows, cfg.width))
+            self.embed_positions = Multiway(
+                lambda: nn.Embedding(vision_rows, cfg.width), lambda: nn.Embedding(text_rows, cfg.width)
+            )
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(num_layers))
         self.layer_norm = Multiway(lambda: nn.LayerNorm(cfg.width, eps=cfg.layernorm_eps))
         self.grad_checkpointing = cfg.grad_checkpointing
         _magneto_scale(self, num_layers)
 
-    def forward(self, x: torch.Tensor, expert: str, attend: torch.Tensor | None,
-                position_expert: str | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, expert: str, attend: torch.Tensor | None, position_expert: str | None = None
+    ) -> torch.Tensor:
         if position_expert is not None:
             positions = torch.arange(FIRST_POSITION, FIRST_POSITION + x.shape[1], device=x.device)
             x = x + self.embed_positions(positions, position_expert)
@@ -186,7 +205,9 @@ class Backbone(nn.Module):
         super().__init__()
         self.text_embed = nn.Embedding(cfg.vocab_size, cfg.width)
         self.vision_embed = VisionEmbedding(cfg)
-        self.encoder = Encoder(cfg, cfg.lower_layers, positions=(cfg.num_patches + 1 + FIRST_POSITION, cfg.text_positions))
+        self.encoder = Encoder(
+            cfg, cfg.lower_layers, positions=(cfg.num_patches + 1 + FIRST_POSITION, cfg.text_positions)
+        )
 
 
 class Projection(nn.Module):
@@ -256,11 +277,16 @@ class M2Encoder(nn.Module):
         features = self.itc_vl_image_proj(self.image_tower(images)[:, 0])
         return features / features.norm(dim=-1, keepdim=True) if normalize else features
 
-    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    def encode_text(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True
+    ) -> torch.Tensor:
         features = self.itc_vl_text_proj(self.text_tower(input_ids, attention_mask)[:, 0])
         return features / features.norm(dim=-1, keepdim=True) if normalize else features
 
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """(image features, text features, exp(logit_scale) clamped at 100)."""
-        return (self.encode_image(images), self.encode_text(input_ids, attention_mask),
-                self.logit_scale.exp().clamp(max=100.0))
+        return (
+            self.encode_image(images),
+            self.encode_text(input_ids, attention_mask),
+            self.logit_scale.exp().clamp(max=100.0),
+        )

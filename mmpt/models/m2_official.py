@@ -39,8 +39,11 @@ def read_official(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         if isinstance(obj.get(key), dict):
             obj = obj[key]
             break
-    return {(k[len(DEEPSPEED_PREFIX):] if k.startswith(DEEPSPEED_PREFIX) else k): v for k, v in obj.items()
-            if isinstance(v, torch.Tensor)}
+    return {
+        (k[len(DEEPSPEED_PREFIX) :] if k.startswith(DEEPSPEED_PREFIX) else k): v
+        for k, v in obj.items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def convert_official(state: dict[str, torch.Tensor], model: M2Encoder) -> dict[str, torch.Tensor]:
@@ -77,8 +80,11 @@ def load_official(model: M2Encoder, path: str | os.PathLike) -> M2Encoder:
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    shapes = [f"{k}: checkpoint {list(state[k].shape)} vs model {list(expected[k].shape)}"
-              for k in sorted(set(state) & set(expected)) if state[k].shape != expected[k].shape]
+    shapes = [
+        f"{k}: checkpoint {list(state[k].shape)} vs model {list(expected[k].shape)}"
+        for k in sorted(set(state) & set(expected))
+        if state[k].shape != expected[k].shape
+    ]
     if missing or unexpected or shapes:
         parts = []
         for title, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
@@ -95,6 +101,8 @@ def load_release_weights(model: M2Encoder, directory: str | os.PathLike) -> M2En
 
     result = load_torch_model(model, directory, strict=False, safe=True, weights_only=True)
     if result.missing_keys or result.unexpected_keys:
-        raise CheckpointMismatch(f"{directory} does not fit this M2-Encoder config: missing "
-                                 f"{sorted(result.missing_keys)[:8]}, unexpected {sorted(result.unexpected_keys)[:8]}")
+        raise CheckpointMismatch(
+            f"{directory} does not fit this M2-Encoder config: missing "
+            f"{sorted(result.missing_keys)[:8]}, unexpected {sorted(result.unexpected_keys)[:8]}"
+        )
     return model

@@ -22,7 +22,9 @@ def register_model_config(model: str) -> str:
         open_clip.add_model_config(path)
         return path.stem
     if model not in open_clip.list_models():
-        raise ValueError(f"config key 'method.model': {model!r} is not an open_clip model (see open_clip.list_models())")
+        raise ValueError(
+            f"config key 'method.model': {model!r} is not an open_clip model (see open_clip.list_models())"
+        )
     return model
 
 
@@ -54,8 +56,9 @@ class OpenClipModel(nn.Module):
     def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         return self.clip.encode_image(images, normalize=normalize)
 
-    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    normalize: bool = True) -> torch.Tensor:
+    def encode_text(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, normalize: bool = True
+    ) -> torch.Tensor:
         return self.clip.encode_text(input_ids, normalize=normalize)  # open_clip pools at the end token itself
 
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):

@@ -69,8 +69,14 @@ class MaskedLMHead(nn.Module):
 
 
 class Space2Encoder(nn.Module):
-    def __init__(self, backbone_config: PretrainedConfig, *, views: int = 10, subspace_dim: int | None = None,
-                 dropout: float | None = None):
+    def __init__(
+        self,
+        backbone_config: PretrainedConfig,
+        *,
+        views: int = 10,
+        subspace_dim: int | None = None,
+        dropout: float | None = None,
+    ):
         super().__init__()
         config = backbone_config
         if dropout is not None:
@@ -98,17 +104,24 @@ class Space2Encoder(nn.Module):
         missing, unexpected = self.backbone.load_state_dict(pretrained.state_dict(), strict=False)
         relevant = [k for k in missing if not k.endswith("position_ids")]
         if relevant or unexpected:
-            raise ValueError(f"{path}: backbone weights do not fit: missing {relevant[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(
+                f"{path}: backbone weights do not fit: missing {relevant[:5]}, unexpected {unexpected[:5]}"
+            )
 
     @property
     def word_embeddings(self) -> nn.Embedding:
         return self.backbone.embeddings.word_embeddings
 
-    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor, roles: torch.Tensor,
-               turns: torch.Tensor) -> torch.Tensor:
+    def _embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, roles: torch.Tensor, turns: torch.Tensor
+    ) -> torch.Tensor:
         emb = self.backbone.embeddings
-        summed = emb.word_embeddings(input_ids) + emb.position_embeddings(positions) \
-            + emb.token_type_embeddings(roles) + self.turn_embeddings(turns)
+        summed = (
+            emb.word_embeddings(input_ids)
+            + emb.position_embeddings(positions)
+            + emb.token_type_embeddings(roles)
+            + self.turn_embeddings(turns)
+        )
         return self.embedding_dropout(summed)
 
     def _encode(self, embedded: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

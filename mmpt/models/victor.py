@@ -38,10 +38,12 @@ TASKS = ("mlm", "msom", "mfom", "intra_mfm", "inter_mfm", "dual_vsa")
 
 class VideoTowerConfig(Section):
     backbone: str | None = Field(
-        "resnet10t", description="timm model name (built without pretrained weights); null: precomputed features")
+        "resnet10t", description="timm model name (built without pretrained weights); null: precomputed features"
+    )
     backbone_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra timm.create_model arguments")
     backbone_weights: str | None = Field(
-        None, description="local weights file for the backbone (.safetensors, or a torch state dict read weights-only)")
+        None, description="local weights file for the backbone (.safetensors, or a torch state dict read weights-only)"
+    )
     frozen: bool = Field(False, description="freeze the frame backbone (its features are still projected)")
     feature_dim: int | None = Field(None, gt=0, description="width of precomputed `npy` frame features")
     image_size: int = Field(224, gt=0, description="frame resolution after the transforms")
@@ -94,7 +96,9 @@ class FrameEncoder(nn.Module):
     def forward(self, video: torch.Tensor) -> torch.Tensor:
         if self.backbone is None:
             if video.ndim != 3:
-                raise ValueError(f"this model reads precomputed features [B, T, D]; got a tensor of shape {tuple(video.shape)}")
+                raise ValueError(
+                    f"this model reads precomputed features [B, T, D]; got a tensor of shape {tuple(video.shape)}"
+                )
             return self.projection(video)
         if video.ndim != 5:
             raise ValueError(f"this model decodes frames [B, T, C, H, W]; got a tensor of shape {tuple(video.shape)}")
@@ -120,8 +124,10 @@ def load_backbone_weights(backbone: nn.Module, path: str) -> None:
     classifier = getattr(backbone, "pretrained_cfg", {}).get("classifier") or "head"
     unexpected = [k for k in result.unexpected_keys if not k.startswith(classifier)]
     if result.missing_keys or unexpected:
-        raise ValueError(f"config key 'method.video.backbone_weights': {path} does not fit the backbone: missing "
-                         f"{result.missing_keys[:10]}, unexpected {unexpected[:10]}")
+        raise ValueError(
+            f"config key 'method.video.backbone_weights': {path} does not fit the backbone: missing "
+            f"{result.missing_keys[:10]}, unexpected {unexpected[:10]}"
+        )
 
 
 class Transformer(nn.Module):
@@ -163,8 +169,9 @@ class TemporalTransformer(nn.Module):
             raise ValueError(f"expected {self.time_embedding.shape[1]} frames per clip, got {frames.shape[1]}")
         if frame_mask is not None:
             frames = torch.where(frame_mask[..., None], self.mask_token.to(frames.dtype), frames)
-        tokens = torch.cat([self.cls_token.expand(frames.shape[0], -1, -1).to(frames.dtype),
-                            frames + self.time_embedding], dim=1)
+        tokens = torch.cat(
+            [self.cls_token.expand(frames.shape[0], -1, -1).to(frames.dtype), frames + self.time_embedding], dim=1
+        )
         return self.encoder(tokens)
 
 
@@ -210,8 +217,11 @@ class UnimodalTowers(nn.Module):
 
     def forward(self, video: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         frames = self.frame_encoder(video)
-        return (frames, self.pooled_video(self.temporal(frames)),
-                self.pooled_text(self.text_hidden(input_ids, attention_mask)))
+        return (
+            frames,
+            self.pooled_video(self.temporal(frames)),
+            self.pooled_text(self.text_hidden(input_ids, attention_mask)),
+        )
 
 
 class CrossModalTransformer(nn.Module):
@@ -262,8 +272,17 @@ class LogitScale(nn.Module):
 class VictorModel(nn.Module):
     """Query towers + cross-modal transformer + task heads, and the momentum key network."""
 
-    def __init__(self, video: VideoTowerConfig, text: TextTowerConfig, embed_dim: int, cross_layers: int,
-                 momentum: float, vsa_temperature: float, learn_temperature: bool, tasks: Sequence[str] = TASKS):
+    def __init__(
+        self,
+        video: VideoTowerConfig,
+        text: TextTowerConfig,
+        embed_dim: int,
+        cross_layers: int,
+        momentum: float,
+        vsa_temperature: float,
+        learn_temperature: bool,
+        tasks: Sequence[str] = TASKS,
+    ):
         """`tasks`: the proxy tasks trained; heads (and the cross-modal transformer) only for those, so a
         task turned off leaves no unused parameters."""
         super().__init__()
@@ -286,7 +305,9 @@ class VictorModel(nn.Module):
         towers = self.unimodal
         return towers.pooled_video(towers.temporal(towers.frame_encoder(video)), normalize)
 
-    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    def encode_text(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True
+    ) -> torch.Tensor:
         towers = self.unimodal
         return towers.pooled_text(towers.text_hidden(input_ids, attention_mask), normalize)
 

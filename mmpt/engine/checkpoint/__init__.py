@@ -20,5 +20,17 @@ from mmpt.engine.checkpoint.protocol import CheckpointError, find_resume, rank_s
 from mmpt.engine.checkpoint.rng import RngState, rng_state, set_rng_state
 from mmpt.engine.checkpoint.weights import gathered_state_dict, read_weights, write_weights
 
-__all__ = ["WEIGHTS", "CheckpointError", "Checkpointer", "RngState", "find_resume", "gathered_state_dict",
-           "rank_states", "read_weights", "rng_state", "saved_world_size", "set_rng_state", "write_weights"]
+__all__ = [
+    "WEIGHTS",
+    "CheckpointError",
+    "Checkpointer",
+    "RngState",
+    "find_resume",
+    "gathered_state_dict",
+    "rank_states",
+    "read_weights",
+    "rng_state",
+    "saved_world_size",
+    "set_rng_state",
+    "write_weights",
+]

@@ -22,8 +22,14 @@ class Checkpointer:
     `reached(point, step)` is told each point of the save protocol; `partitioned`: module tensors kept as
     per-rank partitions outside ZeRO, if any."""
 
-    def __init__(self, run_dir: Path, keep_last: int, layout: tuple, reached: protocol.Reached,
-                 partitioned: PartitionedTensors | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        keep_last: int,
+        layout: tuple,
+        reached: protocol.Reached,
+        partitioned: PartitionedTensors | None = None,
+    ):
         self.run_dir, self.root = run_dir, run_dir / protocol.CHECKPOINTS
         self.keep_last, self.layout, self.reached, self.partitioned = keep_last, list(layout), reached, partitioned
         self.parts: dict[str, RankPart] = {}
@@ -37,9 +43,14 @@ class Checkpointer:
     def save(self, engine, step: int) -> Path:
         """Every rank calls this (see `protocol.save`)."""
         state: dict[str, Any] = {LAYOUT: self.layout, **{name: part.state_dict() for name, part in self.parts.items()}}
-        return protocol.save(self.root, step, lambda folder: deepspeed_io.save_engine(engine, folder, step,
-                                                                                      self.partitioned),
-                             state, self.keep_last, self.reached)
+        return protocol.save(
+            self.root,
+            step,
+            lambda folder: deepspeed_io.save_engine(engine, folder, step, self.partitioned),
+            state,
+            self.keep_last,
+            self.reached,
+        )
 
     def restore(self, engine, checkpoint: Path, engine_checkpoint: Path) -> tuple[int, list]:
         """Load `checkpoint` into the engine (from `engine_checkpoint`, its universal copy when the number of

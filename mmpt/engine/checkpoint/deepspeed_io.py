@@ -71,8 +71,15 @@ def to_universal(checkpoint: Path, run_dir: Path) -> Path:
     target = run_dir / "checkpoints_universal" / checkpoint.name
     if mdist.get_rank() == 0 and not (target / COMPLETE).exists():
         shutil.rmtree(target, ignore_errors=True)
-        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                   "--input_folder", str(checkpoint), "--output_folder", str(target)]
+        command = [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(checkpoint),
+            "--output_folder",
+            str(target),
+        ]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"converting {checkpoint} to a universal checkpoint failed:\n{result.stderr[-2000:]}")
@@ -100,8 +107,11 @@ def load_buffers(engine, checkpoint: Path, partitioned: PartitionedTensors | Non
     as per-rank partitions (`partitioned`) are cut for this rank from the whole tensors.
     """
     saved, _ = saved_buffers(checkpoint)
-    cut = {name for name, t in engine.module.state_dict(keep_vars=True).items()
-           if partitioned is not None and partitioned.is_partition(t)}
+    cut = {
+        name
+        for name, t in engine.module.state_dict(keep_vars=True).items()
+        if partitioned is not None and partitioned.is_partition(t)
+    }
     restore_buffers(engine.module, {k: v for k, v in saved.items() if k not in cut})
     if cut and partitioned is not None:
         partitioned.load_whole(engine.module, saved)
@@ -120,14 +130,16 @@ def saved_buffers(checkpoint: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
     state, shapes = first["module"], first.get(PARTITIONED) or {}
     if shapes:
         ranks = [state] + [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files[1:]]
-        state.update({name: whole_from_partitions(name, [r[name] for r in ranks], shape)
-                      for name, shape in shapes.items()})
+        state.update(
+            {name: whole_from_partitions(name, [r[name] for r in ranks], shape) for name, shape in shapes.items()}
+        )
     return state, set(shapes)
 
 
 def model_state_files(checkpoint: Path) -> list[Path]:
     """DeepSpeed's model-states files of a checkpoint in the order of the ranks that wrote them (under ZeRO-3
     each rank writes `zero_pp_rank_<r>_mp_rank_00_model_states.pt`; otherwise there is one file)."""
+
     def saving_rank(path: Path) -> int:
         return int(path.name.split("_")[3]) if path.name.startswith("zero_pp_rank_") else 0
 

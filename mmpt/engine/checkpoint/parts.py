@@ -43,8 +43,7 @@ class PartitionedTensors(Protocol):
         """The whole tensor of a partition (a collective: every rank calls it)."""
         ...
 
-    def full_shape(self, tensor: torch.Tensor) -> Sequence[int]:
-        ...
+    def full_shape(self, tensor: torch.Tensor) -> Sequence[int]: ...
 
     def shapes(self, module: nn.Module) -> dict[str, list[int]]:
         """{state-dict name: full shape} of the partitions in `module`, saved for readers of a checkpoint."""
@@ -60,8 +59,10 @@ def whole_from_partitions(name: str, parts: Sequence[torch.Tensor], shape: Seque
     or as saved when a run kept it whole."""
     if tuple(parts[0].shape) == tuple(shape):
         return parts[0]
-    whole = torch.cat([p.reshape(-1) for p in parts])[:math.prod(shape)]
+    whole = torch.cat([p.reshape(-1) for p in parts])[: math.prod(shape)]
     if whole.numel() != math.prod(shape):
-        raise ValueError(f"'{name}': the saved partitions hold {whole.numel()} elements, the model needs "
-                         f"{math.prod(shape)} (shape {tuple(shape)})")
+        raise ValueError(
+            f"'{name}': the saved partitions hold {whole.numel()} elements, the model needs "
+            f"{math.prod(shape)} (shape {tuple(shape)})"
+        )
     return whole.reshape(shape)

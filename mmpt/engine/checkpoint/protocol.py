@@ -39,8 +39,14 @@ def tag_for(step: int) -> str:
     return f"step_{step:09d}"
 
 
-def save(root: Path, step: int, write_engine: Callable[[Path], None], rank_state: dict[str, Any],
-         keep_last: int, reached: Reached) -> Path:
+def save(
+    root: Path,
+    step: int,
+    write_engine: Callable[[Path], None],
+    rank_state: dict[str, Any],
+    keep_last: int,
+    reached: Reached,
+) -> Path:
     """Every rank calls this: `write_engine(folder)` writes the engine's files, then the rank's own state is
     written, then the completion protocol runs (module docstring)."""
     tag = tag_for(step)
@@ -59,11 +65,14 @@ def save(root: Path, step: int, write_engine: Callable[[Path], None], rank_state
     done = mdist.all_gather_floats([0.0 if failure else 1.0])
     failed = [r for r, (ok,) in enumerate(done) if not ok]
     if failure is not None:
-        raise CheckpointError(f"{root / tag}: rank {rank} could not write its files: "
-                              f"{type(failure).__name__}: {failure}") from failure
+        raise CheckpointError(
+            f"{root / tag}: rank {rank} could not write its files: {type(failure).__name__}: {failure}"
+        ) from failure
     if failed:
-        raise CheckpointError(f"{root / tag}: rank(s) {failed} could not write their files (their own line says "
-                              "why); the previous complete checkpoint is the one to resume from")
+        raise CheckpointError(
+            f"{root / tag}: rank(s) {failed} could not write their files (their own line says "
+            "why); the previous complete checkpoint is the one to resume from"
+        )
     if rank == 0:
         atomic_write(root / tag / COMPLETE, json.dumps({"step": step, "world_size": mdist.get_world_size()}))
         reached("save:before_latest", step)
@@ -118,8 +127,11 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     root = run_dir / CHECKPOINTS
     complete = [p for p in root.glob("step_*") if p.is_dir() and is_complete(p)]
     chosen = max(complete, key=step_of) if complete else None
-    skipped = sorted(p.name for p in root.glob("step_*")
-                     if p.is_dir() and not is_complete(p) and (chosen is None or step_of(p) > step_of(chosen)))
+    skipped = sorted(
+        p.name
+        for p in root.glob("step_*")
+        if p.is_dir() and not is_complete(p) and (chosen is None or step_of(p) > step_of(chosen))
+    )
     if skipped:
         log.warning("skipping incomplete checkpoint(s) %s in %s (a run was stopped while saving)", skipped, root)
     return chosen

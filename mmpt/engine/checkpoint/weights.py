@@ -19,8 +19,9 @@ from mmpt.artifacts import commit, shareable, temporary_for
 from mmpt.engine.checkpoint.parts import PartitionedTensors
 
 
-def full_weights(model: nn.Module, partitioned: PartitionedTensors | None = None
-                 ) -> Iterator[tuple[str, torch.Tensor | None]]:
+def full_weights(
+    model: nn.Module, partitioned: PartitionedTensors | None = None
+) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(name, full fp32 tensor on the CPU of rank 0, None elsewhere) of every state-dict entry, one at a time;
     every rank iterates (a parameter partitioned by ZeRO-3, or a tensor in `partitioned`, is gathered as it
     comes).
@@ -54,8 +55,9 @@ def full_shapes(model: nn.Module, partitioned: PartitionedTensors | None = None)
     return shapes
 
 
-def gathered_state_dict(model: nn.Module, partitioned: PartitionedTensors | None = None
-                        ) -> dict[str, torch.Tensor] | None:
+def gathered_state_dict(
+    model: nn.Module, partitioned: PartitionedTensors | None = None
+) -> dict[str, torch.Tensor] | None:
     """Full fp32 weights on rank 0 (None elsewhere); every rank calls it."""
     full = {name: tensor.clone() for name, tensor in full_weights(model, partitioned) if tensor is not None}
     return full if mdist.get_rank() == 0 else None
