@@ -38,17 +38,17 @@ class FieldKeys(Section):
     """Where samples of a shard set keep their fields (`mmpt.data.fields`), and how their text is encoded."""
 
     caption_key: str | list[str] | None = Field(
-        None,
+        default=None,
         description="where a sample's caption is: a tar member's extension (txt) or a field of its json member "
         "(json.caption_zh); a list, or a field holding a list, gives several captions, one drawn per read "
         "(seeded, resumable). None: the method's default members",
     )
     image_key: str | list[str] | None = Field(
-        None,
+        default=None,
         description="tar member(s) holding the image, first present wins (e.g. jpg, webp). None: jpg, jpeg, png, webp",
     )
     text_encoding: str = Field(
-        "utf-8",
+        default="utf-8",
         description="encoding of the source's text members (e.g. gbk for legacy corpora); samples not "
         "valid in it are skipped and counted as skipped/text_encoding",
     )
@@ -77,31 +77,34 @@ class SourceConfig(FieldKeys):
     """One WebDataset source: a brace pattern of shards, its mixing weight, where its samples keep their fields."""
 
     shards: str = Field(description="brace pattern or comma list of tar shards, e.g. dir/train-{000000..000009}.tar")
-    weight: float = Field(1.0, gt=0, description="relative sampling weight when several sources are mixed")
+    weight: float = Field(default=1.0, gt=0, description="relative sampling weight when several sources are mixed")
     name: str | None = Field(
-        None, description="how the source is called in per-source batches and logs (default: shards)"
+        default=None, description="how the source is called in per-source batches and logs (default: shards)"
     )
     video_key: str | list[str] | None = Field(
-        None, description="tar member(s) holding the video, first present wins. None: mp4, webm, avi"
+        default=None, description="tar member(s) holding the video, first present wins. None: mp4, webm, avi"
     )
 
 
 class LoaderConfig(Section):
     sources: list[SourceConfig] = Field(min_length=1)
     mode: Literal["resampled", "epoch"] = Field(
-        "resampled", description="resampled: shards drawn with replacement forever; epoch: each sample once per epoch"
+        default="resampled",
+        description="resampled: shards drawn with replacement forever; epoch: each sample once per epoch",
     )
     batch_size: int = Field(gt=0, description="micro-batch size per rank")
     compose: Literal["mixed", "per_source"] = Field(
-        "mixed",
+        default="mixed",
         description="mixed: sources interleaved at random by weight into one batch; per_source: every batch "
         "takes a fixed share of batch_size from each source (by weight) and hands one sub-batch per source, by name",
     )
-    num_workers: int = Field(1, ge=0)
-    shuffle_buffer: int = Field(1000, ge=0, description="sample shuffle buffer per worker (0 = no shuffle)")
-    max_skip_rate: float = Field(0.01, ge=0, le=1, description="fail once more than this fraction of samples fail")
+    num_workers: int = Field(default=1, ge=0)
+    shuffle_buffer: int = Field(default=1000, ge=0, description="sample shuffle buffer per worker (0 = no shuffle)")
+    max_skip_rate: float = Field(
+        default=0.01, ge=0, le=1, description="fail once more than this fraction of samples fail"
+    )
     min_samples_for_skip_rate: int = Field(
-        200,
+        default=200,
         ge=1,
         description="samples read before the skip-rate limit applies (avoids failing on the first bad sample)",
     )
@@ -136,10 +139,13 @@ class EvalSetConfig(FieldKeys):
         "intent (dialog intent probe); the method must offer it"
     )
     name: str | None = Field(
-        None, description="reported as eval/<name>/<language>/<metric> (default: the dataset's folder or file name)"
+        default=None,
+        description="reported as eval/<name>/<language>/<metric> (default: the dataset's folder or file name)",
     )
     languages: list[str] = Field(default_factory=lambda: ["en"], min_length=1)
-    foreign_class_names: bool = Field(False, description="accept class names not written in the prompt language")
+    foreign_class_names: bool = Field(
+        default=False, description="accept class names not written in the prompt language"
+    )
 
     @property
     def label(self) -> str:
@@ -150,9 +156,9 @@ class DataConfig(Section):
     train: LoaderConfig
     eval: list[EvalSetConfig] = Field(default_factory=list, description="evaluation sets (see train.eval_every)")
     prepare: str | None = Field(
-        None, description="name of a demo corpus (mmpt.demo) to build under `root` on first use, e.g. digits"
+        default=None, description="name of a demo corpus (mmpt.demo) to build under `root` on first use, e.g. digits"
     )
-    root: str = Field("demo_data", description="directory the demo corpus is built in")
+    root: str = Field(default="demo_data", description="directory the demo corpus is built in")
 
     @model_validator(mode="after")
     def _distinct_eval_names(self) -> DataConfig:
@@ -177,12 +183,12 @@ class DataConfig(Section):
 class OptimConfig(Section):
     name: Literal["adamw"] = "adamw"
     lr: float = Field(gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decay as a fraction of lr")
-    decay: Literal["cosine", "linear"] = Field("cosine", description="shape of the decay after warmup")
+    eps: float = Field(default=1e-8, gt=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="floor of the decay as a fraction of lr")
+    decay: Literal["cosine", "linear"] = Field(default="cosine", description="shape of the decay after warmup")
     no_decay: list[str] = Field(
         default_factory=lambda: ["bias", "norm", "logit_scale", "pos_embed", "position_embeddings", "cls_token"],
         description="parameters whose name contains one of these (or that are 1-D) get no weight decay",
@@ -191,55 +197,63 @@ class OptimConfig(Section):
 
 class TrainConfig(Section):
     max_steps: int = Field(gt=0, description="optimizer steps")
-    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    grad_accum: int = Field(default=1, gt=0, description="micro-batches per optimizer step")
     grad_clip: float = Field(
         ge=0, description="global grad-norm clip; 0 disables. Always explicit: no DeepSpeed default"
     )
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    zero_stage: int = Field(0, ge=0, le=3)
+    zero_stage: int = Field(default=0, ge=0, le=3)
     offload_optimizer: bool = False
     reduce_bucket_size: int | None = Field(
-        None,
+        default=None,
         gt=0,
         description="gradient elements per DeepSpeed reduction bucket (ZeRO 1-3), e.g. 50000000; "
         "None: 5000000 at ZeRO 1-2 on CPU ranks, DeepSpeed's 500000000 on GPUs and at ZeRO-3",
     )
     overlap_comm: bool | None = Field(
-        None,
+        default=None,
         description="ZeRO 1-3: reduce gradient buckets on a side stream while backward runs (GPUs; CPU "
         "ranks have no streams, it only costs there). None: off at ZeRO 1-2, on at ZeRO-3 (DeepSpeed's choice)",
     )
     hpz_partition_size: int | Literal["node"] | None = Field(
-        None,
+        default=None,
         description="ZeRO-3 only: ZeRO++ hierarchical partitioning. Each rank also keeps the parameters "
         "sharded over a group of this many consecutive ranks, so backward's all-gathers stay inside the group; "
         "'node': the ranks of one node. Costs that secondary shard per rank; pays off only across nodes",
     )
     sequence_parallel: int = Field(
-        1,
+        default=1,
         ge=1,
         description="Ulysses sequence parallelism: this many consecutive ranks read the same samples and "
         "split the sequence of the transformers the method declares (all-to-all around attention); must divide the "
         "ranks. 1: off",
     )
-    log_every: int = Field(10, gt=0)
+    log_every: int = Field(default=10, gt=0)
     eval_every: int = Field(
-        0,
+        default=0,
         ge=0,
         description="evaluate the data.eval sets every n steps (0: only at the end); "
         "evaluation leaves training exactly as it would be without it",
     )
-    save_every: int = Field(0, ge=0, description="checkpoint every n steps (0: only at the end)")
-    keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
+    save_every: int = Field(default=0, ge=0, description="checkpoint every n steps (0: only at the end)")
+    keep_last: int = Field(default=2, gt=0, description="checkpoints kept on disk")
     seed: int = 0
     max_bad_steps: int = Field(
-        10, gt=0, description="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient"
+        default=10,
+        gt=0,
+        description="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient",
     )
     watchdog_timeout: float = Field(
-        1800.0, ge=0, description="seconds without progress (a step, a checkpoint) before the run exits; 0 = off"
+        default=1800.0,
+        ge=0,
+        description="seconds without progress (a step, a checkpoint) before the run exits; 0 = off",
     )
-    straggler_factor: float = Field(1.5, gt=1, description="a rank this much slower than the median step is slow")
-    straggler_windows: int = Field(3, gt=0, description="logging windows in a row a rank must be slow to be named")
+    straggler_factor: float = Field(
+        default=1.5, gt=1, description="a rank this much slower than the median step is slow"
+    )
+    straggler_windows: int = Field(
+        default=3, gt=0, description="logging windows in a row a rank must be slow to be named"
+    )
 
     @field_validator("hpz_partition_size", mode="before")
     @classmethod
@@ -253,21 +267,23 @@ class WandbConfig(Section):
     """Weights & Biases logging (the optional `wandb` package: pip install 'mmpt[wandb]')."""
 
     project: str = Field(description="W&B project")
-    name: str | None = Field(None, description="run name (default: the output folder's name)")
-    entity: str | None = Field(None, description="team or user (default: W&B's default entity)")
+    name: str | None = Field(default=None, description="run name (default: the output folder's name)")
+    entity: str | None = Field(default=None, description="team or user (default: W&B's default entity)")
     mode: Literal["online", "offline", "disabled"] = Field(
-        "online", description="offline: written under output_dir/wandb, for `wandb sync` later (no network)"
+        default="online", description="offline: written under output_dir/wandb, for `wandb sync` later (no network)"
     )
     tags: list[str] = Field(default_factory=list)
 
 
 class RunConfig(Section):
     output_dir: str
-    resume: str = Field("auto", description="auto: newest checkpoint in output_dir if any; none; or a checkpoint path")
+    resume: str = Field(
+        default="auto", description="auto: newest checkpoint in output_dir if any; none; or a checkpoint path"
+    )
     tensorboard: bool = True
     progress_bar: bool = True
     wandb: WandbConfig | None = Field(
-        None,
+        default=None,
         description="log the same scalars as TensorBoard, and the resolved "
         "config, to Weights & Biases; a resumed run continues its W&B run",
     )

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -71,12 +72,18 @@ def barrier() -> None:
         dist.barrier()
 
 
+class SpanClock(Protocol):
+    def start(self, name: str) -> None: ...
+
+    def stop(self, name: str) -> None: ...
+
+
 class GatherClock:
     """Where forward gathers report their span ("gather"): mostly waiting for other ranks, which the engine
     subtracts from its forward time to see how long a rank itself takes (straggler detection). The engine
     sets `spans` (an `mmpt.engine.timing.Spans`); None (the default) times nothing."""
 
-    spans = None
+    spans: SpanClock | None = None
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -134,7 +141,7 @@ def contiguous_group(group_size: int | None) -> dist.ProcessGroup | None:
     """
     world = get_world_size()
     if isinstance(group_size, RanksPerNode) and is_initialized():
-        layout = check_node_major(all_gather_objects((node_identity(), int(group_size))))
+        layout = check_node_major(cast(list[tuple[str, int]], all_gather_objects((node_identity(), int(group_size)))))
         if get_rank() == 0:
             log.info("one group per node: %s", layout)
     if group_size is None or group_size == world or not is_initialized():
@@ -145,7 +152,7 @@ def contiguous_group(group_size: int | None) -> dist.ProcessGroup | None:
     for start in range(0, world, group_size):
         group = dist.new_group(list(range(start, start + group_size)))
         if start <= get_rank() < start + group_size:
-            mine = group
+            mine = cast(dist.ProcessGroup, group)  # a member's group (others get a placeholder)
     return mine
 
 
@@ -175,15 +182,16 @@ def set_sequence_parallel(size: int) -> ParallelLayout:
     if size == 1:
         _layout = ParallelLayout(data_rank=rank, data_size=world)
         return _layout
-    sequence_group = data_group = None
+    sequence_group: dist.ProcessGroup | None = None
+    data_group: dist.ProcessGroup | None = None
     for start in range(0, world, size):
         group = dist.new_group(list(range(start, start + size)))
         if start <= rank < start + size:
-            sequence_group = group
+            sequence_group = cast(dist.ProcessGroup, group)
     for offset in range(size):
         group = dist.new_group(list(range(offset, world, size)))  # one rank when all ranks split one batch
         if rank % size == offset:
-            data_group = group
+            data_group = cast(dist.ProcessGroup, group)
     _layout = ParallelLayout(size, sequence_group, data_group, rank // size, world // size)
     return _layout
 

@@ -5,7 +5,7 @@
 Every cell is a config file and dotted overrides. A cell trains 2 steps (checkpoint at step 2; its
 data.eval sets evaluated at step 1 and at the end), resumes from that checkpoint for a third step, then
 rank 0 exports the newest checkpoint with
-launch/export.py, loads the release with `mmpt.load` and checks its weights against the run's own
+mmpt-export (launch/export.py), loads the release with `mmpt.load` and checks its weights against the run's own
 consolidated model.safetensors. One JSON line per finished cell goes to RESULTS.jsonl; a failing
 cell ends the run with its name printed, so the test can say which one broke.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import runpy
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ def run_cell(cell: dict, results: Path) -> None:
         evaluated = [r["step"] for r in records if any(key.startswith("eval/") for key in r)]
         assert evaluated == [1, 2, 3], f"evaluations at steps {evaluated}, not at 1 (eval_every) and at each end"
         release = run_dir.parent / f"{run_dir.name}-release"
-        export = runpy.run_path(str(REPO / "launch/export.py"), run_name="export")["main"]
+        from mmpt.commands.export import main as export
         assert export(["--run", str(run_dir), "--out", str(release), "--checkpoint", "latest"]) == 0
         exported = mmpt.load(release).model.state_dict()
         final = load_file(str(run_dir / "model.safetensors"))

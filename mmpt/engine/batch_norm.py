@@ -15,6 +15,7 @@ global statistics, hence identical on every rank. In evaluation mode nothing is 
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 
-class _AcrossRanks:
+class _AcrossRanks(_BatchNorm):
     """Mixed in before a BatchNorm class: its training-mode forward with global batch statistics."""
 
     process_group: dist.ProcessGroup | None = None
@@ -43,12 +44,13 @@ class _AcrossRanks:
         if self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach() * n.detach() / (n.detach() - 1))
         y = centred * torch.rsqrt(var + self.eps).view(shape)
-        if self.affine:
+        if self.weight is not None and self.bias is not None:  # affine
             y = y * self.weight.view(shape) + self.bias.view(shape)
         return y.to(x.dtype)
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, unbiased_var: torch.Tensor) -> None:
+        assert self.num_batches_tracked is not None and self.running_mean is not None and self.running_var is not None
         self.num_batches_tracked.add_(1)
         momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
@@ -66,6 +68,6 @@ def batch_norm_across_ranks(model: nn.Module, group: dist.ProcessGroup | None = 
     for module in model.modules():
         if isinstance(module, _BatchNorm) and not isinstance(module, (_AcrossRanks, nn.SyncBatchNorm)):
             module.__class__ = _across_ranks_class(type(module))
-            module.process_group = group
+            cast(_AcrossRanks, module).process_group = group
             converted += 1
     return converted

@@ -34,7 +34,7 @@ def check_precision(cfg: Config) -> None:
 def hpz_partition_size(setting: int | str, world_size: int) -> int:
     """ZeRO++'s group size for `train.hpz_partition_size`; DeepSpeed itself would cut a size above the world
     size down silently and fail late on one that does not divide it."""
-    size = int(mdist.local_world_size()) if setting == "node" else setting
+    size = int(mdist.local_world_size()) if setting == "node" else int(setting)
     if size > world_size or world_size % size:
         raise ConfigError(
             f"config key 'train.hpz_partition_size' = {setting!r} ({size} ranks) must divide the {world_size} ranks"

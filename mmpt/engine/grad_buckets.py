@@ -125,5 +125,7 @@ class BucketedAllReduce:
         found_inf = torch.zeros(1, device=self.inverse.device)  # fresh each step: the optimizer keeps it
         # GradScaler's unscale kernel: multiplies by 1/ranks and flags non-finite values in one pass per bucket
         for same_dtype in self.by_dtype:
-            torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, self.inverse)
+            torch._amp_foreach_non_finite_check_and_unscale_(  # pyright: ignore[reportPrivateImportUsage]
+                same_dtype, found_inf, self.inverse
+            )
         return found_inf.squeeze(0)

@@ -77,7 +77,7 @@ class MetricLogger:
         if self.rank == 0:
             if wandb is not None:
                 self._wandb = start_wandb(wandb, run_dir, config or {})
-            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8", buffering=1)  # line by line
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -102,7 +102,7 @@ class MetricLogger:
         counts: dict[str, dict[str, int]],
         sources: list[str],
         skipped_steps: int,
-        state_bytes: tuple[float, float] | None,
+        state_bytes: tuple[float, float | None] | None,
     ) -> dict:
         """Reduce the window over ranks and write it (rank 0); returns the record. Every rank calls it.
 
@@ -180,9 +180,13 @@ class MetricLogger:
                     )
                 self.stragglers[rank] = max(ratio, self.stragglers.get(rank, 0.0))
 
+    def _jsonl_file(self):
+        """Rank 0's metrics.jsonl (line-buffered: each record is written out whole as it comes)."""
+        assert self._jsonl is not None, "only rank 0 writes metrics"
+        return self._jsonl
+
     def _emit(self, step: int, record: dict) -> None:
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        self._jsonl_file().write(json.dumps(record) + "\n")
         self._to_wandb(step, record)
         if self._writer is not None:
             for key, value in record.items():
@@ -204,8 +208,7 @@ class MetricLogger:
         """Rank 0: one evaluation's results (jsonl, TensorBoard, console)."""
         if self.rank != 0 or not results:
             return
-        self._jsonl.write(json.dumps({"step": step, **results}) + "\n")
-        self._jsonl.flush()
+        self._jsonl_file().write(json.dumps({"step": step, **results}) + "\n")
         self._to_wandb(step, results)
         if self._writer is not None:
             for key, value in results.items():
@@ -223,8 +226,7 @@ class MetricLogger:
         """Rank 0: the evaluation at the end of training, a line in metrics.jsonl (and the W&B run's summary)."""
         if self.rank != 0:
             return
-        self._jsonl.write(json.dumps({"step": step, **results}) + "\n")
-        self._jsonl.flush()
+        self._jsonl_file().write(json.dumps({"step": step, **results}) + "\n")
         if self._wandb is not None:
             self._to_wandb(step, results)
             self._wandb.summary.update({k: v for k, v in results.items() if isinstance(v, (int, float))})

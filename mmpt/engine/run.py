@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -53,7 +53,8 @@ class TrainingModule(nn.Module):
         self.gradient_reduction: BucketedAllReduce | None = None  # set by `build_engine` where it replaces DeepSpeed's
 
     def forward(self, batch: Any, pool: Any = None, index: int = 0, pool_pass: bool = False) -> Any:
-        if pool_pass:  # `batch` is then the step's list of micro-batches
+        if pool_pass:  # `batch` is then the step's list of micro-batches (the engine asks only with a pool)
+            assert self.needs.step_pool is not None
             return self.needs.step_pool(self.model, self.loss, batch)
         return self.method.training_step(self.model, self.loss, batch, pool, index)
 
@@ -80,9 +81,9 @@ class Batches:
         self.loader.load_state_dict(state)
         self.start()
 
-    def load_resharded(self, states: list[dict[str, Any]], step: int) -> None:
+    def load_resharded(self, states: Sequence[dict[str, Any]], step: int) -> None:
         """Readers saved by another layout, one per data-parallel rank (sequence-parallel ranks share one)."""
-        self.loader.reshard(states[:: len(states) // states[0]["world_size"]])
+        self.loader.reshard(list(states[:: len(states) // states[0]["world_size"]]))
         self.start()
 
 
@@ -152,7 +153,9 @@ def start(cfg: Config) -> tuple[Run | None, int]:
 
     checkpoint = find_resume(run_dir, cfg.run.resume)
     elastic = checkpoint is not None and saved_world_size(checkpoint) != world_size
-    universal = deepspeed_io.to_universal(checkpoint, run_dir) if elastic and cfg.train.zero_stage > 0 else None
+    universal = None
+    if checkpoint is not None and elastic and cfg.train.zero_stage > 0:
+        universal = deepspeed_io.to_universal(checkpoint, run_dir)
     engine, initial_weights = build_engine(cfg, method, layout, world_size, load_universal=universal is not None)
     float_dtype = precision.DTYPES[cfg.train.precision]
     needs = engine.module.needs
@@ -292,8 +295,8 @@ def check_pooled_accumulation(method: Method, model: nn.Module, grad_accum: int)
             reason = f"dropout p={module.p}"
         elif isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
             reason = f"attention dropout {module.dropout}"
-        elif isinstance(getattr(module, "drop_prob", None), float) and module.drop_prob > 0:
-            reason = f"drop-path {module.drop_prob}"
+        elif isinstance(drop := getattr(module, "drop_prob", None), float) and drop > 0:
+            reason = f"drop-path {drop}"
         elif isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
             reason = "batch norm in training mode"
         if reason:
@@ -323,6 +326,7 @@ def build_engine(
                 f"config key 'train.sequence_parallel': method '{method.name}' declares no transformer "
                 "to split along the sequence; set it to 1"
             )
+        assert layout.sequence_group is not None  # formed whenever sequence parallelism is on
         split_sequences(needs.sequence_parallel, layout.sequence_group, layout.sequence_parallel)
     module = TrainingModule(method, model, method.build_loss(cfg), needs)
     optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage)
@@ -332,7 +336,7 @@ def build_engine(
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         optimizer=optimizer,
-        lr_scheduler=schedule,
+        lr_scheduler=cast(Any, schedule),  # DeepSpeed's annotation names torch's older _LRScheduler
         config=deepspeed_config(cfg, world_size, load_universal=load_universal),
     )
     if cfg.train.zero_stage == 0 and (world_size == 1 or isinstance(engine.optimizer, SkippingAdamW)):

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timm.models.vision_transformer import Attention
+from timm.models.vision_transformer import Attention  # pyright: ignore[reportPrivateImportUsage]
 from torch import nn
 
 from mmpt.config import ConfigError
@@ -55,7 +55,7 @@ class UlyssesAttention(Attention):
         q, k, v = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim).unbind(2)
         q, k = self.q_norm(q), self.k_norm(k)
         dropout = self.attn_drop.p if self.training else 0.0
-        x = self.ulysses(q, k, v, 0, None, attn_mask, dropout).reshape(batch, tokens, self.attn_dim)
+        x = self.ulysses(q, k, v, 0, None, attn_mask, dropout)  # pyright: ignore[reportCallIssue] (not a module).reshape(batch, tokens, self.attn_dim)
         x = self.norm(x)
         if gate is not None:
             x = x * gate
@@ -115,6 +115,8 @@ def split_sequences(modules: Sequence[nn.Module], group: dist.ProcessGroup, sett
         for attention in [m for m in module.modules() if isinstance(m, Attention)]:
             attention.__class__ = UlyssesAttention
             # not a registered submodule: it holds no state, and ZeRO-3's hooks have nothing to gather in it
-            object.__setattr__(attention, "ulysses", DistributedAttention(_attend, group, scatter_idx=2, gather_idx=1))
+            # DeepSpeed types the local attention as a module; any callable of (q, k, v, ...) is what it calls
+            ulysses = DistributedAttention(_attend, group, scatter_idx=2, gather_idx=1)  # pyright: ignore[reportArgumentType]
+            object.__setattr__(attention, "ulysses", ulysses)
         module.register_forward_pre_hook(hooks.enter, with_kwargs=True)
         module.register_forward_hook(hooks.leave, with_kwargs=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -27,12 +28,19 @@ from torch import nn
 from mmpt.models.momentum import MomentumCopy, ema_
 
 
+class _Partitioned(Protocol):
+    """What ZeRO-3 attaches to a parameter it partitions."""
+
+    ds_tensor: Any  # this rank's flat partition, a tensor with its length in `ds_numel`
+    ds_process_group: dist.ProcessGroup
+
+
 @dataclass
 class _Shard:
     """A partitioned tensor's full shape, and the parameter it follows (whose partitioning it copies)."""
 
     shape: torch.Size
-    follows: nn.Parameter
+    follows: torch.Tensor
 
     @property
     def numel(self) -> int:
@@ -40,7 +48,7 @@ class _Shard:
 
     @property
     def group(self) -> dist.ProcessGroup:
-        return self.follows.ds_process_group
+        return cast(_Partitioned, self.follows).ds_process_group
 
 
 class ShardedCopies:
@@ -71,7 +79,7 @@ class ShardedCopies:
     @staticmethod
     def _cut(full: torch.Tensor, shard: _Shard) -> torch.Tensor:
         """This rank's flat partition of `full`, laid out as ZeRO-3 lays out the parameter it follows."""
-        size = shard.follows.ds_tensor.ds_numel
+        size = cast(_Partitioned, shard.follows).ds_tensor.ds_numel
         start = size * dist.get_rank(shard.group)
         flat = full.detach().reshape(-1)
         partition = torch.zeros(size, dtype=full.dtype, device=full.device)
@@ -108,7 +116,7 @@ class ShardedCopies:
 
     def _gather_hook(self, module: nn.Module, args) -> None:
         attrs = self._attrs[id(module)]
-        partitions = [module._buffers[a] for a in attrs]
+        partitions = [cast(torch.Tensor, module._buffers[a]) for a in attrs]  # set by __init__
         self._held[id(module)] = dict(zip(attrs, partitions))
         for attr, tensor in zip(attrs, self._gather(partitions, [self._shards[id(p)] for p in partitions])):
             module._buffers[attr] = tensor
@@ -121,7 +129,7 @@ class ShardedCopies:
         """Every copy's EMA step: a partitioned tensor from this rank's partition of its parameter."""
         for copy in self.copies:
             for _, key, query in copy.pairs():
-                ema_(key, query.ds_tensor if id(key) in self._shards else query, copy.momentum)
+                ema_(key, cast(_Partitioned, query).ds_tensor if id(key) in self._shards else query, copy.momentum)
 
     @torch.no_grad()
     def load_whole(self, module: nn.Module, whole: dict[str, torch.Tensor]) -> None:

@@ -109,7 +109,8 @@ def route_deepspeed_collectives() -> bool:
             return all_gather_into_(output_tensor, input_tensor, dist.get_rank(group), world)
         return plain_all_gather(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
 
-    backend.all_reduce = all_reduce
+    # DeepSpeed's backend object is patched in place: its collectives are looked up on it at every call
+    backend.all_reduce = all_reduce  # pyright: ignore[reportAttributeAccessIssue]
     backend.all_gather_into_tensor = all_gather_into_tensor
-    backend._mmpt_shm_routed = True
+    backend._mmpt_shm_routed = True  # pyright: ignore[reportAttributeAccessIssue]
     return True

@@ -79,7 +79,7 @@ def peer_lost(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(marker in text for marker in PEER_LOST)
 
 
-def one_line(text: str) -> str:
+def one_line(text: object) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 

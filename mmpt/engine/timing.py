@@ -20,11 +20,11 @@ class Spans:
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
-        self._open: dict[str, object] = {}
+        self._open: dict[str, float | torch.cuda.Event] = {}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._totals: dict[str, float] = defaultdict(float)
 
-    def _mark(self) -> object:
+    def _mark(self) -> float | torch.cuda.Event:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
@@ -36,9 +36,9 @@ class Spans:
 
     def stop(self, name: str) -> None:
         started, ended = self._open.pop(name), self._mark()
-        if self.cuda:
+        if isinstance(started, torch.cuda.Event) and isinstance(ended, torch.cuda.Event):
             self._events.append((name, started, ended))
-        else:
+        elif isinstance(started, float) and isinstance(ended, float):
             self._totals[name] += ended - started
 
     def take(self) -> dict[str, float]:

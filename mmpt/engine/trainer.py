@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+import operator
 from typing import Any
 
 import torch
@@ -160,7 +162,7 @@ def optimizer_step(
         losses = engine(batch, pool, index)
         spans.stop("forward")
         hooks.reached("backward", step)
-        total = hooks.loss(sum(losses.values()))
+        total = hooks.loss(functools.reduce(operator.add, losses.values()))
         last = index == len(micro_batches) - 1
         if reduction is not None:
             reduction.reduce_during_backward(last)
@@ -173,7 +175,7 @@ def optimizer_step(
         for name, value in losses.items():
             share = value.detach() / len(micro_batches)
             sums[name] = sums[name] + share if name in sums else share
-    sums["total"] = sum(sums.values())
+    sums["total"] = functools.reduce(operator.add, sums.values())
     return sums
 
 

@@ -56,8 +56,9 @@ class _Guard(TorchFunctionMode):
             for leaf in tree_leaves((args, kwargs)):
                 name = self.names.get(id(leaf)) if isinstance(leaf, nn.Parameter) else None
                 if name is not None and _is_partitioned(leaf):
+                    shape = tuple(getattr(leaf, "ds_shape", leaf.shape))  # ZeRO-3 keeps the full shape here
                     raise PartitionedParameterError(
-                        f"parameter '{name}' (shape {tuple(leaf.ds_shape)}) was used by {_op_name(func)} in "
+                        f"parameter '{name}' (shape {shape}) was used by {_op_name(func)} in "
                         f"{self.where} while ZeRO-3 had it partitioned: method code may read parameters only inside "
                         f"training_step/step_pool (which run in the engine's forward) or in an AfterStep that "
                         f"lists them in `reads`"

@@ -28,7 +28,7 @@ class ClipConfig(MethodConfig):
     name: Literal["clip"] = "clip"
     image: ImageTowerConfig = Field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = Field(default_factory=TextTowerConfig)
-    embed_dim: int = Field(256, gt=0)
+    embed_dim: int = Field(default=256, gt=0)
     tokenizer: str = Field(description="path of a `tokenizers` tokenizer.json (copied into the run directory)")
     image_mean: tuple[float, float, float] = OPENAI_DATASET_MEAN
     image_std: tuple[float, float, float] = OPENAI_DATASET_STD

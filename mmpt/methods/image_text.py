@@ -24,7 +24,7 @@ from mmpt.methods.base import Method, copy_tokenizer, eval_record, save_eval_rec
 
 class ZeroShotConfig(Section):
     dataset: str | None = Field(
-        None,
+        default=None,
         description="CLIP_benchmark/ImageFolder path, or a demo set name ('digits'); "
         "reported as zeroshot/<language>/<metric>. null: no evaluation "
         "at the end of training, extra_datasets included",
@@ -34,9 +34,9 @@ class ZeroShotConfig(Section):
         description="more sets evaluated the same way, reported as zeroshot/<folder or set name>/<language>/<metric>",
     )
     languages: list[str] = Field(default_factory=lambda: ["en"])
-    batch_size: int = Field(256, gt=0)
+    batch_size: int = Field(default=256, gt=0)
     foreign_class_names: bool = Field(
-        False,
+        default=False,
         description="accept class names not written in the prompt language (English names in Chinese "
         "prompts); otherwise such sets, and class folders named by ids, are config errors",
     )
@@ -46,8 +46,10 @@ class PlacementAugment(Section):
     """Random scale and translation at training time (torchvision's RandomAffine, black fill), so a model
     does not learn one size and position of its objects; off unless configured."""
 
-    affine_scale: tuple[float, float] | None = Field(None, description="[min, max] zoom factor drawn per image")
-    affine_translate: float = Field(0.0, ge=0.0, lt=1.0, description="largest shift, a fraction of width and height")
+    affine_scale: tuple[float, float] | None = Field(default=None, description="[min, max] zoom factor drawn per image")
+    affine_translate: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="largest shift, a fraction of width and height"
+    )
 
     def apply_to(self, transform: T.Compose) -> T.Compose:
         """`transform` with the random placement inserted just before its ToTensor (unchanged when off)."""

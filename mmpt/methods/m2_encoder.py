@@ -39,12 +39,13 @@ OFFICIAL_MEAN, OFFICIAL_STD = M2Encoder.image_mean, M2Encoder.image_std  # the o
 class GbaItcConfig(Section):
     name: Literal["gba_itc"] = "gba_itc"
     group_size: int | Literal["auto", "world"] = Field(
-        "world", description="ranks per gathering group: an int dividing the world size, auto (ranks per node), world"
+        default="world",
+        description="ranks per gathering group: an int dividing the world size, auto (ranks per node), world",
     )
     accumulation_steps: int | None = Field(
-        None, gt=0, description="K micro-batches pooled per step; must equal train.grad_accum (null: follow it)"
+        default=None, gt=0, description="K micro-batches pooled per step; must equal train.grad_accum (null: follow it)"
     )
-    tile_size: int = Field(0, ge=0, description="column tile width of the logits; 0 = untiled")
+    tile_size: int = Field(default=0, ge=0, description="column tile width of the logits; 0 = untiled")
 
 
 class AugmentConfig(PlacementAugment):
@@ -57,17 +58,17 @@ class AugmentConfig(PlacementAugment):
 
 class M2Config(MethodConfig):
     name: Literal["m2_encoder"] = "m2_encoder"
-    model: str = Field("m2-encoder-0.4b", description=f"architecture preset: {', '.join(PRESETS.names())}")
+    model: str = Field(default="m2-encoder-0.4b", description=f"architecture preset: {', '.join(PRESETS.names())}")
     arch: M2EncoderConfig = Field(
         default_factory=M2EncoderConfig, description="architecture; keys given here override the `model` preset"
     )
     tokenizer: str | None = Field(
-        None,
+        default=None,
         description="GLM sp.model (SentencePiece, official) or a WordPiece tokenizer.json. None: the one that "
         "comes with init_from (the sp.model of an official download, or a release's or run's own)",
     )
     init_from: str | None = Field(
-        None,
+        default=None,
         description="weights to start from: an official download folder or its .ckpt, an mmpt release or "
         "finished run directory, or hf-hub:<org>/<name> (a release); loaded strictly",
     )

@@ -25,7 +25,9 @@ from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer, prepro
 class OpenClipConfig(MethodConfig):
     name: Literal["open_clip"] = "open_clip"
     model: str = Field(description="open_clip model name (e.g. ViT-B-32) or a path to a model config .json")
-    image_size: int | None = Field(None, gt=0, description="force this input resolution (open_clip's force_image_size)")
+    image_size: int | None = Field(
+        default=None, gt=0, description="force this input resolution (open_clip's force_image_size)"
+    )
     zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
 
 

@@ -51,35 +51,45 @@ def resolve_encoder_path(spec: str) -> Path:
 
 
 class IntentEvalConfig(Section):
-    dataset: str | None = Field(None, description="directory with train.csv and test.csv (text,category), or 'dialogs'")
+    dataset: str | None = Field(
+        default=None, description="directory with train.csv and test.csv (text,category), or 'dialogs'"
+    )
     shots: list[int] = Field(default_factory=lambda: [10], description="k-shot settings (k examples per intent)")
-    full: bool = Field(True, description="also train the head on all training examples")
-    seeds: int = Field(3, gt=0, description="k-shot draws (and head seeds) averaged")
+    full: bool = Field(default=True, description="also train the head on all training examples")
+    seeds: int = Field(default=3, gt=0, description="k-shot draws (and head seeds) averaged")
     finetune_epochs: int = Field(
-        0,
+        default=0,
         ge=0,
         description="also fine-tune the whole encoder per setting for this many "
         "epochs (the SPACE-2/DialoGLUE protocol); 0: linear probe only",
     )
-    batch_size: int = Field(64, gt=0)
+    batch_size: int = Field(default=64, gt=0)
 
 
 class Space2Config(MethodConfig):
     name: Literal["space2"] = "space2"
     encoder: str = Field(description="local Hugging Face BERT-family checkpoint dir, or pkg:<module>/<subdir>")
-    dropout: float = Field(0.2, ge=0, lt=1, description="dropout everywhere in the encoder (makes the two views)")
+    dropout: float = Field(
+        default=0.2, ge=0, lt=1, description="dropout everywhere in the encoder (makes the two views)"
+    )
     views: list[View] = Field(default_factory=lambda: list(VIEWS), min_length=1, description="tree views trained")
-    project: bool = Field(True, description="per-view projection heads (with_project); false: CLS + combined score")
-    subspace_dim: int | None = Field(None, gt=0, description="width of each view's projection (default: hidden)")
-    temperature: float = Field(0.07, gt=0)
-    mlm_weight: float = Field(0.1, ge=0, description="mlm_ratio: weight of the MLM term")
-    supervised: bool = Field(True, description="false: labels ignored, every batch self-supervised (SimCSE-style)")
-    max_utt_len: int = Field(50, gt=0, description="word pieces kept per utterance (its last ones)")
-    max_turns: int = Field(16, gt=0, le=16, description="utterances kept per example (the last ones)")
-    max_len: int = Field(256, gt=0, description="tokens kept per example (the last ones)")
-    mlm_probability: float = Field(0.15, ge=0, le=1)
+    project: bool = Field(
+        default=True, description="per-view projection heads (with_project); false: CLS + combined score"
+    )
+    subspace_dim: int | None = Field(
+        default=None, gt=0, description="width of each view's projection (default: hidden)"
+    )
+    temperature: float = Field(default=0.07, gt=0)
+    mlm_weight: float = Field(default=0.1, ge=0, description="mlm_ratio: weight of the MLM term")
+    supervised: bool = Field(
+        default=True, description="false: labels ignored, every batch self-supervised (SimCSE-style)"
+    )
+    max_utt_len: int = Field(default=50, gt=0, description="word pieces kept per utterance (its last ones)")
+    max_turns: int = Field(default=16, gt=0, le=16, description="utterances kept per example (the last ones)")
+    max_len: int = Field(default=256, gt=0, description="tokens kept per example (the last ones)")
+    mlm_probability: float = Field(default=0.15, ge=0, le=1)
     max_label_elements: int = Field(
-        MAX_LABEL_ELEMENTS,
+        default=MAX_LABEL_ELEMENTS,
         gt=0,
         description="elements per tree view a label may have "
         "(labels travel as fixed-size tensors; a dialog with more is skipped and counted)",

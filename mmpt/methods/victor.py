@@ -59,19 +59,21 @@ TOKENIZER_FILE = "tokenizer.json"
 class TaskWeights(Section):
     """Weight of each proxy task in the total loss; 0 turns the task off."""
 
-    mlm: float = Field(1.0, ge=0, description="masked language modelling")
-    msom: float = Field(1.0, ge=0, description="masked sentence order modelling (6-way)")
-    mfom: float = Field(1.0, ge=0, description="masked frame order modelling (6-way) [ours]")
-    intra_mfm: float = Field(1.0, ge=0, description="masked frame vs the clip's own frames")
-    inter_mfm: float = Field(1.0, ge=0, description="masked frame vs key frame, frames queue negatives")
-    dual_vsa: float = Field(1.0, ge=0, description="dual video-sentence alignment against the memory queues")
+    mlm: float = Field(default=1.0, ge=0, description="masked language modelling")
+    msom: float = Field(default=1.0, ge=0, description="masked sentence order modelling (6-way)")
+    mfom: float = Field(default=1.0, ge=0, description="masked frame order modelling (6-way) [ours]")
+    intra_mfm: float = Field(default=1.0, ge=0, description="masked frame vs the clip's own frames")
+    inter_mfm: float = Field(default=1.0, ge=0, description="masked frame vs key frame, frames queue negatives")
+    dual_vsa: float = Field(default=1.0, ge=0, description="dual video-sentence alignment against the memory queues")
 
 
 class RetrievalEvalConfig(Section):
-    dataset: str | None = Field(None, description="retrieval jsonl or MSR-VTT-style csv, or 'moving_digits'")
+    dataset: str | None = Field(default=None, description="retrieval jsonl or MSR-VTT-style csv, or 'moving_digits'")
     languages: list[str] = Field(default_factory=lambda: ["en"], description="for 'moving_digits': caption languages")
-    video_root: str | None = Field(None, description="folder of the csv's <video_id>.mp4 files (default: videos/)")
-    batch_size: int = Field(64, gt=0)
+    video_root: str | None = Field(
+        default=None, description="folder of the csv's <video_id>.mp4 files (default: videos/)"
+    )
+    batch_size: int = Field(default=64, gt=0)
 
 
 class VictorConfig(MethodConfig):
@@ -79,21 +81,21 @@ class VictorConfig(MethodConfig):
     tokenizer: str = Field(description="path of a `tokenizers` tokenizer.json (copied into the run directory)")
     video: VideoTowerConfig = Field(default_factory=VideoTowerConfig)
     text: TextTowerConfig = Field(default_factory=TextTowerConfig)
-    embed_dim: int = Field(256, gt=0, description="width of the pooled (retrieval) features")
-    cross_layers: int = Field(2, gt=0, description="cross-modal transformer layers (text width and heads)")
+    embed_dim: int = Field(default=256, gt=0, description="width of the pooled (retrieval) features")
+    cross_layers: int = Field(default=2, gt=0, description="cross-modal transformer layers (text width and heads)")
     tasks: TaskWeights = Field(default_factory=TaskWeights)
-    momentum: float = Field(0.995, ge=0, le=1, description="m of the key network's EMA update")
-    queue_size: int = Field(4096, gt=0, description="entries of the visual and textual queues")
-    frame_queue_size: int = Field(4096, gt=0, description="entries (single frames) of the frames queue")
-    vsa_temperature: float = Field(0.07, gt=0, description="dual-VSA temperature (initial value if learned)")
-    learn_temperature: bool = Field(True, description="learn the dual-VSA temperature")
-    mfm_temperature: float = Field(0.07, gt=0, description="temperature of intra- and inter-MFM")
-    mlm_probability: float = Field(0.15, gt=0, lt=1)
-    frame_mask_ratio: float = Field(0.15, gt=0, lt=1, description="frames masked per clip (at least one)")
+    momentum: float = Field(default=0.995, ge=0, le=1, description="m of the key network's EMA update")
+    queue_size: int = Field(default=4096, gt=0, description="entries of the visual and textual queues")
+    frame_queue_size: int = Field(default=4096, gt=0, description="entries (single frames) of the frames queue")
+    vsa_temperature: float = Field(default=0.07, gt=0, description="dual-VSA temperature (initial value if learned)")
+    learn_temperature: bool = Field(default=True, description="learn the dual-VSA temperature")
+    mfm_temperature: float = Field(default=0.07, gt=0, description="temperature of intra- and inter-MFM")
+    mlm_probability: float = Field(default=0.15, gt=0, lt=1)
+    frame_mask_ratio: float = Field(default=0.15, gt=0, lt=1, description="frames masked per clip (at least one)")
     backend: Literal[BACKENDS] | None = Field(
-        None, description="video decoder: decord or pyav (default: decord on x86_64)"
+        default=None, description="video decoder: decord or pyav (default: decord on x86_64)"
     )
-    min_frames: int = Field(1, gt=0, description="shorter videos are skipped and counted")
+    min_frames: int = Field(default=1, gt=0, description="shorter videos are skipped and counted")
     retrieval: RetrievalEvalConfig = Field(default_factory=RetrievalEvalConfig)
 
 

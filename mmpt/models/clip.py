@@ -18,8 +18,10 @@ from mmpt.config import Section
 
 
 class ImageTowerConfig(Section):
-    timm_name: str = Field("vit_tiny_patch16_224", description="any timm model name; built without pretrained weights")
-    image_size: int = Field(224, gt=0, description="input resolution of the image transforms")
+    timm_name: str = Field(
+        default="vit_tiny_patch16_224", description="any timm model name; built without pretrained weights"
+    )
+    image_size: int = Field(default=224, gt=0, description="input resolution of the image transforms")
     timm_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra timm.create_model arguments (img_size, patch_size, depth, ...)"
     )
@@ -35,13 +37,13 @@ class ImageTowerConfig(Section):
 class TextTowerConfig(Section):
     """A BERT-style encoder; `vocab_size: null` takes the tokenizer's size."""
 
-    vocab_size: int | None = Field(None, gt=0)
-    width: int = Field(256, gt=0)
-    layers: int = Field(4, gt=0)
-    heads: int = Field(4, gt=0)
-    mlp_ratio: float = Field(4.0, gt=0)
-    context_length: int = Field(32, gt=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    vocab_size: int | None = Field(default=None, gt=0)
+    width: int = Field(default=256, gt=0)
+    layers: int = Field(default=4, gt=0)
+    heads: int = Field(default=4, gt=0)
+    mlp_ratio: float = Field(default=4.0, gt=0)
+    context_length: int = Field(default=32, gt=1)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
 
 
 def bert_text_encoder(cfg: TextTowerConfig) -> BertModel:

@@ -28,20 +28,20 @@ FIRST_POSITION = 2  # fairseq convention: position rows 0 and 1 are never used
 class M2EncoderConfig(Section):
     """Every size knob; the official 0.4B/1B/10B are presets of this (see `PRESETS`)."""
 
-    width: int = Field(768, gt=0)
-    heads: int = Field(12, gt=0)
-    lower_layers: int = Field(9, gt=0, description="modality-specific (A/B) layers: official `encoder_layers`")
-    shared_layers: int = Field(3, gt=0, description="shared top layers: official `beit3_vl_layers`")
-    ffn_width: int | None = Field(None, gt=0, description="default 4 x width")
-    vocab_size: int | None = Field(115244, gt=0, description="null: the tokenizer's size")
-    image_size: int = Field(224, gt=0)
-    patch_size: int = Field(16, gt=0)
-    output_dim: int = Field(768, gt=0)
-    text_positions: int = Field(1024, gt=0, description="rows of the text position table")
-    context_length: int = Field(52, gt=2)
-    layernorm_eps: float = Field(1e-5, gt=0)
+    width: int = Field(default=768, gt=0)
+    heads: int = Field(default=12, gt=0)
+    lower_layers: int = Field(default=9, gt=0, description="modality-specific (A/B) layers: official `encoder_layers`")
+    shared_layers: int = Field(default=3, gt=0, description="shared top layers: official `beit3_vl_layers`")
+    ffn_width: int | None = Field(default=None, gt=0, description="default 4 x width")
+    vocab_size: int | None = Field(default=115244, gt=0, description="null: the tokenizer's size")
+    image_size: int = Field(default=224, gt=0)
+    patch_size: int = Field(default=16, gt=0)
+    output_dim: int = Field(default=768, gt=0)
+    text_positions: int = Field(default=1024, gt=0, description="rows of the text position table")
+    context_length: int = Field(default=52, gt=2)
+    layernorm_eps: float = Field(default=1e-5, gt=0)
     position_init_std: float = Field(
-        1.0,
+        default=1.0,
         gt=0,
         description="std of the position tables at init (official: 1.0; small models train better with ~0.02)",
     )

@@ -38,21 +38,27 @@ TASKS = ("mlm", "msom", "mfom", "intra_mfm", "inter_mfm", "dual_vsa")
 
 class VideoTowerConfig(Section):
     backbone: str | None = Field(
-        "resnet10t", description="timm model name (built without pretrained weights); null: precomputed features"
+        default="resnet10t",
+        description="timm model name (built without pretrained weights); null: precomputed features",
     )
     backbone_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra timm.create_model arguments")
     backbone_weights: str | None = Field(
-        None, description="local weights file for the backbone (.safetensors, or a torch state dict read weights-only)"
+        default=None,
+        description="local weights file for the backbone (.safetensors, or a torch state dict read weights-only)",
     )
-    frozen: bool = Field(False, description="freeze the frame backbone (its features are still projected)")
-    feature_dim: int | None = Field(None, gt=0, description="width of precomputed `npy` frame features")
-    image_size: int = Field(224, gt=0, description="frame resolution after the transforms")
-    mean: tuple[float, float, float] = Field(OPENAI_DATASET_MEAN, description="per-channel mean of frames in [0, 1]")
-    std: tuple[float, float, float] = Field(OPENAI_DATASET_STD, description="per-channel std of frames in [0, 1]")
-    num_frames: int = Field(8, ge=3, description="T: frames sampled per clip, one per equal segment")
-    width: int = Field(256, gt=0)
-    layers: int = Field(2, gt=0, description="temporal transformer layers")
-    heads: int = Field(4, gt=0)
+    frozen: bool = Field(default=False, description="freeze the frame backbone (its features are still projected)")
+    feature_dim: int | None = Field(default=None, gt=0, description="width of precomputed `npy` frame features")
+    image_size: int = Field(default=224, gt=0, description="frame resolution after the transforms")
+    mean: tuple[float, float, float] = Field(
+        default=OPENAI_DATASET_MEAN, description="per-channel mean of frames in [0, 1]"
+    )
+    std: tuple[float, float, float] = Field(
+        default=OPENAI_DATASET_STD, description="per-channel std of frames in [0, 1]"
+    )
+    num_frames: int = Field(default=8, ge=3, description="T: frames sampled per clip, one per equal segment")
+    width: int = Field(default=256, gt=0)
+    layers: int = Field(default=2, gt=0, description="temporal transformer layers")
+    heads: int = Field(default=4, gt=0)
 
     @model_validator(mode="after")
     def _one_input(self) -> VideoTowerConfig:

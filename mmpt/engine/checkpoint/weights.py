@@ -97,7 +97,7 @@ def write_weights(model: nn.Module, path: Path, partitioned: PartitionedTensors 
                 continue
             if tuple(tensor.shape) != shapes[name]:
                 raise RuntimeError(f"{name}: gathered shape {tuple(tensor.shape)} differs from {shapes[name]}")
-            handle.write(tensor.reshape(-1).numpy().view(np.uint8))
+            handle.write(tensor.reshape(-1).numpy().view(np.uint8).data)
     finally:
         if handle is not None:
             handle.close()
