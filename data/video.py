@@ -20,7 +20,7 @@ import json
 import platform
 import random
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -38,7 +38,8 @@ except ImportError:  # PyAV is optional where decord decodes
 
 VIDEO_FIELDS = ("mp4", "webm", "avi")
 TEXT_FIELDS = ("txt", "json")
-BACKENDS = ("decord", "pyav")
+Backend = Literal["decord", "pyav"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
 
 
 def default_backend() -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -121,7 +121,8 @@ class LoaderConfig(Section):
         return self
 
 
-EVAL_TASKS = ("zeroshot_classification", "zeroshot_retrieval", "intent")
+EvalTask = Literal["zeroshot_classification", "zeroshot_retrieval", "intent"]
+EVAL_TASKS: tuple[str, ...] = get_args(EvalTask)
 
 
 class EvalSetConfig(FieldKeys):
@@ -134,7 +135,7 @@ class EvalSetConfig(FieldKeys):
         "launch/intent_eval.py) reads, tar shards for retrieval (dir/{00000..00003}.tar), or a demo "
         "set name (digits, moving_digits, dialogs)"
     )
-    task: Literal[EVAL_TASKS] = Field(
+    task: EvalTask = Field(
         description="zeroshot_classification (images or clips), zeroshot_retrieval (image-text or video-text), "
         "intent (dialog intent probe); the method must offer it"
     )

@@ -62,7 +62,7 @@ class EngineNeeds:
         batch statistics trains as on the global batch, and running statistics agree on every rank.
     """
 
-    step_pool: Callable[[nn.Module, nn.Module, list[dict[str, Any]]], Any] | None = None
+    step_pool: Callable[..., Any] | None = None  # (model, loss, the step's micro-batches) -> the pool
     fp32_modules: tuple[nn.Module, ...] = ()
     after_step: tuple[AfterStep, ...] = ()
     momentum_copies: tuple[MomentumCopy, ...] = ()
@@ -169,12 +169,12 @@ def copy_tokenizer(run_dir: Path, name: str, source: str | None) -> None:
     the run directory as `name`: a run is self-contained."""
     if source is None:
         raise FileNotFoundError("config key 'method.tokenizer' is not set")
-    source = Path(source)
-    if not source.is_file():
-        raise FileNotFoundError(f"config key 'method.tokenizer': {source} does not exist")
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"config key 'method.tokenizer': {path} does not exist")
     target = run_dir / name
-    if source.resolve() != target.resolve():
-        shutil.copyfile(source, target)
+    if path.resolve() != target.resolve():
+        shutil.copyfile(path, target)
 
 
 def eval_record(

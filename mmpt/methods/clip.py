@@ -8,12 +8,13 @@ the end of training.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from open_clip import image_transform
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from pydantic import Field
 from torch import nn
+from torchvision import transforms as T
 
 from mmpt.config import Config
 from mmpt.data.tokenizer import TextTokenizer
@@ -64,7 +65,7 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
     def image_transform(self, cfg: Config, train: bool):
         m = self.settings(cfg)
         transform = image_transform(m.image.image_size, is_train=train, mean=m.image_mean, std=m.image_std)
-        return m.augment.apply_to(transform) if train else transform
+        return m.augment.apply_to(cast(T.Compose, transform)) if train else transform
 
     def build_model(self, cfg: Config, run_dir: Path) -> ClipModel:
         m = self.settings(cfg)

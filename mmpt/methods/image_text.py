@@ -3,8 +3,9 @@ features-and-scale training step, and bilingual zero-shot classification."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from pydantic import Field
@@ -73,7 +74,8 @@ def model_images(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     """
     if images.is_floating_point():
         return images
-    return normalize_pixels(images, model.image_mean, model.image_std, next(model.parameters()).dtype)
+    mean, std = cast(Sequence[float], model.image_mean), cast(Sequence[float], model.image_std)
+    return normalize_pixels(images, mean, std, next(model.parameters()).dtype)
 
 
 # The image-text methods' test data: both languages of the digits corpus, and its zero-shot set while training.
@@ -235,17 +237,24 @@ class ImageTextMethod(Method[SettingsT]):
         if foreign_class_names is None:
             foreign_class_names = self.settings(cfg).zeroshot.foreign_class_names
         device = next(model.parameters()).device
-        common = dict(batch_size=self.settings(cfg).zeroshot.batch_size, device=device)
+        batch_size = self.settings(cfg).zeroshot.batch_size
         tokenizer, transform = self.tokenizer(cfg, run_dir), self.image_transform(cfg, train=False)
         if task == "zeroshot_retrieval":
             metrics = zeroshot_retrieval(
-                model, tokenizer, transform, dataset, normalize_text=self.caption_normalization, fields=fields, **common
+                model,
+                tokenizer,
+                transform,
+                dataset,
+                normalize_text=self.caption_normalization,
+                fields=fields,
+                batch_size=batch_size,
+                device=device,
             )
             return eval_record(run_dir, dataset, task, language, metrics)
         if task == "zeroshot_classification":
             data = load_classification_set(
                 resolve_dataset(dataset, cfg.data.root), language, foreign_class_names, fields
             )
-            metrics = zeroshot_classification(model, tokenizer, transform, data, **common)
+            metrics = zeroshot_classification(model, tokenizer, transform, data, batch_size=batch_size, device=device)
             return eval_record(run_dir, dataset, task, language, metrics, templates=data.templates_from)
         raise ValueError(f"unknown zero-shot task {task!r}")

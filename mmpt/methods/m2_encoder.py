@@ -142,9 +142,11 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
     def tokenizer_source(self, cfg: Config) -> str:
         """`method.tokenizer`, else the tokenizer that comes with `method.init_from` (found on disk, so only
         once training or evaluation starts; config validation reads no file)."""
-        if self.settings(cfg).tokenizer is not None:
-            return self.settings(cfg).tokenizer
-        init = self.settings(cfg).init_from
+        settings = self.settings(cfg)
+        if settings.tokenizer is not None:
+            return settings.tokenizer
+        init = settings.init_from
+        assert init is not None  # the schema asks for a tokenizer or for weights that bring one
         try:
             found = initial_weights(init).tokenizer
         except FileNotFoundError as exc:
@@ -165,7 +167,9 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
         finish = [T.ToTensor(), T.Normalize(OFFICIAL_MEAN, OFFICIAL_STD)]
         if not train:  # official eval: squash to a square, no crop
             return T.Compose([T.Resize((size, size), interpolation=T.InterpolationMode.BICUBIC), *finish])
-        steps = [T.RandomResizedCrop(size, scale=augment.crop_scale, interpolation=T.InterpolationMode.BICUBIC)]
+        steps: list[Any] = [
+            T.RandomResizedCrop(size, scale=augment.crop_scale, interpolation=T.InterpolationMode.BICUBIC)
+        ]
         if augment.hflip:
             steps.append(T.RandomHorizontalFlip())
         if augment.randaugment:
@@ -180,22 +184,25 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
 
     def resolve_defaults(self, cfg: Config) -> None:
         init = self.settings(cfg).init_from
-        if self.settings(cfg).tokenizer is None and (
-            init.startswith("hf-hub:") or Path(init).exists()
+        if (
+            self.settings(cfg).tokenizer is None
+            and init is not None
+            and (init.startswith("hf-hub:") or Path(init).exists())
         ):  # else preflight says
             self.settings(cfg).tokenizer = self.tokenizer_source(cfg)
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
         init = self.settings(cfg).init_from
         weights = {"method.init_from": None if init is None or init.startswith("hf-hub:") else init}
-        if weights["method.init_from"] and not Path(init).exists():
+        if init is not None and weights["method.init_from"] and not Path(init).exists():
             return weights  # said before the tokenizer it would bring
         return {**weights, **super().input_paths(cfg)}
 
     def load_initial_weights(self, model: M2Encoder, cfg: Config) -> str | None:
-        if not self.settings(cfg).init_from:
+        init = self.settings(cfg).init_from
+        if not init:
             return None
-        source = initial_weights(self.settings(cfg).init_from)
+        source = initial_weights(init)
         if source.kind == "official-m2":
             load_official(model, source.path)
         else:
@@ -205,7 +212,12 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
 
     def build_loss(self, cfg: Config) -> nn.Module:
         spec = self.settings(cfg).loss
-        size = {"world": None, "auto": mdist.local_world_size()}.get(spec.group_size, spec.group_size)
+        if spec.group_size == "world":
+            size = None
+        elif spec.group_size == "auto":
+            size = mdist.local_world_size()
+        else:
+            size = spec.group_size
         return GroupedContrastiveLoss(mdist.contiguous_group(size), tile_size=spec.tile_size)
 
     def engine_needs(self, model: M2Encoder) -> EngineNeeds:

@@ -14,7 +14,7 @@ import json
 import shutil
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import Field
@@ -72,7 +72,9 @@ class Space2Config(MethodConfig):
     dropout: float = Field(
         default=0.2, ge=0, lt=1, description="dropout everywhere in the encoder (makes the two views)"
     )
-    views: list[View] = Field(default_factory=lambda: list(VIEWS), min_length=1, description="tree views trained")
+    views: list[View] = Field(
+        default_factory=lambda: cast(list[View], list(VIEWS)), min_length=1, description="tree views trained"
+    )
     project: bool = Field(
         default=True, description="per-view projection heads (with_project); false: CLS + combined score"
     )

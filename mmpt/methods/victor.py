@@ -16,7 +16,7 @@ What the paper states and what is our design is listed in docs/victor.md.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import Field
@@ -25,7 +25,7 @@ from torch import nn
 from mmpt.config import Config, Section
 from mmpt.data.loader import BatchStream
 from mmpt.data.tokenizer import TextTokenizer
-from mmpt.data.video import BACKENDS, ResizeCenterCrop, VideoTextDecoder
+from mmpt.data.video import Backend, ResizeCenterCrop, VideoTextDecoder
 from mmpt.losses.memory_queue import MemoryQueue
 from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.victor import (
@@ -51,7 +51,7 @@ from mmpt.methods.base import (
     stream_spec,
 )
 from mmpt.models.clip import TextTowerConfig
-from mmpt.models.victor import VictorModel, VideoTowerConfig, load_backbone_weights
+from mmpt.models.victor import UnimodalTowers, VictorModel, VideoTowerConfig, load_backbone_weights
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -92,7 +92,7 @@ class VictorConfig(MethodConfig):
     mfm_temperature: float = Field(default=0.07, gt=0, description="temperature of intra- and inter-MFM")
     mlm_probability: float = Field(default=0.15, gt=0, lt=1)
     frame_mask_ratio: float = Field(default=0.15, gt=0, lt=1, description="frames masked per clip (at least one)")
-    backend: Literal[BACKENDS] | None = Field(
+    backend: Backend | None = Field(
         default=None, description="video decoder: decord or pyav (default: decord on x86_64)"
     )
     min_frames: int = Field(default=1, gt=0, description="shorter videos are skipped and counted")
@@ -219,8 +219,9 @@ class VictorMethod(Method[VictorConfig]):
 
     def load_initial_weights(self, model: VictorModel, cfg: Config) -> None:
         weights = self.settings(cfg).video.backbone_weights
-        if weights:
-            load_backbone_weights(model.unimodal.frame_encoder.backbone, weights)
+        backbone = model.unimodal.frame_encoder.backbone
+        if weights and backbone is not None:  # a features model has no backbone (its config refuses weights)
+            load_backbone_weights(backbone, weights)
             model.key.reset()  # the key network starts from the loaded weights too
 
     def engine_needs(self, model: VictorModel) -> EngineNeeds:
@@ -231,7 +232,8 @@ class VictorMethod(Method[VictorConfig]):
         # global batch, so the features, and the running statistics saved on rank 0, do not depend on how
         # the batch is split into ranks.
         # The temporal and cross-modal transformers (query and key) are what grows with frames x tokens.
-        transformers = [model.unimodal.temporal.encoder, model.key.network.temporal.encoder]
+        key_towers = cast(UnimodalTowers, model.key.network)  # the key network is a copy of the query towers
+        transformers = [model.unimodal.temporal.encoder, key_towers.temporal.encoder]
         if model.cross is not None:
             transformers.append(model.cross.encoder)
         return EngineNeeds(
@@ -259,9 +261,13 @@ class VictorMethod(Method[VictorConfig]):
         batch_size, steps = frames.shape[:2]
         terms: dict[str, torch.Tensor] = {}
         key_frames, key_video, key_text = model.key(video, ids, mask) if (w.dual_vsa or w.inter_mfm) else (None,) * 3
+        # The model has the cross-modal transformer and the heads the enabled tasks use (VictorModel builds them).
+        cross, mlm_head, sentence_order_head = model.cross, model.mlm_head, model.sentence_order_head
+        frame_head, frame_order_head = model.frame_head, model.frame_order_head
 
         clean_text = None
         if w.dual_vsa:
+            assert key_video is not None and key_text is not None
             clean_text = towers.text_hidden(ids, mask)
             video_query = towers.pooled_video(towers.temporal(frames))
             text_query = towers.pooled_text(clean_text)
@@ -276,7 +282,9 @@ class VictorMethod(Method[VictorConfig]):
             )
 
         if w.mlm or w.msom or w.intra_mfm or w.inter_mfm:
+            assert cross is not None
             text_ids, labels = ids, None
+            order = None
             if w.mlm:
                 text_ids, labels = mask_tokens(ids, mask, loss.mask_id, loss.vocab_size, loss.mlm_probability)
             if w.msom:
@@ -288,35 +296,42 @@ class VictorMethod(Method[VictorConfig]):
                 if (w.intra_mfm or w.inter_mfm)
                 else None
             )
-            text_out, frame_out = model.cross(
+            text_out, frame_out = cross(
                 towers.text_hidden(text_ids, mask), mask, towers.temporal(frames, frame_mask)[:, 1:]
             )
             if w.mlm:
+                assert mlm_head is not None and labels is not None
                 chosen = labels != IGNORE
-                terms["mlm"] = w.mlm * masked_lm_loss(model.mlm_head(text_out[chosen]), labels[chosen])
+                terms["mlm"] = w.mlm * masked_lm_loss(mlm_head(text_out[chosen]), labels[chosen])
             if w.msom:
-                terms["msom"] = w.msom * order_loss(model.sentence_order_head(text_out[:, 0]), order)
+                assert sentence_order_head is not None and order is not None
+                terms["msom"] = w.msom * order_loss(sentence_order_head(text_out[:, 0]), order)
             if frame_mask is not None:
-                predicted = model.frame_head(frame_out)
+                assert frame_head is not None
+                predicted = frame_head(frame_out)
                 if w.intra_mfm:
                     terms["intra_mfm"] = w.intra_mfm * intra_mfm_loss(
                         predicted, frames, frame_mask, loss.mfm_temperature
                     )
                 if w.inter_mfm:
+                    assert key_frames is not None
                     terms["inter_mfm"] = w.inter_mfm * inter_mfm_loss(
                         predicted, key_frames, frame_mask, loss.frame_queue.contents(), loss.mfm_temperature
                     )
 
         if w.mfom:
+            assert cross is not None and frame_order_head is not None
             order = random_permutations(batch_size, ids.device)
             text_hidden = clean_text if clean_text is not None else towers.text_hidden(ids, mask)
-            text_out, _ = model.cross(text_hidden, mask, towers.temporal(permute_frames(frames, order))[:, 1:])
-            terms["mfom"] = w.mfom * order_loss(model.frame_order_head(text_out[:, 0]), order)
+            text_out, _ = cross(text_hidden, mask, towers.temporal(permute_frames(frames, order))[:, 1:])
+            terms["mfom"] = w.mfom * order_loss(frame_order_head(text_out[:, 0]), order)
 
         if w.dual_vsa:
+            assert key_video is not None and key_text is not None
             loss.video_queue.push(key_video)
             loss.text_queue.push(key_text)
         if w.inter_mfm:
+            assert key_frames is not None
             loss.frame_queue.push(key_frames.flatten(0, 1))
         return terms
 
