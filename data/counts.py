@@ -36,7 +36,7 @@ def skipped(counts: dict[str, int]) -> int:
 
 def totals(per_source: Counts) -> dict[str, int]:
     """All sources together, with `skipped` (all reasons) added."""
-    total = dict.fromkeys(KEYS, 0)
+    total: dict[str, int] = dict.fromkeys(KEYS, 0)
     for counts in per_source.values():
         for key in KEYS:
             total[key] += counts[key]

@@ -283,7 +283,6 @@ def write_dialog_shards(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     reports: dict[str, DialogReport] = {}
-    options = dict(trigger_role=trigger_role, max_turns=max_turns, shard_size=shard_size)
 
     def labelled_dialogs(report: DialogReport) -> Iterator[tuple[str, str, list[Turn]]]:
         for path in labelled:
@@ -297,7 +296,14 @@ def write_dialog_shards(
 
     for name, dialogs in (("labelled", labelled_dialogs), ("unlabelled", unlabelled_dialogs)):
         report = DialogReport()
-        write_examples(dialogs(report), out_dir / name, report, **options)
+        write_examples(
+            dialogs(report),
+            out_dir / name,
+            report,
+            trigger_role=trigger_role,
+            max_turns=max_turns,
+            shard_size=shard_size,
+        )
         reports[name] = report
     (out_dir / "report.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=2))
     return reports

@@ -161,7 +161,7 @@ class BatchStream(IterableDataset):
         except DataError as exc:
             yield Delivery(fatal=str(exc))
 
-    def _batches(self) -> Iterator[dict]:
+    def _batches(self) -> Iterator[Delivery]:
         spec = self.spec
         worker = self.logical_worker()
         slot = spec.rank * max(1, spec.num_workers) + worker
@@ -199,7 +199,7 @@ class BatchStream(IterableDataset):
         if batch and not spec.drop_last:
             yield self._package(self.collate(batch), worker, stream, status)
 
-    def _per_source_batches(self, stream: MixedStream, worker: int, slot: int, status: dict) -> Iterator[dict]:
+    def _per_source_batches(self, stream: MixedStream, worker: int, slot: int, status: dict) -> Iterator[Delivery]:
         """Each batch: {source name: collated share of that source}; ends when any source ends."""
         readers = [iter(s) for s in stream.streams]
         while True:
@@ -226,11 +226,11 @@ class BatchStream(IterableDataset):
             # in the main process (no workers) the caller's RNG is left as it was.
             seed = sample_seed(self.spec.seed, slot, raw)
             if get_worker_info() is not None:
-                torch.random.default_generator.manual_seed(seed)
+                torch.random.default_generator.manual_seed(seed)  # pyright: ignore[reportPrivateImportUsage]
                 sample = self.decode(self.fields[raw["__source__"]].apply(raw))
             else:
                 with torch.random.fork_rng(devices=[]):
-                    torch.random.default_generator.manual_seed(seed)
+                    torch.random.default_generator.manual_seed(seed)  # pyright: ignore[reportPrivateImportUsage]
                     sample = self.decode(self.fields[raw["__source__"]].apply(raw))
         except Exception as exc:  # one bad sample must not stop the run
             reason = (
@@ -417,6 +417,7 @@ class StatefulLoader:
         for item in items:
             if item.fatal is not None:
                 raise DataError(item.fatal)
+            assert item.position is not None  # every non-fatal delivery carries its stream's position
             self.positions[item.position["worker"]] = item.position
             self.batches += 1
             if item.last_error:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import braceexpand
-import webdataset as wds
+from webdataset.writer import TarWriter
 
 
 class DataError(RuntimeError):
@@ -37,7 +37,7 @@ class ShardSetWriter:
         self.max_samples = max_samples
         self.sizes: dict[str, int] = {}
         self._index = start_index
-        self._writer: wds.TarWriter | None = None
+        self._writer: TarWriter | None = None
         self._name = ""
 
     def _open_next(self) -> None:
@@ -45,7 +45,7 @@ class ShardSetWriter:
         self._name = f"{self.prefix.name}-{self._index:06d}.tar"
         self._index += 1
         # mtime fixed so the same samples always give byte-identical shards.
-        self._writer = wds.TarWriter(str(self.prefix.parent / self._name), mtime=0)
+        self._writer = TarWriter(str(self.prefix.parent / self._name), mtime=0)
         self.sizes[self._name] = 0
 
     def _close_current(self) -> None:
@@ -58,6 +58,7 @@ class ShardSetWriter:
             raise DataError(f"sample written to {self.prefix} has no '__key__'")
         if self._writer is None or self.sizes[self._name] >= self.max_samples:
             self._open_next()
+        assert self._writer is not None  # opened just above when there was none
         self._writer.write(sample)
         self.sizes[self._name] += 1
 
@@ -132,4 +133,5 @@ def count_samples(urls: list[str]) -> int | None:
     """Total samples of the shards (see `shard_size`), or None when any count is unknown."""
     cache: dict[Path, dict] = {}
     sizes = [shard_size(url, cache) for url in urls]
-    return None if any(size is None for size in sizes) else sum(sizes)
+    known = [size for size in sizes if size is not None]
+    return sum(known) if len(known) == len(sizes) else None

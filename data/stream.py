@@ -23,7 +23,7 @@ import tarfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import webdataset as wds
+from webdataset.gopen import gopen
 from webdataset.tariterators import group_by_keys
 
 from mmpt.data.shards import DataError, shard_size
@@ -53,7 +53,7 @@ def read_shard(url: str, start: int = 0, on_end: ShardEndHandler | None = None) 
 
     yielded = 0
     try:
-        stream = wds.gopen(url, "rb")
+        stream = gopen(url, "rb")
     except OSError as exc:
         note(exc)
     else:
@@ -75,8 +75,10 @@ def _tar_members(url: str, stream: Any, note: Callable[[Exception], bool]) -> It
         archive = tarfile.open(fileobj=stream, mode="r|*")
         for info in archive:
             if info.isreg() and not META_MEMBER.match(info.name):
-                yield {"fname": info.name, "data": archive.extractfile(info).read(), "__url__": url}
-            archive.members = []  # streaming: keep no list of every member
+                member = archive.extractfile(info)
+                assert member is not None  # a regular file
+                yield {"fname": info.name, "data": member.read(), "__url__": url}
+            archive.members = []  # pyright: ignore[reportAttributeAccessIssue] (streaming: keep no member list)
         end = archive.offset
     except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
         note(exc)

@@ -73,7 +73,7 @@ def frame_indices(
     for i in range(t):
         lo = i * n // t
         hi = max((i + 1) * n // t, lo + 1)
-        indices.append(rng.randrange(lo, hi) if train else (lo + hi - 1) // 2)
+        indices.append(rng.randrange(lo, hi) if rng is not None and train else (lo + hi - 1) // 2)
     return indices
 
 
@@ -153,7 +153,7 @@ def _decode_pyav(data: bytes, indices_fn: Callable[[int], list[int]], num_thread
                 raise ValueError("no frame could be decoded")
             indices = indices_fn(decoded)
             frames, decoded = _pyav_frames(data, set(indices), num_threads)
-    except (av.FFmpegError, EOFError, OSError, IndexError) as exc:
+    except (av.FFmpegError, EOFError, OSError, IndexError) as exc:  # pyright: ignore[reportPrivateImportUsage]
         raise ValueError(f"undecodable video ({len(data)} bytes, pyav): {_short(exc)}") from exc
     return np.stack([frames[i] for i in indices]).astype(np.uint8, copy=False)
 
@@ -216,7 +216,7 @@ class ResizeCenterCrop:
 
         clip = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
         if min(clip.shape[-2:]) != self.size:
-            clip = TF.resize(clip, self.size, antialias=True)
+            clip = TF.resize(clip, [self.size], antialias=True)  # the shorter side
         if tuple(clip.shape[-2:]) != (self.size, self.size):
             clip = TF.center_crop(clip, [self.size, self.size])
         return clip  # a channels-last view: batching copies it into place once
@@ -267,6 +267,7 @@ class VideoTextDecoder:
         return frame_indices(count, self.num_frames, self.train, rng)
 
     def _sentence(self, sample: dict) -> str:
+        sentences: list[str] = []
         for name in self.text_fields:
             if name in sample:
                 sentences = parse_sentences(sample[name], name)

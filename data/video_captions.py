@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import cast
 
 from mmpt.data.shards import DataError, MissingDataError
 
@@ -28,7 +29,7 @@ def read_captions(path: str | Path) -> dict[str, list[str]]:
         texts = captions if isinstance(captions, list) else [captions]
         if not isinstance(video, str) or not video or not all(isinstance(t, str) for t in texts):
             raise DataError(f"{where}: expected a video id and caption text(s), got {video!r}: {captions!r}")
-        grouped.setdefault(video, []).extend(t.strip() for t in texts if t.strip())
+        grouped.setdefault(video, []).extend(t.strip() for t in cast(list[str], texts) if t.strip())
 
     try:
         if path.suffix == ".csv":

@@ -24,6 +24,10 @@ from mmpt.distributed import all_gather_with_grad, data_parallel_group
 
 
 class MemoryQueue(nn.Module):
+    entries: torch.Tensor  # buffers, registered in __init__
+    position: torch.Tensor
+    count: torch.Tensor
+
     def __init__(self, size: int, dim: int, group: dist.ProcessGroup | None = None):
         super().__init__()
         if size < 1:

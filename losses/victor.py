@@ -27,7 +27,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-PERMUTATIONS: tuple[tuple[int, int, int], ...] = tuple(itertools.permutations(range(3)))
+PERMUTATIONS: tuple[tuple[int, ...], ...] = tuple(itertools.permutations(range(3)))
 IGNORE = -100
 
 

@@ -54,7 +54,7 @@ def get_tokenizer(model_name: str, pretrained: str | os.PathLike | None = None) 
 
         if pretrained is None:
             raise ValueError(f"{model_name}: pass pretrained=<local download> (its sp.model is the tokenizer)")
-        return GLMTokenizer(official_m2_files(pretrained)[1], 52)
+        return GLMTokenizer(official_m2_files(Path(pretrained))[1], 52)
     return load(model_name).preprocessors()["tokenizer"]
 
 

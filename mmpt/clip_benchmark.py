@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,10 +40,10 @@ class BenchmarkModel(nn.Module):
 
     def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         dtype = next(self.model.parameters()).dtype
-        return self.model.encode_image(images.to(dtype), normalize=normalize)
+        return cast(Any, self.model).encode_image(images.to(dtype), normalize=normalize)  # an image-text model
 
     def encode_text(self, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-        return self.model.encode_text(tokens[:, 0], tokens[:, 1], normalize=normalize)
+        return cast(Any, self.model).encode_text(tokens[:, 0], tokens[:, 1], normalize=normalize)
 
 
 class BenchmarkTokenizer:
@@ -63,11 +63,12 @@ def load_mmpt(
 ) -> tuple[nn.Module, Callable, BenchmarkTokenizer]:
     """CLIP_benchmark's loader signature: (model, image transform, tokenizer) of an mmpt run or release."""
     from mmpt.artifacts import resolve
+    from mmpt.methods.image_text import ImageTextMethod
     from mmpt.release import load_directory
 
     loaded = load_directory(resolve(pretrained), device)
     cfg, method = loaded.config, loaded.method
-    if not hasattr(method, "image_transform"):
+    if not isinstance(method, ImageTextMethod):
         raise SystemExit(f"{pretrained}: method '{cfg.method_name}' is not an image-text model")
     files = loaded.files_from
     return (

@@ -58,8 +58,9 @@ class FieldKeys(Section):
     def _check_field(cls, value: Any, info: ValidationInfo) -> Any:
         from mmpt.data.fields import SampleFields
 
-        if value is not None and (info.field_name.endswith("_key") or info.field_name == "text_encoding"):
-            SampleFields.of(**{info.field_name.removesuffix("_key"): value})  # raises ValueError saying what is wrong
+        name = info.field_name or ""
+        if value is not None and (name.endswith("_key") or name == "text_encoding"):
+            SampleFields.of(**{name.removesuffix("_key"): value})  # raises ValueError saying what is wrong
         return value
 
     def sample_fields(self):

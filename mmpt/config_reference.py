@@ -162,7 +162,7 @@ def _default(field: FieldInfo) -> Any:
     if field.default_factory is not None:
         if getattr(field, "default_factory_takes_data", False):
             return inspect.Parameter.empty
-        return field.default_factory()
+        return field.default_factory()  # pyright: ignore[reportCallIssue] (takes no data: checked above)
     return field.default
 
 

@@ -128,7 +128,7 @@ def load_directory(directory: str | os.PathLike, device: str | torch.device = "c
             "run or release; launch/export.py makes one from a run's checkpoints"
         )
     model = get_method(cfg.method_name).build_model(cfg, directory)
-    result = load_torch_model(model, directory, strict=False, safe=True, weights_only=True)
+    result: Any = load_torch_model(model, directory, strict=False, safe=True, weights_only=True)
     if result.missing_keys or result.unexpected_keys:
         raise ReleaseError(
             f"{directory}: weights do not match the '{cfg.method_name}' model: missing "

@@ -1,10 +1,13 @@
+import ast
 import importlib
+import inspect
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -248,8 +251,69 @@ def adam_state(run_dir, step):
     return counts.pop(), squares**0.5
 
 
+# Calls that start another process, by their dotted name as written: anything of subprocess, a
+# multiprocessing context or process (`mp.get_context`, `ctx.Process`), `mp.spawn`, `os.system`.
+_LAUNCH_MODULES = {"subprocess"}
+_LAUNCH_NAMES = {"Popen", "Process", "get_context", "start_processes"}
+_LAUNCH_CALLS = {"os.system", "mp.spawn", "multiprocessing.spawn"}
+_TESTS = Path(__file__).resolve().parent
+
+
+def _dotted(node: ast.AST) -> list[str]:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return parts[::-1]
+
+
+def launches(function, _seen: dict | None = None) -> bool:
+    """Whether `function` starts a process, itself or through a function of tests/ that it calls (read from
+    the source: the launch helpers above, a spawned gloo world, a command run with subprocess)."""
+    seen = {} if _seen is None else _seen
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
+    if code is None or not Path(code.co_filename).resolve().is_relative_to(_TESTS):
+        return False
+    if code in seen:
+        return seen[code]
+    seen[code] = False  # recursion through itself adds nothing
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    called = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = _dotted(node.func)
+            if name and (name[0] in _LAUNCH_MODULES or name[-1] in _LAUNCH_NAMES or ".".join(name) in _LAUNCH_CALLS):
+                seen[code] = True
+                return True
+            if len(name) == 1:
+                called.append(name[0])
+    found = any(launches(function.__globals__[n], seen) for n in called if callable(function.__globals__.get(n)))
+    seen[code] = found
+    return found
+
+
+def _item_launches(item, seen: dict) -> bool:
+    functions = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for definitions in info.name2fixturedefs.values() if info else ():
+        functions += [d.func for d in definitions]
+    return any(launches(f, seen) for f in functions if f is not None)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The quick tier is what remains once launches and slow tests are set aside: `python -m pytest -m fast`."""
+    """The quick tier is what remains once launches and slow tests are set aside: `python -m pytest -m fast`.
+
+    A test that starts another process (a launcher, spawned ranks, any command), in its body, a helper of
+    tests/ or a fixture, is marked `launches` here and stays out of it, marked distributed or not."""
+    seen: dict = {}
     for item in items:
-        if not any(item.get_closest_marker(name) for name in ("distributed", "slow", "matrix")):
+        if _item_launches(item, seen):
+            item.add_marker(pytest.mark.launches)
+        if not any(item.get_closest_marker(name) for name in ("distributed", "launches", "slow", "matrix")):
             item.add_marker(pytest.mark.fast)

@@ -46,6 +46,7 @@ def run_cell(cell: dict, results: Path) -> None:
         assert evaluated == [1, 2, 3], f"evaluations at steps {evaluated}, not at 1 (eval_every) and at each end"
         release = run_dir.parent / f"{run_dir.name}-release"
         from mmpt.commands.export import main as export
+
         assert export(["--run", str(run_dir), "--out", str(release), "--checkpoint", "latest"]) == 0
         exported = mmpt.load(release).model.state_dict()
         final = load_file(str(run_dir / "model.safetensors"))

@@ -113,6 +113,7 @@ def corpora(digits_root, moving_digits_root, tmp_path_factory) -> dict:
         "video": moving_digits_root,
         "dialogs": dialogs,
         "bert": tiny_bert(tmp_path_factory.mktemp("bert") / "bert"),
+        "repo": REPO,
     }
 
 

@@ -7,6 +7,7 @@ ranks, ZeRO stages and precisions. A method registered later is picked up by `li
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -19,16 +20,23 @@ from mmpt.methods import get_method, list_methods
 
 @pytest.fixture(scope="module")
 def one_process():
-    """A process group of one for this module's runs, gone afterwards with the rendezvous variables it set, so
-    the launches of other tests start clean."""
+    """A process group of one for this module's runs (the first `train` starts it, the others reuse it), gone
+    afterwards with the rendezvous variables it set, so that later tests start clean.
+
+    A world of one never routes a collective through DeepSpeed's shared-memory all-reduce
+    (`mmpt.engine.shm_collectives`), so its C++ op is not built here: uncached, that compile is a minute or
+    more, longer than every method's runs together."""
     import torch.distributed as dist
 
     from mmpt import distributed as mdist
 
     saved = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    backend = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` as an attribute is torch
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend, "build_shm_op", lambda: None)
+        yield
+        if dist.is_initialized():
+            dist.destroy_process_group()
     mdist.set_sequence_parallel(1)
     os.environ.clear()
     os.environ.update(saved)

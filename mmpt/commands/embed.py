@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.processes > 1:
         import torch.multiprocessing as mp
 
-        mp.spawn(run_process, args=(args.processes, args, shards), nprocs=args.processes)
+        mp.spawn(  # pyright: ignore[reportPrivateImportUsage]
+            run_process, args=(args.processes, args, shards), nprocs=args.processes
+        )
     else:
         run_process(0, 1, args, shards)
     manifest = write_manifest(args, shards)  # whichever process finds every shard done writes it

@@ -34,7 +34,7 @@ def consolidated_weights(run_dir: Path, tag: str) -> dict:
 
         from mmpt.engine.checkpoint.deepspeed_io import saved_buffers
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        state: dict[str, torch.Tensor] = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)  # pyright: ignore[reportAssignmentType]
         # zero_to_fp32 takes buffers from rank 0's file as they are: partitioned ones are put back together
         buffers, partitioned = saved_buffers(root / tag)
         state.update({name: buffers[name] for name in partitioned})

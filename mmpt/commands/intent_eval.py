@@ -41,14 +41,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from mmpt.data.dialog_encoding import DialogEncoder, DialogInputSpec
     from mmpt.eval.intent import FineTuning, intent_classification, resolve_intent_dataset
-    from mmpt.methods.space2 import resolve_encoder_path
+    from mmpt.methods.space2 import Space2Method, resolve_encoder_path
     from mmpt.models.space2 import Space2Encoder
 
     if args.model:
         from mmpt.release import load_run
 
         cfg, method, model = load_run(args.model)
-        if cfg.method_name != "space2":
+        if not isinstance(method, Space2Method):
             parser.error(f"{args.model} is a '{cfg.method_name}' run, not a space2 one")
         encoder = DialogEncoder(method.tokenizer(args.model), method.input_spec(cfg), with_mlm=False)
         name = args.model

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from mmpt.eval import DEMO_SETS
-    from mmpt.methods.base import save_eval_record
+    from mmpt.methods.base import ZeroShotMethod, save_eval_record
     from mmpt.release import load_run
 
     if args.dataset not in DEMO_SETS and args.dataset != "moving_digits" and not Path(args.dataset).exists():
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{', '.join([*DEMO_SETS, 'moving_digits'])})"
         )
     cfg, method, model = load_run(args.model, device=args.device)
-    if not hasattr(method, "zeroshot"):
+    if not isinstance(method, ZeroShotMethod):
         parser.error(f"method '{cfg.method_name}' has no zero-shot evaluation")
     result = method.zeroshot(
         model,

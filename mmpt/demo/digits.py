@@ -20,6 +20,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -83,7 +84,7 @@ VERSION = 2  # 2: adds zeroshot_unseen/
 def _drawn(scan: np.ndarray, size: int) -> Image.Image:
     """The 8x8 scan (values 0-16) as a `size` x `size` grey image."""
     pixels = (scan * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
-    return Image.fromarray(pixels, mode="L").resize((size, size), Image.BICUBIC)
+    return Image.fromarray(pixels, mode="L").resize((size, size), Image.Resampling.BICUBIC)
 
 
 def _encoded(image: Image.Image) -> bytes:
@@ -163,7 +164,7 @@ def build_digits(
     if is_built(root, VERSION):
         return root
     staging = fresh_staging(root)
-    digits = load_digits()
+    digits: Any = load_digits()  # a Bunch: images [n, 8, 8], target [n]
     images, labels = digits.images, digits.target
     train_ids, test_ids = _split(labels, test_fraction, seed)
     rng = random.Random(seed)

@@ -32,6 +32,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -156,7 +157,9 @@ def _split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[dict[in
 
 def _glyph(scan: np.ndarray, size: int) -> np.ndarray:
     pixels = (scan * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
-    return np.asarray(Image.fromarray(pixels, mode="L").resize((size, size), Image.BICUBIC), dtype=np.float32)
+    return np.asarray(
+        Image.fromarray(pixels, mode="L").resize((size, size), Image.Resampling.BICUBIC), dtype=np.float32
+    )
 
 
 def _combos(kind: str) -> list[tuple]:
@@ -208,7 +211,7 @@ def _video_codec() -> str:
 
     for name in ("libx264", "libopenh264", "mpeg4"):
         try:
-            av.codec.Codec(name, "w")
+            av.codec.Codec(name, "w")  # pyright: ignore[reportAttributeAccessIssue] (a submodule av imports)
         except Exception:
             continue
         return name
@@ -252,10 +255,10 @@ def encode_mp4(frames: np.ndarray, fps: int = 8, codec: str | None = None) -> by
         # libx264's macroblock-tree rate control (assembly path) reads uninitialised memory: with it on, the
         # same frames encode to different bytes from run to run. Off, and on one thread, encoding is repeatable.
         options = {"threads": "1", "x264-params": "mbtree=0"} if codec == "libx264" else {}
-        stream = container.add_stream(codec, rate=fps, options=options)
+        stream: Any = container.add_stream(codec, rate=fps, options=options)  # a video stream
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.codec_context.thread_count = 1
-        stream.codec_context.flags |= av.codec.context.Flags.bitexact
+        stream.codec_context.flags |= av.codec.context.Flags.bitexact  # pyright: ignore[reportAttributeAccessIssue]
         for index, frame in enumerate(frames):
             picture = av.VideoFrame.from_ndarray(_yuv420p(frame), format="yuv420p")
             picture.pts = index
@@ -307,7 +310,7 @@ def build_moving_digits(
     if is_built(root):
         return root
     staging = fresh_staging(root)
-    digits = load_digits()
+    digits: Any = load_digits()  # a Bunch: images [n, 8, 8], target [n]
     train_scans, test_scans = _split(digits.target, test_fraction, seed)
     rng = random.Random(seed)
     codec = _video_codec()

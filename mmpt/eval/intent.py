@@ -74,7 +74,7 @@ def linear_head_accuracy(
 ) -> float:
     head = LogisticRegression(C=10.0, max_iter=3000, random_state=seed)
     head.fit(train_x, train_y)
-    return float((head.predict(test_x) == np.array(test_y)).mean())
+    return float(np.mean(head.predict(test_x) == np.array(test_y)))
 
 
 def dialog_batch(encoder, texts: list[str], device: torch.device) -> dict[str, Any]:

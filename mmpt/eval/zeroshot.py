@@ -19,7 +19,7 @@ import glob
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,7 +101,7 @@ def language_lines(
     return None, None, looked
 
 
-def foreign_files(looked: list[Path]) -> str:
+def foreign_files(looked: Sequence[Path]) -> str:
     found = [str(path) for path in looked if path.exists()]
     return f"; {', '.join(found)} {'is' if len(found) == 1 else 'are'} not written in it" if found else ""
 
@@ -192,7 +192,7 @@ def class_folder_set(
     none_found: str,
     language: str = "en",
     foreign_class_names: bool = False,
-    looked: list[Path] = (),
+    looked: Sequence[Path] = (),
 ) -> ClassificationSet:
     """One sub-folder per class (files with `suffixes`), named by `names_file` or by the folders' names;
     folder names that are ids, or not written in `language`, are refused (`ClassNamesError`)."""

@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -83,7 +83,7 @@ class Method(Generic[SectionT]):
     eval_sample_fields: tuple[str, ...] = ()  # which field keys of a `data.eval` set `evaluate_set` reads
     # Dotted overrides that shrink any of this method's configs to a test-sized model on the demo corpora,
     # with no edit of the file (the tests train every config and every method with them). Placeholders:
-    # {digits}, {video}, {dialogs} (demo corpora folders), {bert} (a small BERT-family checkpoint).
+    # {digits}, {video}, {dialogs} (demo corpora folders), {bert} (a small BERT-family checkpoint), {repo}.
     tiny_overrides: tuple[str, ...] = ()
 
     def settings(self, cfg: Config) -> SectionT:
@@ -162,6 +162,15 @@ class Method(Generic[SectionT]):
         """Metrics of one `data.eval` set in one language (a task of `eval_tasks`), with `model` in eval mode,
         during training (the engine restores modes and RNG afterwards) or at its end."""
         raise NotImplementedError
+
+
+@runtime_checkable
+class ZeroShotMethod(Protocol):
+    """A method whose models `mmpt-zeroshot` evaluates (image-text and video-text ones)."""
+
+    def zeroshot(
+        self, model: nn.Module, cfg: Config, run_dir: Path, dataset: str, language: str, **options: Any
+    ) -> Any: ...
 
 
 def copy_tokenizer(run_dir: Path, name: str, source: str | None) -> None:

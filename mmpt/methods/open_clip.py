@@ -34,11 +34,12 @@ class OpenClipConfig(MethodConfig):
 class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     name = "open_clip"
     config_class = OpenClipConfig
-    # The model is named by an open_clip config (no size keys to shrink): its configs name a small one.
+    # The model is named by an open_clip config (no size keys to shrink): the small one the benchmarks use.
     tiny_overrides = (
         'data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}]',
         'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [en]}}]',
         "method.zeroshot.dataset=null",
+        "method.model={repo}/benchmarks/configs/bench-vit-tiny.json",
     )
     uses_attention_mask = False  # open_clip's text tower pools at the end token
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import timm
 import torch
@@ -83,7 +83,7 @@ class ClipModel(nn.Module):
         super().__init__()
         self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
         self.visual = timm.create_model(image.timm_name, pretrained=False, num_classes=0, **image.timm_kwargs)
-        self.image_projection = nn.Linear(self.visual.num_features, embed_dim, bias=False)
+        self.image_projection = nn.Linear(cast(int, self.visual.num_features), embed_dim, bias=False)
         self.text = bert_text_encoder(text)
         self.text_projection = nn.Linear(text.width, embed_dim, bias=False)
         # Shape [1], not 0-D: DeepSpeed cannot flatten 0-D parameters.

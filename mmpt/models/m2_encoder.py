@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -203,6 +204,8 @@ class VisionEmbedding(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: M2EncoderConfig):
         super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("M2EncoderConfig.vocab_size is null: the method sets it to its tokenizer's size")
         self.text_embed = nn.Embedding(cfg.vocab_size, cfg.width)
         self.vision_embed = VisionEmbedding(cfg)
         self.encoder = Encoder(
@@ -244,14 +247,18 @@ class M2Encoder(nn.Module):
         self.backbone_vl = Encoder(cfg, cfg.shared_layers)
         self.norm = nn.LayerNorm(cfg.width, eps=1e-6)  # unused in the forward, kept for compatibility
         self.pooler = Pooler(cfg.width)  # unused in the forward, kept for compatibility
-        for name in ("itc_text_proj", "itc_image_proj", "itc_vl_text_proj", "itc_vl_image_proj"):
-            setattr(self, name, Projection(cfg.width, cfg.output_dim))
+        # Registration order gives the official state-dict order.
+        self.itc_text_proj = Projection(cfg.width, cfg.output_dim)
+        self.itc_image_proj = Projection(cfg.width, cfg.output_dim)
+        self.itc_vl_text_proj = Projection(cfg.width, cfg.output_dim)
+        self.itc_vl_image_proj = Projection(cfg.width, cfg.output_dim)
         self._init_weights()
 
     def _init_weights(self) -> None:
         width = self.cfg.width
         nn.init.normal_(self.backbone.text_embed.weight, std=width**-0.5)
-        for table in (self.backbone.encoder.embed_positions.A, self.backbone.encoder.embed_positions.B):
+        positions = self.backbone.encoder.embed_positions
+        for table in (cast(nn.Embedding, positions.A), cast(nn.Embedding, positions.B)):
             nn.init.normal_(table.weight, std=self.cfg.position_init_std)
         for head in (self.itc_text_proj, self.itc_image_proj, self.itc_vl_text_proj, self.itc_vl_image_proj):
             nn.init.normal_(head.fc.weight, std=0.02)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +100,7 @@ def load_release_weights(model: M2Encoder, directory: str | os.PathLike) -> M2En
     """Load an mmpt release's or finished run's `model.safetensors` strictly (a mismatch names the keys)."""
     from huggingface_hub import load_torch_model
 
-    result = load_torch_model(model, directory, strict=False, safe=True, weights_only=True)
+    result: Any = load_torch_model(model, directory, strict=False, safe=True, weights_only=True)
     if result.missing_keys or result.unexpected_keys:
         raise CheckpointMismatch(
             f"{directory} does not fit this M2-Encoder config: missing "

@@ -7,6 +7,7 @@ with shape [1] (same value), and every other parameter is open_clip's own.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import open_clip
 import torch
@@ -31,6 +32,8 @@ def register_model_config(model: str) -> str:
 def preprocess_settings(model: str, image_size: int | None = None) -> dict:
     """open_clip's preprocessing settings of `model` (its vision_cfg keys, open_clip's defaults otherwise)."""
     config = open_clip.get_model_config(register_model_config(model))
+    if config is None:
+        raise ValueError(f"config key 'method.model': open_clip knows no model {model!r}")
     vision = config.get("vision_cfg", {})
     return {
         "image_size": image_size or vision["image_size"],
@@ -46,7 +49,10 @@ class OpenClipModel(nn.Module):
 
     def __init__(self, model: str, image_size: int | None = None):
         super().__init__()
-        self.clip = open_clip.create_model(register_model_config(model), pretrained=None, force_image_size=image_size)
+        # open_clip builds one of several CLIP classes; all have encode_image, encode_text and logit_scale
+        self.clip: Any = open_clip.create_model(
+            register_model_config(model), pretrained=None, force_image_size=image_size
+        )
         settings = preprocess_settings(model, image_size)
         self.image_mean, self.image_std = settings["mean"], settings["std"]
         scale = self.clip.logit_scale.detach().reshape(1).clone()

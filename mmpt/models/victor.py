@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import timm
 import torch
@@ -76,6 +76,9 @@ class FrameEncoder(nn.Module):
     configured mean and std; floating frames are taken as already normalised.
     """
 
+    pixel_scale: torch.Tensor  # buffers (registered in __init__)
+    pixel_shift: torch.Tensor
+
     def __init__(self, cfg: VideoTowerConfig):
         super().__init__()
         if cfg.backbone is None:
@@ -84,8 +87,9 @@ class FrameEncoder(nn.Module):
         else:
             self.backbone = timm.create_model(cfg.backbone, pretrained=False, num_classes=0, **cfg.backbone_kwargs)
             self.backbone.requires_grad_(not cfg.frozen)
-            in_dim = self.backbone.num_features
+            in_dim = cast(int, self.backbone.num_features)
         self.frozen = cfg.frozen
+        assert in_dim is not None  # the config asks for a backbone or a feature_dim
         self.projection = nn.Linear(in_dim, cfg.width)
         std = torch.tensor(cfg.std).view(1, 3, 1, 1)
         # x_normalised = x_uint8 * scale + shift; not saved: they follow from the config
@@ -95,7 +99,7 @@ class FrameEncoder(nn.Module):
     def train(self, mode: bool = True) -> FrameEncoder:
         """A frozen backbone stays in evaluation mode (no BatchNorm statistics updates, no dropout)."""
         super().train(mode)
-        if self.frozen:
+        if self.frozen and self.backbone is not None:
             self.backbone.eval()
         return self
 
@@ -298,7 +302,9 @@ class VictorModel(nn.Module):
         self.unimodal = UnimodalTowers(video, text, embed_dim)
         needs_cross = bool(set(tasks) - {"dual_vsa"})
         self.cross = CrossModalTransformer(text.width, video.width, cross_layers, text.heads) if needs_cross else None
-        self.mlm_head = PredictionHead(text.width, text.vocab_size) if "mlm" in tasks else None
+        if "mlm" in tasks and text.vocab_size is None:
+            raise ValueError("TextTowerConfig.vocab_size is null: the method sets it to its tokenizer's size")
+        self.mlm_head = PredictionHead(text.width, text.vocab_size) if text.vocab_size and "mlm" in tasks else None
         self.sentence_order_head = PredictionHead(text.width, NUM_ORDER_CLASSES) if "msom" in tasks else None
         self.frame_order_head = PredictionHead(text.width, NUM_ORDER_CLASSES) if "mfom" in tasks else None
         # cross-modal frame output -> frame feature space, for intra- and inter-MFM
