@@ -121,6 +121,11 @@ class Run:
         """Whether the step just taken is one of every `every` (0: never), or the last."""
         return bool(every) and self.step % every == 0 or self.step == self.cfg.train.max_steps
 
+    def eval_due(self) -> bool:
+        """Evaluation while training: every `train.eval_every` steps, but not at the end (`finish` evaluates)."""
+        every, last = self.cfg.train.eval_every, self.cfg.train.max_steps
+        return bool(self.cfg.data.eval) and bool(every) and self.step % every == 0 and self.step < last
+
     def state_bytes(self) -> tuple[float, float | None]:
         """This rank's bytes of optimizer state and of momentum copies (None when the model keeps none)."""
         copies = self.needs.momentum_copies

@@ -39,12 +39,7 @@ def train(cfg: Config) -> dict[str, Any]:
             run.metrics.update(losses)
             if run.due(cfg.train.log_every):
                 log_window(run)
-            if (
-                cfg.data.eval
-                and cfg.train.eval_every
-                and run.step % cfg.train.eval_every == 0
-                and run.step < cfg.train.max_steps
-            ):  # the end of training evaluates in `finish`
+            if run.eval_due():
                 run.hooks.reached("eval", run.step)
                 run.metrics.write_eval(
                     run.step, evaluate_while_training(run.method, run.engine.module.model, cfg, run.run_dir)
