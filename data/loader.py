@@ -226,11 +226,11 @@ class BatchStream(IterableDataset):
             # in the main process (no workers) the caller's RNG is left as it was.
             seed = sample_seed(self.spec.seed, slot, raw)
             if get_worker_info() is not None:
-                torch.random.default_generator.manual_seed(seed)  # pyright: ignore[reportPrivateImportUsage]
+                torch.default_generator.manual_seed(seed)
                 sample = self.decode(self.fields[raw["__source__"]].apply(raw))
             else:
                 with torch.random.fork_rng(devices=[]):
-                    torch.random.default_generator.manual_seed(seed)  # pyright: ignore[reportPrivateImportUsage]
+                    torch.default_generator.manual_seed(seed)
                     sample = self.decode(self.fields[raw["__source__"]].apply(raw))
         except Exception as exc:  # one bad sample must not stop the run
             reason = (

@@ -72,14 +72,15 @@ def _tar_members(url: str, stream: Any, note: Callable[[Exception], bool]) -> It
     """The regular files of a tar as webdataset's grouping expects them; a break is noted, including a
     corrupt header mid-archive, where Python's tarfile ends the archive without an error."""
     try:
-        archive = tarfile.open(fileobj=stream, mode="r|*")
-        for info in archive:
-            if info.isreg() and not META_MEMBER.match(info.name):
-                member = archive.extractfile(info)
-                assert member is not None  # a regular file
-                yield {"fname": info.name, "data": member.read(), "__url__": url}
-            archive.members = []  # pyright: ignore[reportAttributeAccessIssue] (streaming: keep no member list)
-        end = archive.offset
+        # Closing the archive leaves `stream` open (the caller closes it).
+        with tarfile.open(fileobj=stream, mode="r|*") as archive:
+            for info in archive:
+                if info.isreg() and not META_MEMBER.match(info.name):
+                    member = archive.extractfile(info)
+                    assert member is not None  # a regular file
+                    yield {"fname": info.name, "data": member.read(), "__url__": url}
+                archive.members = []  # pyright: ignore[reportAttributeAccessIssue] (streaming: keep no member list)
+            end = archive.offset
     except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
         note(exc)
         return

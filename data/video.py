@@ -138,7 +138,7 @@ def _pyav_frames(data: bytes, wanted: set[int], num_threads: int) -> tuple[dict[
 
 
 def _decode_pyav(data: bytes, indices_fn: Callable[[int], list[int]], num_threads: int) -> np.ndarray:
-    import av
+    from av.error import FFmpegError
 
     try:
         container, stream = _open_pyav(data)
@@ -153,7 +153,7 @@ def _decode_pyav(data: bytes, indices_fn: Callable[[int], list[int]], num_thread
                 raise ValueError("no frame could be decoded")
             indices = indices_fn(decoded)
             frames, decoded = _pyav_frames(data, set(indices), num_threads)
-    except (av.FFmpegError, EOFError, OSError, IndexError) as exc:  # pyright: ignore[reportPrivateImportUsage]
+    except (FFmpegError, EOFError, OSError, IndexError) as exc:
         raise ValueError(f"undecodable video ({len(data)} bytes, pyav): {_short(exc)}") from exc
     return np.stack([frames[i] for i in indices]).astype(np.uint8, copy=False)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import cast
 
 from mmpt.data.shards import DataError, MissingDataError
 
@@ -27,9 +26,10 @@ def read_captions(path: str | Path) -> dict[str, list[str]]:
 
     def add(video: object, captions: object, where: str) -> None:
         texts = captions if isinstance(captions, list) else [captions]
-        if not isinstance(video, str) or not video or not all(isinstance(t, str) for t in texts):
+        strings = [t for t in texts if isinstance(t, str)]
+        if not isinstance(video, str) or not video or len(strings) != len(texts):
             raise DataError(f"{where}: expected a video id and caption text(s), got {video!r}: {captions!r}")
-        grouped.setdefault(video, []).extend(t.strip() for t in cast(list[str], texts) if t.strip())
+        grouped.setdefault(video, []).extend(t.strip() for t in strings if t.strip())
 
     try:
         if path.suffix == ".csv":

@@ -453,7 +453,7 @@ def _inner_model(annotation: Any) -> type[BaseModel] | None:
 def origin(origins: dict[str, str], dotted: str, default: str) -> str:
     """The file (or the command line) that set config key `dotted`; `default` if none recorded it."""
     while dotted:
-        if dotted in origins and origins[dotted]:
+        if origins.get(dotted):
             return origins[dotted]
         dotted = dotted.rpartition(".")[0]
     return default

@@ -1,6 +1,6 @@
-"""Released checkpoints: a directory with `config.json`, safetensors weights (sharded when large) and
-the files the model needs besides weights (tokenizer, backbone config), loadable from a local path
-or a Hugging Face hub id.
+"""Released checkpoints: a directory with `config.json`, safetensors weights (sharded when large), the
+files the model needs besides weights (tokenizer, backbone config) and a model card (`README.md`,
+`mmpt.export.card`), loadable from a local path or a Hugging Face hub id.
 
 A finished training run (`config.yaml` + `model.safetensors`) loads the same way, so a run is
 usable before it is exported. Nothing is unpickled: weights are safetensors only.
@@ -20,6 +20,7 @@ from torch import nn
 from mmpt.artifacts import RELEASE_CONFIG, RUN_CONFIG, ReleaseError, has_weights, shareable
 from mmpt.config import Config
 from mmpt.config_loader import load_config, validate_config
+from mmpt.export.card import CARD, release_card, training_record
 from mmpt.methods import Method, get_method
 
 FORMAT = "mmpt-release"
@@ -80,11 +81,14 @@ def save_release(
     files_from: str | os.PathLike,
     max_shard_size: int | str = "2GB",
 ) -> Path:
-    """Write a release: config.json, weights (model.safetensors, or shards + index), the method's files."""
+    """Write a release: config.json, weights (model.safetensors, or shards + index), the method's files, and
+    the model card (README.md) with the training facts of the run in `files_from` (or those the release
+    there carries)."""
     from huggingface_hub import save_torch_state_dict
 
     directory, files_from = Path(directory), Path(files_from)
     directory.mkdir(parents=True, exist_ok=True)
+    training = training_record(files_from)  # read before this folder's config.json is (re)written
     method = get_method(cfg.method_name)
     for name in method.release_files(cfg):
         source, target = files_from / name, directory / name
@@ -100,7 +104,11 @@ def save_release(
     for written in directory.glob("model*.safetensors*"):
         shareable(written)
     record = {"format": FORMAT, "version": 1, "method": cfg.method_name, "config": cfg.to_dict()}
+    if training is not None:
+        record["training"] = training
     (directory / RELEASE_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
+    card = release_card(directory, cfg, state_dict, files_from, training)
+    (directory / CARD).write_text(card, encoding="utf-8")
     return directory
 
 

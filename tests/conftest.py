@@ -40,6 +40,26 @@ def module_tmp(tmp_path_factory):
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def process_group_of_one():
+    """The process group of in-process training (`mmpt.engine.train` in the test process): a world of one that
+    the first run starts and every later one reuses, destroyed when the session ends. Not one per module:
+    DeepSpeed keeps the groups of its first start (deepspeed.utils.groups), and a process group destroyed and
+    started again would leave it holding dead ones.
+
+    A world of one never routes a collective through DeepSpeed's shared-memory all-reduce
+    (`mmpt.engine.shm_collectives`), so its C++ op is not built here: uncached, that compile takes a minute or
+    more, longer than the runs themselves."""
+    import torch.distributed as dist
+
+    backend = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` as an attribute is torch
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend, "build_shm_op", lambda: None)
+        yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 SMALL_MOVING_DIGITS = {"clips_per_kind": 12, "test_clips_per_kind": 6, "shard_size": 8}
 
 
@@ -306,6 +326,14 @@ def _item_launches(item, seen: dict) -> bool:
     return any(launches(f, seen) for f in functions if f is not None)
 
 
+# In one process, but minutes on 2 cores: each trains until a behaviour is learned (300 steps of VICTOR's frame
+# order head; fine-tuning the packaged MiniLM on an intent set three times). Out of the quick tier, in the default run.
+SLOW = {
+    "test_victor_model.py::test_frame_order_is_learned_when_the_frames_show_their_time",
+    "test_intent_eval.py::test_dialoglue_folder_fixed_kshot_split_and_finetuning",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     """The quick tier is what remains once launches and slow tests are set aside: `python -m pytest -m fast`.
 
@@ -313,6 +341,8 @@ def pytest_collection_modifyitems(config, items):
     tests/ or a fixture, is marked `launches` here and stays out of it, marked distributed or not."""
     seen: dict = {}
     for item in items:
+        if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in SLOW:
+            item.add_marker(pytest.mark.slow)
         if _item_launches(item, seen):
             item.add_marker(pytest.mark.launches)
         if not any(item.get_closest_marker(name) for name in ("distributed", "launches", "slow", "matrix")):

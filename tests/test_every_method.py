@@ -7,68 +7,121 @@ ranks, ZeRO stages and precisions. A method registered later is picked up by `li
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
+from pathlib import Path
 
 import pytest
-from test_config_matrix import COMMON, corpora  # noqa: F401 (corpora is a fixture)
+from test_config_matrix import CONFIGS, corpora, shipped, shrink  # noqa: F401 (corpora is a fixture)
 
 from conftest import REPO, read_metrics
-from mmpt.methods import get_method, list_methods
+from mmpt.methods import list_methods
 
 
 @pytest.fixture(scope="module")
-def one_process():
-    """A process group of one for this module's runs (the first `train` starts it, the others reuse it), gone
-    afterwards with the rendezvous variables it set, so that later tests start clean.
-
-    A world of one never routes a collective through DeepSpeed's shared-memory all-reduce
-    (`mmpt.engine.shm_collectives`), so its C++ op is not built here: uncached, that compile is a minute or
-    more, longer than every method's runs together."""
-    import torch.distributed as dist
-
+def one_process(process_group_of_one):
+    """This module's runs in the session's process group of one (conftest.py), with the rendezvous variables
+    `train` sets for a plain `python` start removed afterwards, so that later launches start clean."""
     from mmpt import distributed as mdist
 
     saved = dict(os.environ)
-    backend = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` as an attribute is torch
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backend, "build_shm_op", lambda: None)
-        yield
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    yield
     mdist.set_sequence_parallel(1)
     os.environ.clear()
     os.environ.update(saved)
 
 
+def demo_config(name: str) -> Path:
+    """configs/<name>/demo.yaml, or else the first shipped config of the method."""
+    demo = REPO / "configs" / name / "demo.yaml"
+    if demo.is_file():
+        return demo
+    own = [c for c in CONFIGS if shipped(c).method_name == name]
+    assert own, f"method '{name}' ships no config under configs/"
+    return own[0]
+
+
 @pytest.mark.parametrize("name", list_methods())
 def test_method_trains_resumes_evaluates_and_loads(name, corpora, one_process, tmp_path):  # noqa: F811
+    import torch
+    from safetensors.torch import load_file
+
     import mmpt
     from mmpt.config_loader import load_config
     from mmpt.engine import train
 
-    method = get_method(name)
-    config = REPO / "configs" / name / "demo.yaml"
-    assert config.is_file(), f"method '{name}' ships no configs/{name}/demo.yaml"
+    config = demo_config(name)
     run_dir = tmp_path / "run"
     overrides = [
-        *COMMON,
-        *(o.format(**corpora) for o in method.tiny_overrides),
+        *shrink(config, corpora),  # the shared test settings and the method's own tiny_overrides
         f"run.output_dir={run_dir}",
         "train.save_every=2",
         "train.eval_every=2",
         "train.zero_stage=0",
         "train.precision=fp32",
+        "optim.min_lr_ratio=1.0",  # a constant learning rate after warmup: the resumed step moves the weights
     ]
     train(load_config(config, [*overrides, "train.max_steps=2"]))
+    assert (run_dir / "checkpoints/step_000000002/complete.json").is_file(), "no complete checkpoint at step 2"
+    at_step_2 = load_file(str(run_dir / "model.safetensors"))
+
     results = train(load_config(config, [*overrides, "train.max_steps=3"]))  # resumes from the step-2 checkpoint
 
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records if "loss/total" in r] == [1, 2, 3], "the second start did not resume at 2"
-    assert all(math.isfinite(r["loss/total"]) for r in records if "loss/total" in r)
-    assert results and all(math.isfinite(v) for v in results.values() if isinstance(v, float)), results
+    losses = [(r["step"], r["loss/total"]) for r in records if "loss/total" in r]
+    assert [step for step, _ in losses] == [1, 2, 3], f"logged steps {losses}: the second start did not resume at 2"
+    assert all(math.isfinite(loss) for _, loss in losses), losses
     evaluated = [r["step"] for r in records if any(k.startswith("eval/") for k in r)]
-    assert evaluated[0] == 2 and evaluated[-1] == 3, evaluated  # while training (eval_every) and at the end
-    model = mmpt.load(run_dir)  # the final weights load strictly into a freshly built model
+    assert evaluated == [2, 3], f"evaluations at steps {evaluated}, not at each run's end"
+    metrics = {k: v for k, v in results.items() if k.startswith("eval/") and not k.endswith("/seconds")}
+    assert metrics, f"the final evaluation returned no metric: {results}"
+    assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values()), metrics
+
+    # Resumed, not restarted: Adam's state went on counting from step 2, and every weight is the step-2 weight
+    # moved by one step (Adam moves an element by about the learning rate a step; a model built afresh, even
+    # with the same seed, is two steps away; the learning rate is kept constant here, see above).
+    steps, rates = optimizer_state(run_dir / "checkpoints/step_000000003")
+    assert steps == {3}, f"Adam's step count at step 3 is {steps}: its state was not restored"
+    final = load_file(str(run_dir / "model.safetensors"))
+    assert final.keys() == at_step_2.keys()
+    model = mmpt.load(run_dir)  # a freshly built model with the final weights loaded strictly
     assert model.config.method_name == name
+    moved = {
+        key: float((final[key].double() - at_step_2[key].double()).abs().max())
+        for key, _ in model.model.named_parameters()
+    }
+    farthest = sorted(moved.items(), key=lambda kv: -kv[1])[:3]
+    assert max(moved.values()) > 0, "step 3 left every weight as step 2 saved it"
+    assert max(moved.values()) <= 1.5 * max(rates), (
+        f"weights at step 3 are farther from step 2's than one step at learning rate {max(rates)} goes (the resume "
+        f"did not restore them): {farthest}"
+    )
+
+    loaded = model.model.state_dict()
+    assert loaded.keys() == final.keys(), sorted(set(loaded) ^ set(final))[:5]
+    for key, value in final.items():
+        torch.testing.assert_close(loaded[key].to(value.dtype), value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+def optimizer_state(checkpoint: Path) -> tuple[set[int], set[float]]:
+    """(Adam's step counts, the param groups' learning rates) in a checkpoint's files."""
+    import torch
+
+    steps, rates = set(), set()
+
+    def visit(node):
+        if isinstance(node, dict):
+            if "exp_avg_sq" in node and "step" in node:
+                steps.add(int(node["step"]))
+            if "params" in node and "lr" in node:
+                rates.add(float(node["lr"]))
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                visit(value)
+
+    for path in sorted(checkpoint.glob("*.pt")):
+        visit(torch.load(path, map_location="cpu", weights_only=False))
+    assert steps and rates, f"no Adam state in {checkpoint}"
+    return steps, rates

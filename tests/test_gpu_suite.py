@@ -14,10 +14,10 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
-import report  # noqa: E402
-import stages  # noqa: E402
-from stages import STAGES, search_batch  # noqa: E402
-from training import benchmark_settings, deep_update  # noqa: E402
+import report
+import stages
+from stages import STAGES, search_batch
+from training import benchmark_settings, deep_update
 
 SECTION_HEADERS = {
     "clip_vitb16": "| trainer | ZeRO | status | samples/s |",
@@ -77,7 +77,7 @@ def test_dry_run_records_every_figure(dry_run):
     assert [r["name"] for r in clip["runs"]] == ["mmpt ZeRO-0", "mmpt ZeRO-2", "open_clip_train"]
     for run in clip["runs"]:
         assert run["samples_per_s"] > 0 and run["step_s"] > 0 and run["data_s"] >= 0
-        assert 0 < run["mfu_measured_peak"] and "peak_allocated_mib" in run
+        assert run["mfu_measured_peak"] > 0 and "peak_allocated_mib" in run
     assert all(r["backward_optimizer_s"] is not None for r in clip["runs"][:2])  # mmpt logs its forward time
     m2 = stages["m2_encoder"]["settings"]
     assert [(s["zero_stage"], s["grad_accum"]) for s in m2] == [(2, 1), (2, 4), (3, 1), (3, 4)]

@@ -26,9 +26,9 @@ LAYERS = (
     ("mmpt.pretrained",),
     ("mmpt.methods",),
     ("mmpt.config_loader",),
-    ("mmpt.release",),
+    ("mmpt.release", "mmpt.export.towers", "mmpt.export.formats", "mmpt.export.card"),
     ("mmpt.engine",),
-    ("mmpt", "mmpt.cli", "mmpt.commands", "mmpt.clip_benchmark", "mmpt.config_reference"),
+    ("mmpt", "mmpt.cli", "mmpt.commands", "mmpt.clip_benchmark", "mmpt.config_reference", "mmpt.export"),
 )
 
 

@@ -7,16 +7,33 @@ import pytest
 from mmpt.registry import NotRegistered, Registry
 
 
-def test_builtin_entries_are_imported_on_first_lookup():
+def test_builtin_entries_are_imported_on_first_lookup(tmp_path, monkeypatch):
     import sys
 
-    sys.modules.pop("mmpt.demo.digits", None)
-    from mmpt.demo import CORPORA
+    (tmp_path / "things.py").write_text(
+        "from mmpt.registry import Registry\nTHINGS = Registry('thing', builtin={'lazy': 'lazy_thing'})\n"
+    )
+    (tmp_path / "lazy_thing.py").write_text(
+        "from things import THINGS\n\n\n@THINGS.register('lazy')\ndef make():\n    return 42\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import things
 
-    assert "digits" in CORPORA.names()
-    assert "mmpt.demo.digits" not in sys.modules  # listed, not imported
-    assert callable(CORPORA.get("digits"))
-    assert "mmpt.demo.digits" in sys.modules
+    assert things.THINGS.names() == ["lazy"]
+    assert "lazy_thing" not in sys.modules  # listed, not imported
+    assert things.THINGS.get("lazy")() == 42
+    assert "lazy_thing" in sys.modules
+    monkeypatch.delitem(sys.modules, "lazy_thing")
+    monkeypatch.delitem(sys.modules, "things")
+
+
+def test_every_builtin_method_and_corpus_registers_under_its_name():
+    from mmpt.demo import CORPORA
+    from mmpt.methods import METHODS
+
+    for registry in (METHODS, CORPORA):
+        for name in registry.builtin:
+            assert registry.get(name) is not None, name
 
 
 def test_an_unknown_name_says_the_closest_and_lists_the_rest():

@@ -125,7 +125,7 @@ def test_deepspeed_script_writes_the_hostfile_and_starts_one_launcher_per_node(t
             HOSTS[0],
             20000 + JOB_ID,
         )
-        assert dict(fetch_hostfile(args.hostfile)) == {host: 4 for host in HOSTS}  # in node order
+        assert dict(fetch_hostfile(args.hostfile)) == dict.fromkeys(HOSTS, 4)  # in node order
         assert [args.user_script, *args.user_args] == [
             "launch/train.py",
             "--config",

@@ -210,7 +210,7 @@ def run_stages(names: list[str], budget: float, work: Path, dry_run: bool, isola
 
     (work / "logs").mkdir(parents=True, exist_ok=True)
     (work / "results").mkdir(parents=True, exist_ok=True)
-    caps = {n: DRY_STAGE_S for n in names} if dry_run else GPU_CAPS
+    caps = dict.fromkeys(names, DRY_STAGE_S) if dry_run else GPU_CAPS
     if not isolate:
         return launch(names, caps, work, dry_run, isolate)
     outcomes, end = {}, time.monotonic() + budget

@@ -1,18 +1,29 @@
-"""Turn a training run into a release directory (config.json, safetensors weights, tokenizer files).
+"""Turn a training run into a release directory (config.json, safetensors weights, tokenizer files, model card),
+or export a run or release to a format other tools load.
 
     python launch/export.py --run runs/clip-demo --out releases/clip-demo
     python launch/export.py --run runs/m2 --checkpoint step_000002000 --out releases/m2-step2000
+    python launch/export.py --run releases/clip-demo --out exports/clip-demo-onnx --format onnx
+    python launch/export.py --run releases/clip-demo --out exports/clip-demo-open_clip --format open_clip
+    python launch/export.py --run runs/m2 --out exports/m2-official --format official
 
-Without --checkpoint, the run's final model.safetensors is exported when it exists, else the newest
-complete checkpoint. A checkpoint of any ZeRO stage and any number of ranks is consolidated to
-fp32 (ZeRO 1-3 through DeepSpeed's zero_to_fp32, with a momentum copy's per-rank partitions put back
-together; ZeRO 0 from its single model file). Checkpoints
+--format: release (the default: an mmpt release), onnx (one ONNX file per tower, preprocessing.json with
+the input contract, the tokenizer files), open_clip (a model config and state dict open_clip loads; clip
+and open_clip models), official (the official M2-Encoder checkpoint layout). Every folder gets a model
+card (README.md). A format the model does not support, or a tower it does not have (--towers), is a
+one-line error (exit 2), found before any weight is read.
+
+Without --checkpoint, the run's final model.safetensors is exported when it exists (a release's weights,
+sharded or not, likewise), else the newest complete checkpoint. A checkpoint of any ZeRO stage and any
+number of ranks is consolidated to fp32 (ZeRO 1-3 through DeepSpeed's zero_to_fp32, with a momentum
+copy's per-rank partitions put back together; ZeRO 0 from its single model file). Checkpoints
 are the run's own DeepSpeed files, read with DeepSpeed's loader; the release is safetensors only.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 
@@ -43,23 +54,63 @@ def consolidated_weights(run_dir: Path, tag: str) -> dict:
     return {k[len(prefix) :]: v.float().clone() for k, v in state.items() if k.startswith(prefix)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True, help="training run directory")
-    parser.add_argument("--out", required=True, help="release directory to write")
-    parser.add_argument("--checkpoint", default=None, help="checkpoint tag (step_NNNNNNNNN) or 'latest'")
-    parser.add_argument("--max-shard-size", default="2GB", help="weights are split into files of at most this size")
-    args = parser.parse_args(argv)
-
+def read_weights(directory: Path) -> dict:
+    """The weights of a finished run or release: model.safetensors, or the shards its index names."""
     from safetensors.torch import load_file
 
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return load_file(str(directory / "model.safetensors"))
+    state = {}
+    for name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        state.update(load_file(str(directory / name)))
+    return state
+
+
+def built_model(cfg, state: dict, files_from: Path):
+    """The model of `cfg` with `state` loaded strictly, in eval mode, as a release loads it."""
+    from mmpt.methods import get_method
+    from mmpt.release import PretrainedModel, ReleaseError
+
+    model = get_method(cfg.method_name).build_model(cfg, files_from)
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ReleaseError(
+            f"{files_from}: weights do not match the '{cfg.method_name}' model: missing "
+            f"{sorted(result.missing_keys)[:10]}, unexpected {sorted(result.unexpected_keys)[:10]}"
+        )
+    return PretrainedModel(model, cfg, files_from).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mmpt.export.formats import FORMATS
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", required=True, help="training run or release directory")
+    parser.add_argument("--out", required=True, help="directory to write")
+    parser.add_argument("--format", default="release", help=f"one of {', '.join(FORMATS)} (default: release)")
+    parser.add_argument(
+        "--towers", default=None, help="with --format onnx: the towers to export, comma-separated (default: all)"
+    )
+    parser.add_argument("--checkpoint", default=None, help="checkpoint tag (step_NNNNNNNNN) or 'latest'")
+    parser.add_argument("--max-shard-size", default="2GB", help="weights are split into files of at most this size")
+    parser.add_argument(
+        "--skip-check",
+        action="store_true",
+        help="onnx and open_clip: do not load the written files back and compare their outputs with mmpt's",
+    )
+    args = parser.parse_args(argv)
+
+    from mmpt.artifacts import ReleaseError, has_weights
     from mmpt.engine.checkpoint import find_resume
+    from mmpt.export.formats import check_export
     from mmpt.release import read_config, save_release
 
-    run_dir = Path(args.run)
+    run_dir, out = Path(args.run), Path(args.out)
     cfg = read_config(run_dir)
-    if args.checkpoint is None and (run_dir / "model.safetensors").is_file():
-        state, origin = load_file(str(run_dir / "model.safetensors")), "model.safetensors"
+    towers = check_export(cfg, args.format, args.towers)  # before any weight is read
+    if args.checkpoint is None and has_weights(run_dir):
+        state, origin = read_weights(run_dir), "model.safetensors"
     else:
         checkpoint = (
             find_resume(run_dir, "auto")
@@ -67,10 +118,25 @@ def main(argv: list[str] | None = None) -> int:
             else run_dir / "checkpoints" / args.checkpoint
         )
         if checkpoint is None or not checkpoint.is_dir():
-            parser.error(f"{run_dir}: no {'complete checkpoint' if checkpoint is None else checkpoint} to export")
+            what = "complete checkpoint" if args.checkpoint else "model.safetensors and no complete checkpoint"
+            raise ReleaseError(f"{run_dir}: no {what if checkpoint is None else checkpoint} to export")
         state, origin = consolidated_weights(run_dir, checkpoint.name), checkpoint.name
-    out = save_release(args.out, cfg, state, run_dir, max_shard_size=args.max_shard_size)
-    print(f"exported {run_dir} ({origin}) -> {out}")
+    if args.format == "release":
+        written = save_release(out, cfg, state, run_dir, max_shard_size=args.max_shard_size)
+    elif args.format == "official":
+        from mmpt.export.to_official import export_official
+
+        written = export_official(cfg, state, run_dir, out)
+    elif args.format == "onnx":
+        from mmpt.export.to_onnx import export_onnx
+
+        files = export_onnx(built_model(cfg, state, run_dir), out, towers, check=not args.skip_check)
+        written = f"{out} ({', '.join(path.name for path in files)})"
+    else:
+        from mmpt.export.to_open_clip import export_open_clip
+
+        written = export_open_clip(built_model(cfg, state, run_dir), out, check=not args.skip_check)
+    print(f"exported {run_dir} ({origin}) as {args.format} -> {written}")
     return 0
 
 

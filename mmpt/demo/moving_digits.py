@@ -211,7 +211,7 @@ def _video_codec() -> str:
 
     for name in ("libx264", "libopenh264", "mpeg4"):
         try:
-            av.codec.Codec(name, "w")  # pyright: ignore[reportAttributeAccessIssue] (a submodule av imports)
+            av.Codec(name, "w")
         except Exception:
             continue
         return name
@@ -245,6 +245,7 @@ def _yuv420p(frame: np.ndarray) -> np.ndarray:
 def encode_mp4(frames: np.ndarray, fps: int = 8, codec: str | None = None) -> bytes:
     """Grey [T, H, W] or RGB [T, H, W, 3] uint8 frames -> mp4 bytes (yuv420p; single-threaded, bit-exact muxing)."""
     import av
+    from av.codec.context import Flags
 
     codec = codec or _video_codec()
     height, width = frames.shape[1:3]
@@ -255,10 +256,11 @@ def encode_mp4(frames: np.ndarray, fps: int = 8, codec: str | None = None) -> by
         # libx264's macroblock-tree rate control (assembly path) reads uninitialised memory: with it on, the
         # same frames encode to different bytes from run to run. Off, and on one thread, encoding is repeatable.
         options = {"threads": "1", "x264-params": "mbtree=0"} if codec == "libx264" else {}
-        stream: Any = container.add_stream(codec, rate=fps, options=options)  # a video stream
+        stream = container.add_stream(codec, rate=fps, options=options)
+        assert isinstance(stream, av.VideoStream)  # a video codec's stream
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.codec_context.thread_count = 1
-        stream.codec_context.flags |= av.codec.context.Flags.bitexact  # pyright: ignore[reportAttributeAccessIssue]
+        stream.codec_context.flags |= Flags.bitexact
         for index, frame in enumerate(frames):
             picture = av.VideoFrame.from_ndarray(_yuv420p(frame), format="yuv420p")
             picture.pts = index

@@ -77,7 +77,8 @@ class MetricLogger:
         if self.rank == 0:
             if wandb is not None:
                 self._wandb = start_wandb(wandb, run_dir, config or {})
-            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8", buffering=1)  # line by line
+            # Open for the whole run, line by line; `close` closes it.
+            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8", buffering=1)  # noqa: SIM115
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 

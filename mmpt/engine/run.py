@@ -119,7 +119,7 @@ class Run:
 
     def due(self, every: int) -> bool:
         """Whether the step just taken is one of every `every` (0: never), or the last."""
-        return bool(every) and self.step % every == 0 or self.step == self.cfg.train.max_steps
+        return (bool(every) and self.step % every == 0) or self.step == self.cfg.train.max_steps
 
     def eval_due(self) -> bool:
         """Evaluation while training: every `train.eval_every` steps, but not at the end (`finish` evaluates)."""

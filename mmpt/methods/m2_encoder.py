@@ -99,7 +99,8 @@ class M2Config(MethodConfig):
     def _apply_preset(cls, values: Any) -> Any:
         if isinstance(values, dict):
             name = values.get("model", "m2-encoder-0.4b")
-            preset = PRESETS[name] if name in PRESETS else {}  # an unknown name is the `model` field's error
+            # An unknown name is the `model` field's error (a registry's get() has no default).
+            preset = PRESETS[name] if name in PRESETS else {}  # noqa: SIM401
             arch = values.get("arch") or {}
             if isinstance(arch, dict):
                 values = {**values, "arch": {**preset, **arch}}

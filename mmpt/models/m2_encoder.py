@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import cast
+from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -85,10 +85,16 @@ PRESETS.register("m2-encoder-1b", dict(width=1024, heads=16, lower_layers=21, sh
 PRESETS.register("m2-encoder-10b", dict(width=4096, heads=32, lower_layers=21, shared_layers=3, output_dim=1024))
 
 
-class Multiway(nn.Module):
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+class Multiway(nn.Module, Generic[ModuleT]):
     """Two independent copies of a module: `A` (vision / shared) and `B` (text)."""
 
-    def __init__(self, make: Callable[[], nn.Module], make_b: Callable[[], nn.Module] | None = None):
+    A: ModuleT
+    B: ModuleT
+
+    def __init__(self, make: Callable[[], ModuleT], make_b: Callable[[], ModuleT] | None = None):
         super().__init__()
         self.A, self.B = make(), (make_b or make)()
 
@@ -198,7 +204,8 @@ class VisionEmbedding(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         patches = self.proj(images).flatten(2).transpose(1, 2)  # row-major patch order
-        return torch.cat([self.cls_token.expand(len(images), -1, -1), patches], dim=1)
+        # shape[0], not len(images): an exported (traced) model keeps the batch size symbolic
+        return torch.cat([self.cls_token.expand(images.shape[0], -1, -1), patches], dim=1)
 
 
 class Backbone(nn.Module):
@@ -258,7 +265,7 @@ class M2Encoder(nn.Module):
         width = self.cfg.width
         nn.init.normal_(self.backbone.text_embed.weight, std=width**-0.5)
         positions = self.backbone.encoder.embed_positions
-        for table in (cast(nn.Embedding, positions.A), cast(nn.Embedding, positions.B)):
+        for table in (positions.A, positions.B):
             nn.init.normal_(table.weight, std=self.cfg.position_init_std)
         for head in (self.itc_text_proj, self.itc_image_proj, self.itc_vl_text_proj, self.itc_vl_image_proj):
             nn.init.normal_(head.fc.weight, std=0.02)

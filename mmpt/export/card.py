@@ -1,0 +1,491 @@
+"""The model card: the README.md written into every release folder (by `mmpt.release.save_release`) and
+every export folder.
+
+It says what the model is (method, architecture, parameter count), what it was trained on and for how
+long, the evaluations its run recorded, what it is meant for, and how to load it with mmpt,
+onnxruntime and, where the model is one open_clip can build, open_clip. Everything in it comes from
+the config and the run's own records: `metrics.jsonl` (training steps, samples, evaluations),
+`summary.json` (samples per source) and `eval/*.json` (CLIP_benchmark-style results). A release keeps
+those facts in its config.json (`"training"`), so a release saved or exported again keeps its card.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from mmpt.artifacts import RELEASE_CONFIG
+from mmpt.config import Config
+from mmpt.export.formats import FORMATS, open_clip_problem, supported_formats
+from mmpt.export.towers import TOWER_NAMES
+
+if TYPE_CHECKING:
+    from mmpt.methods.clip import ClipConfig
+    from mmpt.methods.m2_encoder import M2Config
+    from mmpt.methods.open_clip import OpenClipConfig
+    from mmpt.methods.space2 import Space2Config
+    from mmpt.methods.victor import VictorConfig
+
+CARD = "README.md"
+MAX_EVALUATION_COLUMNS = 8  # evaluation steps shown side by side; metrics.jsonl keeps every one
+
+
+# --- what the run recorded -------------------------------------------------------------------------
+
+
+def _is_metric(key: str, value: Any) -> bool:
+    return (
+        key != "step"
+        and not key.endswith("seconds")
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
+
+
+def run_record(run_dir: Path) -> dict[str, Any] | None:
+    """The training facts of a run directory (None if it has no metrics.jsonl)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    training = [line for line in lines if "lr" in line]  # a training step's line; evaluations have no lr
+    last = training[-1] if training else {}
+    evaluations: list[dict[str, Any]] = []
+    for line in lines:
+        if "lr" in line:
+            continue
+        found = {key: value for key, value in line.items() if _is_metric(key, value)}
+        if found and not (evaluations and evaluations[-1] == {"step": line["step"], "metrics": found}):
+            evaluations.append({"step": line["step"], "metrics": found})
+    per_source: dict[str, int] = {}
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        data = json.loads(summary.read_text()).get("data", {})
+        per_source = {name: counts.get("decoded", 0) for name, counts in data.items() if name != "all"}
+    records = []
+    for path in sorted((run_dir / "eval").glob("*.json")):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        metrics_found = {key: value for key, value in record.get("metrics", {}).items() if _is_metric(key, value)}
+        records.append(
+            {
+                "task": record.get("task"),
+                "dataset": record.get("dataset"),
+                "language": record.get("language"),
+                "metrics": metrics_found,
+            }
+        )
+    return {
+        "steps": last.get("step", 0),
+        "samples": last.get("data/decoded"),
+        "skipped": last.get("data/skipped"),
+        "samples_per_source": per_source,
+        "evaluations": evaluations,
+        "eval_records": records,
+    }
+
+
+def training_record(files_from: Path) -> dict[str, Any] | None:
+    """The facts of the run a model comes from: the run's own records, or those a release carries."""
+    record = run_record(files_from)
+    if record is not None:
+        return record
+    release = files_from / RELEASE_CONFIG
+    if release.is_file():
+        try:
+            return json.loads(release.read_text()).get("training")
+        except (json.JSONDecodeError, AttributeError):
+            return None
+    return None
+
+
+# --- what the model is --------------------------------------------------------------------------------
+
+
+def parameter_counts(cfg: Config, files_from: Path, state_dict: dict[str, torch.Tensor]) -> tuple[int, int | None]:
+    """(parameters, trainable parameters) of the model, built on the meta device (no memory, no weights).
+    When the model cannot be built there: every floating-point tensor of the weights, trainable unknown."""
+    from mmpt.methods import get_method
+
+    try:
+        with torch.device("meta"):
+            model = get_method(cfg.method_name).build_model(cfg, files_from)
+        total = sum(p.numel() for p in model.parameters())
+        return total, sum(p.numel() for p in model.parameters() if p.requires_grad)
+    except Exception:  # a model whose construction needs real tensors: count the weights instead
+        return sum(t.numel() for t in state_dict.values() if t.is_floating_point()), None
+
+
+def _count(number: int, word: str) -> str:
+    return f"{number} {word}{'' if number == 1 else 's'}"
+
+
+def architecture(cfg: Config, files_from: Path) -> str:
+    """One paragraph describing the network, from the config."""
+    name = cfg.method_name
+    if name == "clip":
+        m = cast("ClipConfig", cfg.method)
+        text, image = m.text, m.image
+        extra = f" (timm arguments {json.dumps(image.timm_kwargs)})" if image.timm_kwargs else ""
+        return (
+            f"two towers: a timm `{image.timm_name}` image tower{extra} at {image.image_size} px, and a BERT text "
+            f"tower of {_count(text.layers, 'layer')}, width {text.width}, {_count(text.heads, 'head')}, "
+            f"{text.context_length} tokens "
+            f"(mean-pooled); each projected to {m.embed_dim}-d features, L2-normalised"
+        )
+    if name == "open_clip":
+        oc = cast("OpenClipConfig", cfg.method)
+        size = f", image size forced to {oc.image_size}" if oc.image_size else ""
+        return f"open_clip architecture `{Path(oc.model).stem}` ({oc.model}{size}): open_clip's own model code"
+    if name == "m2_encoder":
+        m2 = cast("M2Config", cfg.method)
+        a = m2.arch
+        return (
+            f"M²-Encoder multiway transformer (preset `{m2.model}`): width {a.width}, {_count(a.heads, 'head')}, "
+            f"{_count(a.lower_layers, 'modality-specific layer')} (vision A / text B copies) and "
+            f"{_count(a.shared_layers, 'shared layer')}, "
+            f"{a.image_size}-px images in {a.patch_size}-px patches, {a.context_length} text tokens, "
+            f"{a.output_dim}-d features, L2-normalised"
+        )
+    if name == "victor":
+        victor = cast("VictorConfig", cfg.method)
+        video, text = victor.video, victor.text
+        frames = (
+            f"timm `{video.backbone}` frame encoder at {video.image_size} px"
+            if video.backbone
+            else (f"precomputed {video.feature_dim}-d frame features")
+        )
+        return (
+            f"VICTOR: {frames} over {video.num_frames} frames, a temporal transformer of "
+            f"{_count(video.layers, 'layer')} x {video.width}, a BERT text tower of {_count(text.layers, 'layer')} x "
+            f"{text.width} ({text.context_length} tokens), a cross-modal transformer of "
+            f"{_count(victor.cross_layers, 'layer')} for the training tasks; "
+            f"{victor.embed_dim}-d retrieval features, L2-normalised. The weights also hold the momentum key network, "
+            "which inference does not use"
+        )
+    if name == "space2":
+        views = len(cast("Space2Config", cfg.method).views)
+        backbone = files_from / "encoder" / "config.json"
+        detail = ""
+        if backbone.is_file():
+            b = json.loads(backbone.read_text())
+            detail = (
+                f" ({b.get('model_type', 'BERT')}: {b.get('num_hidden_layers')} layers, width "
+                f"{b.get('hidden_size')}, {b.get('num_attention_heads')} heads)"
+            )
+        return (
+            f"SPACE-2 dialog encoder on a Hugging Face BERT-family backbone{detail}, with turn and role "
+            f"embeddings and {views} tree-view projection heads; the dialog feature is the CLS state, "
+            "L2-normalised"
+        )
+    return f"see the `method` section of {RELEASE_CONFIG}"
+
+
+INTENDED_USE = {
+    "image": (
+        "Embedding images and texts into one space: text-image retrieval, zero-shot classification with "
+        "prompts, and features for downstream models, in the languages and the domain of its training captions "
+    ),
+    "video": (
+        "Embedding short videos and sentences into one space: text-video retrieval and zero-shot video "
+        "classification, in the languages and the domain of its training captions "
+    ),
+    "dialog": (
+        "Dialog representations: intent classification with a small labelled set (linear probe or fine-tuning), "
+        "dialog retrieval and clustering, in the language and the domains of its training dialogs "
+    ),
+}
+
+
+def intended_use(cfg: Config) -> str:
+    first = (TOWER_NAMES.get(cfg.method_name) or ("image",))[0]
+    return (
+        INTENDED_USE.get(first, INTENDED_USE["image"])
+        + "(see Training data). It is known to do only what the evaluation above measured: check it on your own "
+        "data before relying on it. It inherits the biases of its training data; it is not meant for decisions "
+        "about people. A model trained on mmpt's demo corpora (digits, moving digits, toy dialogs) is a toy: it "
+        "shows that the pipeline works, not a model to use."
+    )
+
+
+# --- rendering ---------------------------------------------------------------------------------------------
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def training_section(cfg: Config, record: dict[str, Any] | None) -> str:
+    train, data = cfg.train, cfg.data.train
+    lines = ["## Training data", ""]
+    if record is None:
+        lines.append(
+            "No training record: this model was not saved from an mmpt training run (for instance, converted "
+            "official weights, or a model saved before training)."
+        )
+    else:
+        samples = record.get("samples")
+        skipped = record.get("skipped")
+        per_source = record.get("samples_per_source") or {}
+        lines += ["| source | weight | samples trained on |", "|---|---|---|"]
+        for source in data.sources:
+            name = source.name or source.shards
+            count = per_source.get(name)
+            shards = f" (`{source.shards}`)" if source.name else ""
+            lines.append(f"| `{name}`{shards} | {source.weight:g} | {_number(count) if count is not None else '-'} |")
+        lines += [
+            "",
+            f"- steps: {_number(record.get('steps', 0))} (of `train.max_steps` {_number(train.max_steps)})",
+            f"- samples trained on: {_number(samples) if samples is not None else 'not recorded'}"
+            + (f" ({_number(skipped)} skipped as unusable)" if skipped else ""),
+            f"- batch: {data.batch_size} per rank x {train.grad_accum} micro-batch(es) per step; precision "
+            f"{train.precision}, ZeRO stage {train.zero_stage}",
+            f"- optimizer: AdamW, lr {cfg.optim.lr:g} ({cfg.optim.warmup_steps} warmup steps, then {cfg.optim.decay} "
+            f"decay), weight decay {cfg.optim.weight_decay:g}",
+        ]
+    init = getattr(cfg.method, "init_from", None) or getattr(cfg.method, "encoder", None)
+    if init:
+        lines.append(f"- initial weights: `{init}`")
+    return "\n".join(lines)
+
+
+def evaluation_section(record: dict[str, Any] | None) -> str:
+    lines = ["## Evaluation", ""]
+    evaluations = (record or {}).get("evaluations") or []
+    eval_records = (record or {}).get("eval_records") or []
+    if not evaluations and not eval_records:
+        lines.append("No evaluation was recorded for this model.")
+        return "\n".join(lines)
+    if evaluations:
+        shown = evaluations[-MAX_EVALUATION_COLUMNS:]
+        keys: list[str] = []
+        for evaluation in evaluations:
+            keys += [key for key in evaluation["metrics"] if key not in keys]
+        last = len(shown) - 1
+        heads = [f"step {e['step']}" + (" (final)" if i == last else "") for i, e in enumerate(shown)]
+        lines += [
+            "The run's evaluations (`metrics.jsonl`), while training and at its end"
+            + (f"; the last {len(shown)} of {len(evaluations)} shown" if len(shown) < len(evaluations) else "")
+            + ":",
+            "",
+            "| metric | " + " | ".join(heads) + " |",
+            "|---|" + "---|" * len(shown),
+        ]
+        for key in keys:
+            values = [_number(e["metrics"][key]) if key in e["metrics"] else "-" for e in shown]
+            lines.append(f"| `{key}` | " + " | ".join(values) + " |")
+    if eval_records:
+        lines += [
+            "",
+            "Results written at the end of training (`eval/*.json`, CLIP_benchmark style):",
+            "",
+            "| task | dataset | language | metrics |",
+            "|---|---|---|---|",
+        ]
+        for r in eval_records:
+            metrics = ", ".join(f"{k}={_number(v)}" for k, v in r["metrics"].items())
+            lines.append(f"| {r['task']} | `{r['dataset']}` | {r['language']} | {metrics} |")
+    return "\n".join(lines)
+
+
+def mmpt_usage(cfg: Config, folder: str) -> str:
+    name = cfg.method_name
+    towers = TOWER_NAMES.get(name, ())
+    code = ["import mmpt", f"model = mmpt.load({json.dumps(folder)})", "pre = model.preprocessors()"]
+    if "dialog" in towers:
+        code += [
+            'dialogs = [[{"role": "user", "text": "I lost my card"}]]',
+            'features = model.encode_dialog(pre["tokenizer"](dialogs))',
+        ]
+    else:
+        code += [
+            'tokens = pre["tokenizer"](["a photo of a cat"])',
+            'text = model.encode_text(tokens["input_ids"], tokens["attention_mask"])',
+        ]
+        if "video" in towers:
+            code.append('video = model.encode_video(pre["video"](open("clip.mp4", "rb").read()).unsqueeze(0))')
+        else:
+            code.insert(0, "from PIL import Image")
+            code += [
+                'image = model.encode_image(pre["preprocess"](Image.open("photo.jpg").convert("RGB")).unsqueeze(0))',
+                "print(image @ text.T)",
+            ]
+    return "\n".join(["```python", *code, "```"])
+
+
+def open_clip_name(out: str | Path) -> str:
+    """The name an open_clip export registers its model config under: `mmpt-<folder name>`."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(out).resolve().name).strip("-") or "model"
+    return f"mmpt-{stem}"
+
+
+def open_clip_preprocess(cfg: Config) -> dict[str, Any]:
+    """open_clip's preprocessing settings (PreprocessCfg keys) of a `clip` or `open_clip` model."""
+    if cfg.method_name == "clip":
+        m = cast("ClipConfig", cfg.method)
+        size, mean, std = m.image.image_size, m.image_mean, m.image_std
+        interpolation, resize_mode = "bicubic", "shortest"  # open_clip.image_transform's, which clip uses
+    else:
+        from mmpt.models.open_clip_model import preprocess_settings
+
+        oc = cast("OpenClipConfig", cfg.method)
+        found = preprocess_settings(oc.model, oc.image_size)
+        size, mean, std = found["image_size"], found["mean"], found["std"]
+        interpolation, resize_mode = found["interpolation"], found["resize_mode"]
+    return {
+        "size": size,
+        "mean": [float(v) for v in mean],
+        "std": [float(v) for v in std],
+        "interpolation": interpolation,
+        "resize_mode": resize_mode,
+    }
+
+
+def open_clip_lines(out: str, cfg: Config) -> list[str]:
+    """The two lines that load an open_clip export with open_clip (its model config registered first), and its
+    tokenizer. open_clip takes preprocessing from a pretrained tag, not from a model config: settings other
+    than its defaults are passed to create_model_and_transforms."""
+    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+    name = open_clip_name(out)
+    pre = open_clip_preprocess(cfg)
+    kwargs = ""
+    if pre["mean"] != [float(v) for v in OPENAI_DATASET_MEAN] or pre["std"] != [float(v) for v in OPENAI_DATASET_STD]:
+        kwargs += f", image_mean={tuple(pre['mean'])}, image_std={tuple(pre['std'])}"
+    if pre["interpolation"] != "bicubic":
+        kwargs += f', image_interpolation="{pre["interpolation"]}"'
+    if pre["resize_mode"] != "shortest":
+        kwargs += f', image_resize_mode="{pre["resize_mode"]}"'
+    return [
+        "import open_clip",
+        f'open_clip.add_model_config("{out}/{name}.json")',
+        f'model, _, preprocess = open_clip.create_model_and_transforms("{name}", '
+        f'pretrained="{out}/open_clip_model.safetensors"{kwargs})',
+        f'tokenizer = open_clip.get_tokenizer("{name}")',
+    ]
+
+
+def release_usage(cfg: Config, folder: str) -> str:
+    """How to load a release: mmpt, then the other formats it exports to."""
+    lines = ["## How to use it", "", "### With mmpt", "", mmpt_usage(cfg, folder)]
+    formats = supported_formats(cfg)
+    if "onnx" in formats:
+        towers = ", ".join(TOWER_NAMES[cfg.method_name])
+        lines += [
+            "",
+            "### With onnxruntime",
+            "",
+            f"Export the towers ({towers}) to ONNX; the folder it writes holds one `.onnx` file per tower, "
+            "`preprocessing.json` (input names, dtypes, shapes, image size, mean/std, tokenizer) and the "
+            "tokenizer files, and its README.md shows the onnxruntime calls:",
+            "",
+            "```bash",
+            f"python launch/export.py --run {folder} --out {folder}-onnx --format onnx",
+            "```",
+        ]
+    if "open_clip" in formats:
+        out = f"{folder}-open_clip"
+        lines += [
+            "",
+            "### With open_clip",
+            "",
+            "```bash",
+            f"python launch/export.py --run {folder} --out {out} --format open_clip",
+            "```",
+            "",
+            "```python",
+            *open_clip_lines(out, cfg),
+            "```",
+        ]
+    elif cfg.method_name in TOWER_NAMES:
+        lines += ["", "### With open_clip", "", f"Not available: {open_clip_problem(cfg)}."]
+    if "official" in formats:
+        lines += [
+            "",
+            "### In the official M²-Encoder layout",
+            "",
+            "```bash",
+            f"python launch/export.py --run {folder} --out {folder}-official --format official",
+            "```",
+            "",
+            "writes the checkpoint the official inference code reads (`m2_encoder.ckpt`, Lightning layout) "
+            "and its tokenizer.",
+        ]
+    return "\n".join(lines)
+
+
+def render(
+    cfg: Config,
+    *,
+    title: str,
+    kind: str,
+    parameters: tuple[int, int | None],
+    record: dict[str, Any] | None,
+    usage: str,
+    files: list[tuple[str, str]],
+    files_from: Path,
+) -> str:
+    """The card's Markdown. `kind` is the format of the folder (a key of FORMATS); `usage` its "How to use it"
+    section; `files` (name, what it is) of the folder; `files_from` the run or release it was made from."""
+    total, trainable = parameters
+    trainable_text = (
+        "" if trainable is None else " (all trainable)" if trainable == total else f" ({trainable:,} trainable)"
+    )
+    summary = [
+        f"# {title}",
+        "",
+        "<!-- model card written by mmpt (mmpt/export/card.py) from the run's config and records -->",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| method | `{cfg.method_name}` |",
+        f"| architecture | {architecture(cfg, files_from)} |",
+        f"| parameters | {total:,}{trainable_text} |",
+        f"| this folder | {FORMATS[kind]} |",
+        f"| exports | {', '.join(supported_formats(cfg))} (`launch/export.py --format`) |",
+    ]
+    file_lines = ["## Files", "", "| file | what it is |", "|---|---|"]
+    file_lines += [f"| `{name}` | {about} |" for name, about in files]
+    sections = [
+        "\n".join(summary),
+        training_section(cfg, record),
+        evaluation_section(record),
+        "## Intended use\n\n" + intended_use(cfg),
+        usage,
+        "\n".join(file_lines),
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+def release_card(
+    directory: Path, cfg: Config, state_dict: dict[str, torch.Tensor], files_from: Path, record: dict | None
+) -> str:
+    """The card of a release folder."""
+    from mmpt.methods import get_method
+
+    files = [
+        (RELEASE_CONFIG, 'the format, the method and the full config (`"config"`), the training facts (`"training"`)'),
+        ("model.safetensors", "the weights, fp32 (or shards and `model.safetensors.index.json`)"),
+        *(
+            (name, "what the model needs besides weights (tokenizer)")
+            for name in get_method(cfg.method_name).release_files(cfg)
+        ),
+        (CARD, "this card"),
+    ]
+    return render(
+        cfg,
+        title=f"{directory.resolve().name}: an mmpt `{cfg.method_name}` model",
+        kind="release",
+        parameters=parameter_counts(cfg, files_from, state_dict),
+        record=record,
+        usage=release_usage(cfg, str(directory)),
+        files=files,
+        files_from=files_from,
+    )
