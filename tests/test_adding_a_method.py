@@ -19,7 +19,7 @@ def blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", GUIDE.read_text(), flags=re.S)
 
 
-def test_the_guides_toy_method_trains_and_loads(tmp_path, monkeypatch):
+def test_the_guides_toy_method_trains_and_loads(tmp_path, monkeypatch, request):
     (tmp_path / "toy_method.py").write_text(blocks("python")[0])
     (tmp_path / "toy.yaml").write_text(blocks("yaml")[0])
     (tmp_path / "configs").symlink_to(REPO / "configs")  # the guide runs from the repository root
@@ -46,9 +46,14 @@ def test_the_guides_toy_method_trains_and_loads(tmp_path, monkeypatch):
     assert [r["step"] for r in records] == [1, 2]
     assert all(0 < r["loss/contrastive"] < 10 for r in records)
 
+    import mmpt
+    from mmpt.methods import METHODS
+
+    # "toy" is registered in this process only for this test: later tests see the built-in methods alone
+    monkeypatch.setattr(METHODS, "_entries", dict(METHODS._entries))
+    request.addfinalizer(lambda: sys.modules.pop("toy_method", None))
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.import_module("toy_method")  # registers "toy" in this process, as a user's import would
-    import mmpt
 
     model = mmpt.load(run_dir)
     images = torch.zeros(2, 3, 32, 32, dtype=torch.uint8)

@@ -1,5 +1,10 @@
 """The shared engine: DeepSpeed setup, the training loop, checkpoints and metrics."""
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mmpt.engine.trainer import train
+
 __all__ = ["train"]
 
 
