@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Protocol, cast
 
 import torch
@@ -53,6 +54,37 @@ def ensure_rendezvous_env() -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+
+
+# With the watchdog off nothing else bounds a wait; long enough for rank 0's universal conversion of a large
+# checkpoint while the others wait in a barrier, short enough that a hung job does not hold its nodes for a day.
+UNWATCHED_GROUP_TIMEOUT = timedelta(hours=2)
+
+
+def group_timeout(watchdog_timeout: float) -> timedelta:
+    """How long a collective may wait before the process group aborts it, from `train.watchdog_timeout`.
+
+    The watchdog is the one that should speak about a hang: it names the lagging ranks and exits with its
+    own code, while a collective's timeout only kills a rank. Rank 0's watchdog acts after `watchdog_timeout`
+    seconds, the others up to half as long again (`mmpt.engine.watchdog`); twice the watchdog plus a minute
+    stays past both. The same bound covers rank 0's long work outside the watched loop (converting a
+    checkpoint to universal form while the other ranks wait in a barrier). DeepSpeed's own default (10
+    minutes) is shorter than the watchdog's default of 30.
+    """
+    if watchdog_timeout <= 0:
+        return UNWATCHED_GROUP_TIMEOUT
+    return timedelta(seconds=2 * watchdog_timeout + 60)
+
+
+def set_default_group_timeout(timeout: timedelta) -> None:
+    """Give groups created later without a timeout `timeout` too.
+
+    torch gives such a group its backend's default (30 minutes on gloo, 10 on NCCL), not the world group's:
+    DeepSpeed's data-parallel group, a copy of the world made with `new_group(ranks)`, is one of them and
+    carries the gradient reductions. torch reads the default from two module globals at each `new_group`.
+    """
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        setattr(dist.distributed_c10d, name, timeout)
 
 
 def is_initialized() -> bool:

@@ -149,7 +149,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     check_precision(cfg)
     method = get_method(cfg.method_name)
     check_inputs(cfg, method)  # before the process group: a missing file is one line and exit 2, not a requeue
-    rank, world_size = start_process_group()
+    rank, world_size = start_process_group(cfg.train.watchdog_timeout)
     layout = mdist.set_sequence_parallel(cfg.train.sequence_parallel)
     run_dir = Path(cfg.run.output_dir)
     if rank == 0:
@@ -241,13 +241,16 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     ), step
 
 
-def start_process_group() -> tuple[int, int]:
-    """NCCL on GPUs, gloo on CPU; a plain `python` start becomes a world of one."""
+def start_process_group(watchdog_timeout: float) -> tuple[int, int]:
+    """NCCL on GPUs, gloo on CPU; a plain `python` start becomes a world of one. Every group's collectives
+    wait longer than the hang watchdog (`mdist.group_timeout`), so the watchdog is the one to report a hang."""
     import deepspeed
 
     mdist.ensure_rendezvous_env()
     use_cuda = torch.cuda.is_available()
-    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
+    timeout = mdist.group_timeout(watchdog_timeout)
+    mdist.set_default_group_timeout(timeout)
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", timeout=timeout)
     if use_cuda:
         torch.cuda.set_device(mdist.process_info().local_rank)
     mdist.barrier()
