@@ -110,6 +110,35 @@ def zero_optimization(train: TrainConfig, use_cuda: bool, world_size: int = 1) -
     return zero
 
 
+def precision(train: TrainConfig) -> dict[str, Any]:
+    """The precision keys: bf16 or fp16 training, and under bf16 gradients reduced and accumulated in fp32.
+
+    DeepSpeed 0.19.8 leaves both at the model's dtype. A bf16 sum of the ranks' gradients, or of K
+    micro-batches' (a GBA-ITC step sums K=4), rounds each partial sum to 8 bits of mantissa. fp32 costs
+    twice the bytes on the wire and one fp32 gradient buffer:
+
+    - `communication_data_type: fp32` is honoured by every stage: ZeRO-0's all-reduce (the engine casts each
+      bucket), ZeRO 1-2's buckets and ZeRO-3's reduce-scatter.
+    - `data_types.grad_accum_dtype: fp32` at ZeRO 1-3: ZeRO-1 then runs DeepSpeed's BF16_Optimizer (fp32
+      gradients beside the fp32 master weights; with offload, its ZeRO optimizer's fp32 `grad_accum`),
+      ZeRO-2 accumulates the reduced partitions in fp32, ZeRO-3 its fp32 gradient partitions. ZeRO-0 refuses
+      it (bf16 parameters with fp32 accumulation and no ZeRO is "unsupported"): there autograd sums the
+      micro-batches in the bf16 `.grad` of each parameter, and DeepSpeed's per-parameter
+      FP16_UnfusedOptimizer does the step.
+    """
+    bf16 = train.precision == "bf16"
+    keys: dict[str, Any] = {
+        # Non-finite gradients skip the step (ZeRO 1-3 check the global norm; on by default for fp32 only).
+        "bf16": {"enabled": bf16, "check_grad_overflow": True},
+        "fp16": {"enabled": train.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+    }
+    if bf16:
+        keys["communication_data_type"] = "fp32"
+        if train.zero_stage > 0:
+            keys["data_types"] = {"grad_accum_dtype": "fp32"}
+    return keys
+
+
 def deepspeed_config(cfg: Config, world_size: int, load_universal: bool = False) -> dict[str, Any]:
     train = cfg.train
     micro = cfg.data.train.batch_size
@@ -120,9 +149,7 @@ def deepspeed_config(cfg: Config, world_size: int, load_universal: bool = False)
         # DeepSpeed's own default is 1.0: always say what we mean (0 = no clipping).
         "gradient_clipping": train.grad_clip,
         "zero_optimization": zero_optimization(train, torch.cuda.is_available(), world_size),
-        # Non-finite gradients skip the step (ZeRO 1-3 check the global norm; on by default for fp32 only).
-        "bf16": {"enabled": train.precision == "bf16", "check_grad_overflow": True},
-        "fp16": {"enabled": train.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        **precision(train),
         # The engine passes a torch optimizer; with offload that is a deliberate choice.
         "zero_force_ds_cpu_optimizer": False,
         # Loading a checkpoint written by another number of ranks goes through its universal copy.
