@@ -28,6 +28,7 @@ LAYERS = (
     ("mmpt.config_loader",),
     ("mmpt.release", "mmpt.export.towers", "mmpt.export.formats", "mmpt.export.card"),
     ("mmpt.engine",),
+    ("mmpt.plan",),
     ("mmpt", "mmpt.cli", "mmpt.commands", "mmpt.clip_benchmark", "mmpt.config_reference", "mmpt.export"),
 )
 

@@ -1,0 +1,42 @@
+"""The accelerators a plan is made for, and the assumptions its step time rests on (printed with every plan)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_gib: float  # HBM per GPU
+    bf16_tflops: float  # dense peak, no sparsity
+    hbm_tb_s: float  # HBM bandwidth
+
+
+# Vendor data sheets, SXM parts: dense bf16 peak and HBM bandwidth.
+GPUS = {
+    "a100": Gpu("A100-80GB SXM", 80, 312, 2.04),
+    "h100": Gpu("H100-80GB SXM", 80, 989, 3.35),
+    "h200": Gpu("H200-141GB SXM", 141, 989, 4.8),
+}
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the plan assumes beyond the measured model; each is a command-line option."""
+
+    mfu: float = 0.4  # model FLOPs utilisation of the GPU's bf16 peak
+    intra_node_gb_s: float = 150.0  # bytes a rank sends per second inside a node (NVLink, achieved)
+    inter_node_gb_s: float = 25.0  # bytes a rank sends per second across nodes (one 200 Gb/s NIC per GPU, achieved)
+    usable_share: float = 0.9  # of GPU memory left for tensors (CUDA context, NCCL buffers, fragmentation)
+    pinned_batches: int = 2  # micro-batches the loader keeps in pinned host memory per rank
+
+    def lines(self) -> list[str]:
+        return [
+            f"MFU {self.mfu:.0%} of the bf16 peak; compute and communication not overlapped",
+            f"link bandwidth per rank: {self.intra_node_gb_s:g} GB/s inside a node, {self.inter_node_gb_s:g} GB/s "
+            "across nodes (ring collectives)",
+            f"usable GPU memory: {self.usable_share:.0%} of HBM; loader: {self.pinned_batches} pinned micro-batches",
+        ]

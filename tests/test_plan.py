@@ -1,0 +1,131 @@
+"""The planner: counts from the meta-device build equal a real build's, model states follow DeepSpeed's own
+estimators, the command's JSON and its one-line refusal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmpt.config_loader import load_config
+from mmpt.methods import get_method
+from mmpt.plan.build import Counts, built, count
+from mmpt.plan.states import Layout, model_states
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs/m2_encoder/demo.yaml")
+
+
+def test_meta_build_counts_equal_a_real_build(tmp_path):
+    cfg = load_config(DEMO)
+    with built(cfg) as b:
+        counts = count(b)
+        assert next(b.model.parameters()).is_meta
+    method = get_method(cfg.method_name)
+    method.prepare(cfg, tmp_path)
+    real = method.build_model(cfg, tmp_path)
+    assert counts.trainable == sum(p.numel() for p in real.parameters() if p.requires_grad)
+    assert counts.frozen == 0
+
+
+def test_momentum_copies_and_queues_are_counted(tmp_path):
+    cfg = load_config(
+        ROOT / "configs/victor/demo.yaml",
+        [f"method.tokenizer={ROOT}/demo_data/digits/tokenizer.json", "method.text.vocab_size=300"],
+    )
+    with built(cfg) as b:
+        counts = count(b)
+        key = b.model.key  # the method's declared momentum copy
+        assert counts.momentum == sum(t.numel() for t in key.buffers() if t.is_floating_point())
+        assert counts.loss_buffers >= 2 * 512 * 64 + 2048 * 96  # the two queues of embed_dim, the frame queue
+
+
+def deepspeed_estimates():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 4])
+def test_model_states_match_deepspeeds_estimators(nodes):
+    zero2, zero3 = deepspeed_estimates()
+    counts = Counts(
+        trainable=10_182_004_738, frozen=0, largest_layer=472_039_424, momentum=0, buffers=0, loss_buffers=0
+    )
+    world = 8 * nodes
+    s2 = model_states(counts, Layout(world=world, precision="bf16", stage=2))
+    assert s2.deepspeed_parts == pytest.approx(zero2(counts.trainable, 8, nodes, cpu_offload=False)[1], abs=world)
+    s3 = model_states(counts, Layout(world=world, precision="bf16", stage=3))
+    assert s3.deepspeed_parts == pytest.approx(
+        zero3(counts.trainable, counts.largest_layer, 8, nodes, cpu_offload=False)[1], abs=world
+    )
+    offloaded = model_states(counts, Layout(world=world, precision="bf16", stage=3, offload=True))
+    cpu, gpu, _ = zero3(counts.trainable, counts.largest_layer, 8, nodes, cpu_offload=True, cpu_offload_params=False)
+    assert offloaded.deepspeed_parts == pytest.approx(gpu, abs=world)
+    assert offloaded.host * 8 * 1.5 == pytest.approx(cpu, rel=1e-6)  # per node, with DeepSpeed's buffer factor
+
+
+def test_stages_partition_what_they_say():
+    counts = Counts(trainable=1000, frozen=0, largest_layer=100, momentum=50, buffers=0, loss_buffers=0)
+    by_stage = [model_states(counts, Layout(world=4, precision="bf16", stage=s)) for s in range(4)]
+    assert [s.optimizer for s in by_stage] == [12000, 3000, 3000, 3000]
+    assert [s.parameters for s in by_stage] == [2000, 2000, 2000, 500]
+    assert by_stage[3].momentum == 50  # fp32 copies sharded like the parameters under ZeRO-3
+    assert by_stage[2].momentum == 200
+    hpz = model_states(counts, Layout(world=4, precision="bf16", stage=3, hpz=2))
+    assert hpz.hpz_shard == 1000
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "launch/plan.py"), "--config", DEMO, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+def test_json_plan_has_every_part():
+    done = run_plan("--gpus", "16", "--gpus-per-node", "8", "--gpu", "a100", "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    parts = plan["gpu_bytes_per_rank"]
+    for key in ("parameters", "gradients", "optimizer", "momentum", "activations", "contrastive_logits", "total"):
+        assert key in parts
+    assert plan["cluster"]["nodes"] == 2
+    assert plan["parameters"]["trainable"] > 0
+    assert plan["largest_micro_batch"] >= plan["micro_batch"] and plan["fits"]
+    assert plan["flops_per_sample"] > 0 and plan["samples_per_s"] > 0
+    assert parts["total"] == sum(
+        parts[k]
+        for k in parts
+        if k not in ("total", "host", "gradient_checkpointing", "activations_with_checkpointing_toggled")
+    )
+
+
+def test_no_room_for_one_sample_is_one_line_and_exit_2():
+    done = run_plan("--gpus", "2", "--gpu-memory", "0.001")
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("mmpt:")]
+    assert len(lines) == 1 and "does not fit" in lines[0] and "micro-batch 1" in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_live_bytes_follow_frees():
+    from mmpt.plan.measure import LiveBytes
+
+    x = torch.ones(1000)
+    with LiveBytes([x]) as tracker:
+        a = x * 2
+        b = a + 1
+        del a
+        assert tracker.live == 4000
+    assert tracker.peak == 8000
+    del b
