@@ -45,7 +45,8 @@ def image_shape(b: Built) -> tuple[int, ...]:
     """The evaluation transform's output for a picture: the training crop has the same size."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    transform = b.method.image_transform(b.cfg, train=False)
+    method: Any = b.method  # an image-text method (it reads images)
+    transform = method.image_transform(b.cfg, train=False)
     with unset_fake_temporarily():  # a real picture through the real transform, even while measuring on fakes
         return tuple(transform(Image.new("RGB", (320, 320))).shape)
 
