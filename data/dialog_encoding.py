@@ -165,7 +165,9 @@ class DialogEncoder:
 
 
 def collate_dialogs(examples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Right-pad every token field with 0 to the longest example; labels and ids stay lists."""
+    """Right-pad every token field with 0 to the longest example; labels and ids stay lists. With MLM inputs,
+    `mlm_positions` [P, 2] lists the predicted tokens in row-major order, found here on the host: on the
+    device their number would be a value to read back before the step could size its MLM logits."""
     length = max(len(e["input_ids"]) for e in examples)
     batch: dict[str, Any] = {}
     for name in INPUT_FIELDS:
@@ -175,6 +177,8 @@ def collate_dialogs(examples: list[dict[str, Any]]) -> dict[str, Any]:
                 padded[row, : len(example[name])] = example[name]
             batch[name] = padded
     batch["attention_mask"] = batch["input_ids"] != 0
+    if "mlm_labels" in batch:  # (row, column) of every predicted token: the step gathers them without a host read
+        batch["mlm_positions"] = batch["mlm_labels"].nonzero()
     batch["label"] = [e.get("label", {}) for e in examples]
     if "label_views" in examples[0]:  # what the loss scores on the device (`tree_score.LabelCodes`)
         batch["label_views"] = torch.stack([e["label_views"] for e in examples])

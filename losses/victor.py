@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from mmpt.losses.mlm import IGNORE
+
 PERMUTATIONS: tuple[tuple[int, ...], ...] = tuple(itertools.permutations(range(3)))
-IGNORE = -100
 
 
 def segment_order(length: int, permutation: tuple[int, ...]) -> list[int]:
@@ -131,27 +133,43 @@ def intra_mfm_loss(
     inputs = F.normalize(frame_inputs.float(), dim=-1)
     logits = out @ inputs.transpose(1, 2) / temperature  # [B, T, T]: step t against every step s of its clip
     targets = torch.arange(outputs.shape[1], device=outputs.device).expand(outputs.shape[0], -1)
-    return F.cross_entropy(logits[frame_mask], targets[frame_mask])
+    per_step = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    return masked_mean(per_step, frame_mask.flatten())
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` where `mask` is True (0 where it is nowhere), as a masked sum over every element
+    divided by the count: selecting the elements first would size a tensor by a value on the device, which a
+    GPU step must stop and read back."""
+    weights = mask.to(values.dtype)
+    return (values * weights).sum() / weights.sum().clamp(min=1)
 
 
 def queue_nce(
-    queries: torch.Tensor, keys: torch.Tensor, queue: torch.Tensor, scale: torch.Tensor | float
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    queue: torch.Tensor,
+    scale: torch.Tensor | float,
+    reduction: Literal["mean", "none"] = "mean",
 ) -> torch.Tensor:
     """MoCo InfoNCE: queries [N, D] against their keys [N, D] (positives) and queue [K, D] (negatives);
-    all L2-normalised; `scale` = 1 / temperature."""
+    all L2-normalised; `scale` = 1 / temperature. The mean over the N queries, or each one's term."""
     positive = (queries * keys).sum(-1, keepdim=True)
     negative = queries @ queue.to(queries.dtype).T
     logits = torch.cat([positive, negative], dim=1).float() * scale
-    return F.cross_entropy(logits, torch.zeros(queries.shape[0], dtype=torch.long, device=queries.device))
+    targets = torch.zeros(queries.shape[0], dtype=torch.long, device=queries.device)
+    return F.cross_entropy(logits, targets, reduction=reduction)
 
 
 def inter_mfm_loss(
     outputs: torch.Tensor, key_frames: torch.Tensor, frame_mask: torch.Tensor, queue: torch.Tensor, temperature: float
 ) -> torch.Tensor:
-    """outputs, key_frames [B, T, D]; at each masked (b, t): key_frames[b, t] positive, queue [K, D] negatives."""
-    out = F.normalize(outputs[frame_mask].float(), dim=-1)
-    keys = F.normalize(key_frames[frame_mask].float(), dim=-1)
-    return queue_nce(out, keys, F.normalize(queue.float(), dim=-1), 1.0 / temperature)
+    """outputs, key_frames [B, T, D]; at each masked (b, t): key_frames[b, t] positive, queue [K, D] negatives.
+    Every step is scored and the masked ones averaged (`masked_mean`)."""
+    out = F.normalize(outputs.flatten(0, 1).float(), dim=-1)
+    keys = F.normalize(key_frames.flatten(0, 1).float(), dim=-1)
+    per_step = queue_nce(out, keys, F.normalize(queue.float(), dim=-1), 1.0 / temperature, reduction="none")
+    return masked_mean(per_step, frame_mask.flatten())
 
 
 def dual_vsa_loss(

@@ -204,7 +204,9 @@ class Space2Method(Method[Space2Config]):
         if loss.combined:
             features = model.dialog_vector(doubled)[:, None]
         else:
-            features = model.view_features(doubled)[:, loss.views]
+            views = model.view_features(doubled)
+            # one slice per view: a list as an index would be copied to the device from host memory each step
+            features = torch.stack([views[:, v] for v in loss.views], dim=1)
         features = torch.stack([features[:n], features[n:]], dim=1)  # [n, 2, K, d]
         return loss(features, labels)
 

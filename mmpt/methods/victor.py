@@ -301,8 +301,8 @@ class VictorMethod(Method[VictorConfig]):
             )
             if w.mlm:
                 assert mlm_head is not None and labels is not None
-                chosen = labels != IGNORE
-                terms["mlm"] = w.mlm * masked_lm_loss(mlm_head(text_out[chosen]), labels[chosen])
+                # every position through the head, the unchosen ones ignored: no selection sized on the device
+                terms["mlm"] = w.mlm * masked_lm_loss(mlm_head(text_out), labels, ignore_index=IGNORE)
             if w.msom:
                 assert sentence_order_head is not None and order is not None
                 terms["msom"] = w.msom * order_loss(sentence_order_head(text_out[:, 0]), order)

@@ -15,6 +15,7 @@ from torch import nn
 from transformers import BertConfig, BertModel
 
 from mmpt.config import Section
+from mmpt.models.padding_masks import last_hidden_state
 
 
 class ImageTowerConfig(Section):
@@ -96,7 +97,7 @@ class ClipModel(nn.Module):
     def encode_text(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True
     ) -> torch.Tensor:
-        hidden = self.text(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = last_hidden_state(self.text, input_ids, attention_mask)
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean over real tokens
         features = self.text_projection(pooled)

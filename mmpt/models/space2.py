@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
-from transformers.masking_utils import create_bidirectional_mask
 from transformers.utils import logging as hf_logging
+
+from mmpt.models.padding_masks import prepared_padding_mask
 
 TURN_ROWS = 17  # turn ids 1..16, 0 for padding
 
@@ -126,7 +127,7 @@ class Space2Encoder(nn.Module):
 
     def _encode(self, embedded: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         embedded = self.backbone.embeddings.LayerNorm(embedded)
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=embedded, attention_mask=attention_mask)
+        mask = prepared_padding_mask(self.config, attention_mask, embedded.dtype)
         return self.backbone.encoder(embedded, attention_mask=mask).last_hidden_state
 
     def dialog_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -147,11 +148,12 @@ class Space2Encoder(nn.Module):
         return self.subspace(self.dialog_vector(batch))
 
     def mlm_logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, targets) at the predicted positions of the MLM inputs only."""
+        """(logits, targets) at the predicted positions of the MLM inputs only: those `mlm_positions` lists
+        (`collate_dialogs` finds them on the host, so that no boolean mask sizes the logits on the device)."""
         embedded = self._embed(batch["mlm_input_ids"], batch["positions"], batch["roles"], batch["turns"])
         states = self._encode(embedded, batch["attention_mask"].bool())
-        predicted = batch["mlm_labels"] != 0
-        return self.mlm_head(states[predicted]), batch["mlm_labels"][predicted]
+        rows, columns = batch["mlm_positions"].unbind(1)
+        return self.mlm_head(states[rows, columns]), batch["mlm_labels"][rows, columns]
 
     def encode_dialog(self, batch: dict[str, torch.Tensor], view: str | None = None) -> torch.Tensor:
         """L2-normalised dialog features: the CLS state, or one view's projection (e.g. view index of "I")."""

@@ -31,6 +31,7 @@ from torch import nn
 from mmpt.config import Section
 from mmpt.models.clip import TextTowerConfig, bert_text_encoder
 from mmpt.models.momentum import MomentumCopy
+from mmpt.models.padding_masks import last_hidden_state
 
 NUM_ORDER_CLASSES = 6  # 3! orders of three segments
 TASKS = ("mlm", "msom", "mfom", "intra_mfm", "inter_mfm", "dual_vsa")
@@ -215,7 +216,7 @@ class UnimodalTowers(nn.Module):
         self.text_projection = Projection(text.width, embed_dim)
 
     def text_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.text(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return last_hidden_state(self.text, input_ids, attention_mask)
 
     def pooled_video(self, video_tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         pooled = self.video_projection(video_tokens[:, 0])
