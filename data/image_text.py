@@ -2,6 +2,7 @@
 
 Training batches carry images as uint8 pixels (`uint8_transform`): a quarter of float32's bytes through
 the loader workers' IPC and the host-to-device copy. `normalize_pixels` finishes them on the device.
+`training_image_decode` runs the training transform from the image bytes, decoding JPEGs at reduced size.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torchvision import transforms as T
 
 from mmpt.data import fields
 from mmpt.data.fields import MissingFieldError
+from mmpt.data.reduced_decode import ReducedDecodeCrop, fits
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 TEXT_FIELDS = ("txt", "text", "caption")
@@ -58,6 +60,15 @@ def uint8_transform(transform: T.Compose) -> T.Compose:
     return T.Compose([*steps[:-2], T.PILToTensor()])
 
 
+def training_image_decode(transform: T.Compose) -> T.Compose | ReducedDecodeCrop:
+    """`transform` for `ImageTextDecoder`, decoding JPEGs at reduced size when it starts with a RandomResizedCrop.
+
+    The one place the training pipelines choose it: the crop box is drawn as before on the full-size image,
+    only the decode is cheaper (`mmpt.data.reduced_decode`). Other transforms are returned as they are.
+    """
+    return ReducedDecodeCrop(transform, decode_image) if fits(transform) else transform
+
+
 def normalize_pixels(
     pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float], dtype: torch.dtype
 ) -> torch.Tensor:
@@ -80,6 +91,7 @@ class ImageTextDecoder:
     """Raw sample -> {"image": `image_transform`'s tensor, "input_ids", "attention_mask"}; picklable for workers.
 
     Training passes a `uint8_transform`: pixels cross worker IPC as uint8 and are normalised on the device.
+    `image_transform` takes the decoded image, or, as a `ReducedDecodeCrop` (`training_image_decode`), the bytes.
 
     `attention_mask=False` leaves the mask out, for text towers that find the end token themselves
     (open_clip's): one tensor fewer to pass from the loader workers per batch.
@@ -87,7 +99,7 @@ class ImageTextDecoder:
 
     def __init__(
         self,
-        image_transform: Callable[[Image.Image], torch.Tensor],
+        image_transform: Callable[[Image.Image], torch.Tensor] | ReducedDecodeCrop,
         tokenize: Callable[[list[str]], dict[str, torch.Tensor]],
         image_fields: Sequence[str] = IMAGE_FIELDS,
         text_fields: Sequence[str] = TEXT_FIELDS,
@@ -100,7 +112,11 @@ class ImageTextDecoder:
         image_bytes = pick_field(sample, self.image_fields, "image")
         text = decode_text(pick_field(sample, self.text_fields, "text"))
         tokens = self.tokenize([text])
-        sample = {"image": self.image_transform(decode_image(image_bytes)), "input_ids": tokens["input_ids"][0]}
+        if isinstance(self.image_transform, ReducedDecodeCrop):
+            image = self.image_transform(image_bytes)
+        else:
+            image = self.image_transform(decode_image(image_bytes))
+        sample = {"image": image, "input_ids": tokens["input_ids"][0]}
         if self.attention_mask:
             sample["attention_mask"] = tokens["attention_mask"][0]
         return sample

@@ -14,7 +14,7 @@ from torchvision import transforms as T
 
 from mmpt.config import Config, Section
 from mmpt.data.fields import SampleFields
-from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, uint8_transform
+from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, training_image_decode, uint8_transform
 from mmpt.data.loader import BatchStream
 from mmpt.data.shards import DataError
 from mmpt.eval import DEMO_SETS, resolve_dataset
@@ -172,8 +172,8 @@ class ImageTextMethod(Method[SettingsT]):
         return self.load_tokenizer(run_dir / self.tokenizer_file_name(cfg), cfg)
 
     def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
-        """Batches with uint8 images; `training_step` normalises them on the device."""
-        transform = uint8_transform(self.image_transform(cfg, train=True))
+        """Batches with uint8 images (JPEGs decoded at reduced size); `training_step` normalises them on the device."""
+        transform = training_image_decode(uint8_transform(self.image_transform(cfg, train=True)))
         decoder = ImageTextDecoder(transform, self.tokenizer(cfg, run_dir), attention_mask=self.uses_attention_mask)
         return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size), decoder)
 
