@@ -1,12 +1,17 @@
-"""The GPU benchmark suite (benchmarks/gpu) end to end on CPU: its dry run, every stage with tiny shapes.
+"""The GPU benchmark suite (benchmarks/gpu) end to end on CPU: its dry run, every stage with tiny shapes, and what
+a command keeps when a stage hangs or the command is killed.
 
 The GPU figures themselves only come from a GPU machine; this keeps the suite runnable until then.
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import warnings
+import zipfile
 
 import pytest
 
@@ -14,8 +19,13 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
+import plan
+import prepare_wheels
 import report
+import results
 import stages
+import suite
+from probe import SYNC_MESSAGE, SyncWarnings
 from stages import STAGES, search_batch
 from training import benchmark_settings, deep_update
 
@@ -26,34 +36,66 @@ SECTION_HEADERS = {
     "victor": "| batch | samples/s | step s |",
     "space2": "| batch | samples/s | step s |",
     "nccl": "| collective | result | seconds |",
+    "clip_compile": "| mode | samples/s | step s | first step s |",
+    "data_loader": "| workers | samples/s | per worker |",
 }
+
+
+def suite_command(out, work, *options):
+    return [
+        sys.executable,
+        str(REPO / "benchmarks/gpu/suite.py"),
+        "--dry-run",
+        "--output-dir",
+        str(out),
+        "--work",
+        str(work),
+        *options,
+    ]
+
+
+def suite_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, **extra}
+
+
+def statuses(out) -> dict[str, str]:
+    return {name: record["status"] for name, record in results.read_stages(out).items()}
+
+
+def report_rows(out) -> dict[str, str]:
+    """{stage: status} as gpu.md's table of stages shows them now."""
+    path = out / "gpu.md"
+    rows = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) >= 2 and cells[0] in STAGES:
+            rows[cells[0]] = cells[1]
+    return rows
 
 
 @pytest.fixture(scope="module")
 def dry_run(module_tmp):
+    """The whole dry run, its output folder watched while it runs: a snapshot each time a stage file changes."""
     out, work = module_tmp("gpu-out"), module_tmp("gpu-work")
-    results = REPO / "benchmarks" / "results"
-    before = sorted(p.name for p in results.iterdir())
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks/gpu/suite.py"),
-            "--dry-run",
-            "--output-dir",
-            str(out),
-            "--work",
-            str(work),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
+    results_folder = REPO / "benchmarks" / "results"
+    before = sorted(str(p.relative_to(results_folder)) for p in results_folder.rglob("*"))
+    process = subprocess.Popen(
+        suite_command(out, work), cwd=REPO, env=suite_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + log_tails(work)
-    assert sorted(p.name for p in results.iterdir()) == before, "a dry run must not write benchmarks/results/"
-    return json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text()
+    snapshots, deadline = [], time.monotonic() + 1500
+    while process.poll() is None and time.monotonic() < deadline:
+        now = statuses(out)
+        if not snapshots or now != snapshots[-1][0]:
+            snapshots.append((now, report_rows(out)))
+        time.sleep(0.1)
+    if process.poll() is None:
+        process.kill()
+    output = process.communicate()[0]
+    assert process.returncode == 0, output[-3000:] + log_tails(work)
+    after = sorted(str(p.relative_to(results_folder)) for p in results_folder.rglob("*"))
+    assert after == before, "a dry run must not write benchmarks/results/"
+    return json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text(), snapshots, out
 
 
 def log_tails(work) -> str:
@@ -61,8 +103,25 @@ def log_tails(work) -> str:
     return "".join(f"\n--- {log.name}\n" + log.read_text()[-3000:] for log in logs)
 
 
+def test_each_stage_file_and_the_report_are_written_as_the_stage_ends(dry_run):
+    *_, snapshots, out = dry_run
+    names = list(STAGES)
+    for index, name in enumerate(names[:-1]):
+        # a moment when this stage's record was final, in the report too, and a later stage had not finished
+        assert any(
+            seen.get(name) == "ok"
+            and rows.get(name) == "ok"
+            and any(seen.get(later) in (None, "running") for later in names[index + 1 :])
+            for seen, rows in snapshots
+        ), (name, snapshots)
+    assert any(seen.get(names[1]) == "running" for seen, _ in snapshots)  # a stage's record exists while it runs
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["gpu.json", "gpu.md", "logs.tar.gz", *(f"stage-{n}.json" for n in names)]
+    )
+
+
 def test_dry_run_runs_every_stage(dry_run):
-    record, _ = dry_run
+    record, *_ = dry_run
     assert record["dry_run"] is True
     assert list(record["stages"]) == list(STAGES)
     for name, stage in record["stages"].items():
@@ -73,6 +132,7 @@ def test_dry_run_runs_every_stage(dry_run):
 def test_dry_run_records_every_figure(dry_run):
     stages = {name: stage["results"] for name, stage in dry_run[0]["stages"].items()}
     clip = stages["clip_vitb16"]
+    assert all(r["sync_debug"] == "off: no CUDA device" and r["sync_warnings"] == 0 for r in clip["runs"])
     assert clip["flops_per_step"] > 0 and clip["matmul"]["tflops"] > 0
     assert [r["name"] for r in clip["runs"]] == ["mmpt ZeRO-0", "mmpt ZeRO-2", "open_clip_train"]
     for run in clip["runs"]:
@@ -92,10 +152,22 @@ def test_dry_run_records_every_figure(dry_run):
     nccl = stages["nccl"]
     assert set(nccl["collectives"].values()) <= {"ok", "skipped: NCCL only"}
     assert "multi-rank NCCL needs a multi-GPU machine" in nccl["note"]
+    compiled = stages["clip_compile"]
+    assert list(compiled["modes"]) == ["eager", "compiled"] and compiled["speedup"] > 0
+    for mode in compiled["modes"].values():
+        assert mode["samples_per_s"] > 0 and mode["steps_run"] == stages_profile().warmup + stages_profile().steps
+    loader = stages["data_loader"]
+    assert [r["workers"] for r in loader["runs"]] == sorted({1, 2, os.cpu_count() or 1})
+    for run in loader["runs"]:
+        assert run["samples_per_s"] > 0 and run["image_dtype"] == "torch.uint8", run
+
+
+def stages_profile():
+    return stages.DRY
 
 
 def test_dry_run_report_has_a_table_per_stage(dry_run):
-    record, text = dry_run
+    record, text, *_ = dry_run
     assert text.startswith("# GPU benchmarks") and "**Dry run**" in text
     assert f"torch {record['environment']['versions']['torch']}" in text
     for name, header in SECTION_HEADERS.items():
@@ -135,6 +207,113 @@ def test_batch_search_doubles_until_out_of_memory_and_halves_from_a_batch_that_d
     assert (timed["largest_fit"], timed["stopped_by"], len(timed["trials"])) == (64, "time", 1)
 
 
+# ----------------------------------------------------------------------------- a stage that hangs, a killed command
+
+
+def test_a_stage_past_its_cap_is_recorded_as_timed_out_and_the_next_stage_runs(tmp_path):
+    """The alarm at the cap stops a stage hanging in Python; the suite records it and goes on."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        suite_command(out, tmp_path / "work", "--only", "nccl,loss_memory", "--cap", "nccl=10"),
+        cwd=REPO,
+        env=suite_env(**{suite.STALL_VARIABLE: "nccl"}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert statuses(out) == {"nccl": "timed_out", "loss_memory": "ok"}, log_tails(tmp_path / "work")
+    assert report_rows(out) == {"nccl": "timed_out", "loss_memory": "ok"}
+    assert "**timed_out**: stopped at its cap (10 s)" in (out / "gpu.md").read_text()
+
+
+def test_a_stage_deaf_to_the_alarm_is_killed_and_the_next_stage_runs(tmp_path):
+    """A hang the alarm cannot stop (inside CUDA, say): its process is killed after the grace; the next stage runs."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        suite_command(out, tmp_path / "work", "--only", "nccl,loss_memory", "--cap", "nccl=6", "--isolate"),
+        cwd=REPO,
+        env=suite_env(**{suite.STALL_VARIABLE: "nccl:hard"}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert statuses(out) == {"nccl": "timed_out", "loss_memory": "ok"}, log_tails(tmp_path / "work")
+    nccl = results.read_stages(out)["nccl"]
+    assert "did not stop at the alarm" in nccl["error"] and nccl["seconds"] == 12
+
+
+def test_a_command_killed_mid_stage_keeps_the_finished_stages(tmp_path):
+    """Killed from outside while a stage runs (the 10-minute limit of a remote call): the stages before it keep
+    their records and the report lists them, the running stage shows as running."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    process = subprocess.Popen(
+        suite_command(out, work, "--only", "loss_memory,nccl"),
+        cwd=REPO,
+        env=suite_env(**{suite.STALL_VARIABLE: "nccl"}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 240
+    while statuses(out).get("nccl") != "running" and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    assert statuses(out).get("nccl") == "running", (process.poll(), log_tails(work))
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert statuses(out) == {"loss_memory": "ok", "nccl": "running"}, log_tails(work)
+    assert report_rows(out) == {"loss_memory": "ok", "nccl": "running"}
+    text = (out / "gpu.md").read_text()
+    assert "| loss | largest b that fits |" in text and "the command ended while this stage ran" in text
+    assert json.loads((out / "gpu.json").read_text())["stages"]["loss_memory"]["results"]["variants"]
+    assert (out / "logs.tar.gz").is_file()
+
+
+# ----------------------------------------------------------------------------- the plan, the records, the report
+
+
+def test_every_command_of_the_plan_fits_a_remote_call():
+    planned = [name for command in plan.COMMANDS for name in command.stages]
+    assert planned == list(STAGES), "each stage in one command, in the order of STAGES"
+    assert set(plan.CAPS) == set(STAGES)
+    for command in plan.COMMANDS:
+        assert command.seconds() <= plan.COMMAND_S, command
+        assert command.files() <= plan.FILES_BACK, command
+    text = plan.describe()
+    assert all(f"bash benchmarks/gpu/run.sh --group {c.group}" in text for c in plan.COMMANDS)
+
+
+def test_a_group_counts_its_budget_from_the_command_start(monkeypatch):
+    args = suite.parse_args(["--group", "2"])
+    assert args.only == ["m2_encoder"]
+    monkeypatch.setenv(suite.COMMAND_START_VARIABLE, str(time.time() - 100))
+    end = suite.budget_end(args, args.only, started=1000.0)
+    assert end == pytest.approx(1000.0 + plan.COMMAND_S - 100 - plan.END_MARGIN_S, abs=2)
+
+
+def stage_record(name, status="ok", gpu="NVIDIA H100 80GB HBM3"):
+    return {
+        "status": status,
+        "error": None,
+        "results": None,
+        "dry_run": False,
+        "environment": {"date": "d", "gpu": {"name": gpu}, "cpu_count": 16, "versions": {}},
+    }
+
+
+def test_merge_joins_the_folders_of_several_commands(tmp_path):
+    first, second, merged = tmp_path / "1", tmp_path / "2", tmp_path / "merged"
+    results.record_stage([first], "nccl", stage_record("nccl"), list(STAGES))
+    results.record_stage([second], "victor", stage_record("victor", "timed_out"), list(STAGES))
+    record = suite.merge([first, second], merged, list(STAGES))
+    assert list(record["stages"]) == ["nccl", "victor"]
+    assert report_rows(merged) == {"nccl": "ok", "victor": "timed_out"}
+    results.record_stage([second], "space2", stage_record("space2", gpu="NVIDIA H200"), list(STAGES))
+    with pytest.raises(SystemExit, match="different machines"):
+        suite.merge([first, second], tmp_path / "again", list(STAGES))
+
+
 def test_a_failed_stage_is_reported_with_its_error():
     record = {
         "environment": {"date": "d", "gpu": None, "cpu_count": 2, "versions": {}},
@@ -142,8 +321,88 @@ def test_a_failed_stage_is_reported_with_its_error():
         "stages": {
             "nccl": {"status": "failed", "error": "RuntimeError: boom", "results": None},
             "victor": {"status": "skipped", "error": "suite budget spent (540 s)", "results": None},
+            "space2": {"status": "running", "error": None, "results": None},
         },
     }
     text = report.markdown(record)
     assert "| nccl | failed |" in text and "**failed**: RuntimeError: boom" in text
     assert "**skipped**: suite budget spent" in text
+    assert "**running**: did not finish: the command ended while this stage ran" in text
+
+
+def test_sync_warnings_are_counted_by_point_and_site_and_others_pass_through():
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with SyncWarnings() as syncs:
+            warnings.warn(f"{SYNC_MESSAGE} in setup", UserWarning, stacklevel=1)
+            syncs.reached("forward", 1)
+            for _ in range(2):
+                warnings.warn(SYNC_MESSAGE, UserWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)
+    record = syncs.record()
+    assert record["sync_warnings"] == 3 and record["sync_warnings_in_steps"] == 2
+    assert record["sync_warnings_by_point"] == {"setup": 1, "forward": 2}
+    assert sum(record["sync_warning_sites"].values()) == 3
+    assert [str(w.message) for w in shown] == ["something else"]
+
+
+# ----------------------------------------------------------------------------- the wheels against the GPU image
+
+
+def fake_wheel(folder, name, requires=()):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    distribution = "-".join(name.split("-")[:2])
+    with zipfile.ZipFile(path, "w") as archive:
+        lines = ["Metadata-Version: 2.1", *(f"Requires-Dist: {r}" for r in requires)]
+        archive.writestr(f"{distribution}.dist-info/METADATA", "\n".join(lines) + "\n")
+    return path
+
+
+def test_wheels_the_image_cannot_install_are_named(tmp_path):
+    good = [
+        fake_wheel(tmp_path, "hjson-3.1.0-py3-none-any.whl"),
+        fake_wheel(tmp_path, "pydantic_core-2.50.5-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"),
+        fake_wheel(tmp_path, "av-18.1.0-cp39-abi3-manylinux_2_28_x86_64.whl"),
+    ]
+    assert prepare_wheels.tag_conflicts(good) == []
+    cp311 = fake_wheel(tmp_path, "thing-1.0-cp311-cp311-manylinux_2_17_x86_64.whl")
+    arm = fake_wheel(tmp_path, "other-1.0-py3-none-manylinux_2_17_aarch64.whl")
+    found = prepare_wheels.tag_conflicts([*good, cp311, arm])
+    assert len(found) == 2 and "thing-1.0-cp311" in found[0] and "aarch64" in found[1]
+
+
+def test_requirements_the_image_does_not_meet_are_named():
+    from packaging.requirements import Requirement
+
+    pairs = [
+        ("a", Requirement("torch>=2.0")),
+        ("b", Requirement("torch==2.14.0")),
+        ("c", Requirement("numpy<2")),
+        ("d", Requirement("nvidia-cudnn-cu12")),
+        ("e", Requirement("nvidia-cudnn-cu13")),
+        ("f", Requirement("pydantic==2.14.4")),
+    ]
+    found = prepare_wheels.image_conflicts(pairs)
+    assert found == [
+        "b needs torch==2.14.0; the image has torch 2.11.0",
+        "c needs numpy<2; the image has numpy 2.5.2",
+        "d needs nvidia-cudnn-cu12, built for CUDA 12; the image has CUDA 13",
+    ]
+
+
+def test_the_check_fails_in_one_line_and_records_what_it_carries(tmp_path, capsys):
+    folder = tmp_path / "whl"
+    fake_wheel(folder, "hjson-3.1.0-py3-none-any.whl")
+    fake_wheel(folder, "deepspeed-0.19.8-py3-none-any.whl", ["torch", "hjson"])
+    assert prepare_wheels.check_folder(folder) == 0
+    printed = capsys.readouterr().out
+    assert "MiB + working tree" in printed and "MiB (transfer limit 64 MiB" in printed
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["carried"] == {"deepspeed": "0.19.8", "hjson": "3.1.0"}
+    assert manifest["image"]["torch"] == "2.11.0" and manifest["image"]["python"] == "3.12"
+    fake_wheel(folder, "pinned-1.0-cp311-cp311-manylinux_2_17_x86_64.whl", ["torch==2.14.0"])
+    assert prepare_wheels.check_folder(folder) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("prepare_wheels: cannot carry for the GPU image:")
+    assert "built for cp311-cp311-manylinux_2_17_x86_64" in error and "torch==2.14.0" in error

@@ -18,15 +18,26 @@ those the image provides, at the versions installed here (the versions the tests
   path of the open_clip runs only (as benchmarks/train_throughput.py does on CPU).
 
 decord is left out unless asked: without it VICTOR decodes with PyAV, which the shard builder needs
-anyway, and the carried folder stays well under the 64 MiB a transfer may hold. The script ends by
-checking that every requirement of every wheel is either in the folder or on the image, and that the
-folder plus the working tree fit in the transfer limit.
+anyway, and the carried folder stays well under the 64 MiB a transfer may hold.
+
+The GPU image's versions (IMAGE: Python 3.12, torch 2.11 for CUDA 13, and the versions its package list
+gives) are checked before anything is downloaded, against what the carried distributions ask for as
+installed here, and again against the downloaded wheels: a wheel built for no Python 3.12 (cp311 only, say),
+one built for another CUDA, or a requirement the image's version does not meet (a pin of torch to another
+release) ends the script at once, with one line naming each. It then checks that every requirement of every
+wheel is in the folder or on the image, prints the folder plus the working tree against the transfer limit,
+and records what it carries, for what image, in `.whl/manifest.json` (run.sh compares that image with the
+machine's; the suite's records carry the manifest).
+
+    python benchmarks/gpu/prepare_wheels.py --check     # the checks alone, on the folder as it is
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -38,6 +49,9 @@ from pathlib import Path
 
 import tomllib
 from packaging.requirements import Requirement
+from packaging.tags import Tag, compatible_tags, cpython_tags
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON_VERSION = "3.12"
@@ -49,7 +63,7 @@ PLATFORMS = [
     "manylinux2010_x86_64",
     "manylinux1_x86_64",
 ]
-# The environment the wheels are for, to evaluate requirement markers (python_version set by --python-version).
+# The environment the wheels are for (the image's), to evaluate requirement markers.
 TARGET = {
     "python_version": PYTHON_VERSION,
     "python_full_version": f"{PYTHON_VERSION}.0",
@@ -61,6 +75,30 @@ TARGET = {
     "platform_python_implementation": "CPython",
     "extra": "",
 }
+# The GPU image (the device notes' KINDS.md): Python, CUDA, and the versions its package list gives. A wheel must
+# install on this Python, and nothing carried may ask for other versions of these.
+IMAGE_PYTHON = (3, 12)
+IMAGE_CUDA = 13
+IMAGE = {
+    "python": "3.12",
+    "cuda": "13",
+    "torch": "2.11.0",
+    "torchvision": "0.26.0",
+    "torchaudio": "2.11.0",
+    "triton": "3.6.0",
+    "transformers": "5.17.0",
+    "tokenizers": "0.23.2",
+    "huggingface-hub": "1.33.0",
+    "safetensors": "0.8.0",
+    "sentencepiece": "0.2.2",
+    "numpy": "2.5.2",
+    "accelerate": "1.15.0",
+    "onnx": "1.23.1",
+    "onnxruntime": "1.30.0",
+    "onnxscript": "0.7.2",
+}
+IMAGE_GLIBC_MINOR = 39  # Ubuntu 24.04's glibc 2.39 (the image's Python is 3.12.3): manylinux_2_N for N up to this
+CUDA_SUFFIX = re.compile(r"(?:-cu|cupy-cuda)(\d+)")  # nvidia-cudnn-cu12, cupy-cuda12x: built for that CUDA
 # On the GPU image already (its package list), as far as mmpt's dependency tree reaches them. Their own
 # requirements are the image's business and are not followed.
 ON_IMAGE = {
@@ -154,10 +192,10 @@ def needed_distributions(with_decord: bool) -> dict[str, str]:
     return dict(sorted(carry.items()))
 
 
-def pip(*args: str) -> None:
+def pip(*args: str, quiet_output: bool = False) -> None:
     command = [sys.executable, "-m", "pip", *args]
     print("+", " ".join(command), flush=True)
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, capture_output=quiet_output, text=True)
 
 
 def download(pins: list[str], into: Path) -> None:
@@ -174,6 +212,7 @@ def download(pins: list[str], into: Path) -> None:
         "--dest",
         str(into),
         *pins,
+        quiet_output=True,
     )
 
 
@@ -224,6 +263,121 @@ def check_closure(folder: Path) -> list[str]:
     return missing
 
 
+def image_tags() -> set[Tag]:
+    """Every wheel tag the image's Python installs: CPython 3.12 (and abi3 from older), manylinux x86_64, pure."""
+    platforms = [f"manylinux_2_{n}_x86_64" for n in range(IMAGE_GLIBC_MINOR, 4, -1)]
+    platforms += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
+    return {
+        *cpython_tags(
+            IMAGE_PYTHON, abis=[f"cp{IMAGE_PYTHON[0]}{IMAGE_PYTHON[1]}", "abi3", "none"], platforms=platforms
+        ),
+        *compatible_tags(IMAGE_PYTHON, f"cp{IMAGE_PYTHON[0]}{IMAGE_PYTHON[1]}", platforms),
+    }
+
+
+def tag_conflicts(wheels: list[Path]) -> list[str]:
+    """Wheels the image's Python would not install (built for other Pythons or platforms)."""
+    supported, found = image_tags(), []
+    for wheel in wheels:
+        try:
+            _, _, _, tags = parse_wheel_filename(wheel.name)
+        except InvalidWheelFilename:
+            found.append(f"{wheel.name} is not a wheel's name")
+            continue
+        if not tags & supported:
+            built = ", ".join(sorted(str(t) for t in tags))
+            found.append(f"{wheel.name} is built for {built}, not CPython {IMAGE['python']} manylinux x86_64")
+    return found
+
+
+def image_conflicts(requirements: list[tuple[str, Requirement]]) -> list[str]:
+    """(who, requirement) pairs the image cannot meet: a version of an image package it does not have, or a
+    package built for another CUDA."""
+    found = []
+    for who, requirement in requirements:
+        name = canonical(requirement.name)
+        cuda = CUDA_SUFFIX.search(name)
+        if cuda and int(cuda.group(1)[:2]) != IMAGE_CUDA:
+            found.append(f"{who} needs {requirement}, built for CUDA {cuda.group(1)}; the image has CUDA {IMAGE_CUDA}")
+            continue
+        if name not in IMAGE or not requirement.specifier:
+            continue
+        try:
+            meets = requirement.specifier.contains(Version(IMAGE[name]), prereleases=True)
+        except InvalidVersion:
+            continue
+        if not meets:
+            found.append(f"{who} needs {requirement}; the image has {name} {IMAGE[name]}")
+    return found
+
+
+def installed_requirements(carry: dict[str, str]) -> list[tuple[str, Requirement]]:
+    """What mmpt and each distribution to carry ask for, as installed here: checked before any download."""
+    pairs = [("mmpt", r) for r in project_requirements()]
+    for name, version in carry.items():
+        pairs += [(f"{name} {version}", r) for r in runtime_requirements(name)]
+    return pairs
+
+
+def folder_requirements(wheels: list[Path]) -> list[tuple[str, Requirement]]:
+    return [(wheel.name, r) for wheel in wheels for r in wheel_requirements(wheel)]
+
+
+def fail(problems: list[str]) -> int:
+    """One line for all of them."""
+    print(f"prepare_wheels: cannot carry for the GPU image: {'; '.join(problems)}", file=sys.stderr)
+    return 1
+
+
+def carried_versions(wheels: list[Path], root: Path) -> dict[str, str]:
+    found = {}
+    for wheel in wheels:
+        name, version, _, _ = parse_wheel_filename(wheel.name)
+        found[str(wheel.relative_to(root).parent / name) if wheel.parent != root else str(name)] = str(version)
+    return dict(sorted(found.items()))
+
+
+def write_manifest(folder: Path, wheels: list[Path]) -> dict:
+    """What the folder carries and for which image, with the versions the tests ran with here."""
+    here: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "numpy", "deepspeed", "open_clip_torch"):
+        try:
+            here[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            here[name] = None
+    manifest = {
+        "image": IMAGE,
+        "carried": carried_versions(wheels, folder),
+        "tested_here_with": here,
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def version_notes(here: dict[str, str | None]) -> list[str]:
+    """Image packages whose version here (where the tests ran) is not the image's: they run there as the image has
+    them, not as tested."""
+    return [
+        f"{name}: tested here with {version}, runs on the image's {IMAGE[name]}"
+        for name, version in here.items()
+        if version and name in IMAGE and Version(version.split("+")[0]).release[:2] != Version(IMAGE[name]).release[:2]
+    ]
+
+
+def download_or_fail(pins: list[str], into: Path) -> list[str]:
+    """pip download; on failure, a line per requirement pip found no wheel of for the image."""
+    try:
+        download(pins, into)
+    except subprocess.CalledProcessError as exc:
+        output = (exc.stderr or "") + (exc.stdout or "")
+        missing = re.findall(r"No matching distribution found for (\S+)", output)
+        return [
+            f"no wheel of {m} for CPython {IMAGE['python']} manylinux x86_64 on the index (built for other Pythons only?)"
+            for m in missing
+        ] or [f"pip download failed: {' '.join(output.split())[-300:]}"]
+    return []
+
+
 def mib(paths: list[Path]) -> float:
     return sum(p.stat().st_size for p in paths if p.is_file()) / 2**20
 
@@ -244,38 +398,59 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dest", type=Path, default=REPO / ".whl", help="the folder to fill (emptied first)")
     parser.add_argument("--with-decord", action="store_true", help="also carry decord (13 MiB)")
-    parser.add_argument("--python-version", default=PYTHON_VERSION, help="of the machine the wheels are for")
+    parser.add_argument("--check", action="store_true", help="only check the folder as it is; download nothing")
     args = parser.parse_args()
-    TARGET.update(python_version=args.python_version, python_full_version=f"{args.python_version}.0")
 
-    carry = needed_distributions(args.with_decord)
-    shutil.rmtree(args.dest, ignore_errors=True)
-    args.dest.mkdir(parents=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        download([f"{n}=={v}" for n, v in carry.items() if n not in BUILT_FROM_SDIST], Path(scratch))
-        for name in BUILT_FROM_SDIST & carry.keys():
-            build_from_sdist(f"{name}=={carry[name]}", Path(scratch))
-        for wheel in Path(scratch).glob("*.whl"):
-            shutil.move(wheel, args.dest / wheel.name)
-    download(OPEN_CLIP_TRAIN_DEPS, args.dest / "open_clip_train")
+    if not args.check:
+        carry = needed_distributions(args.with_decord)
+        problems = image_conflicts(installed_requirements(carry))
+        if problems:
+            return fail(problems)
+        shutil.rmtree(args.dest, ignore_errors=True)
+        args.dest.mkdir(parents=True)
+        with tempfile.TemporaryDirectory() as scratch:
+            problems = download_or_fail(
+                [f"{n}=={v}" for n, v in carry.items() if n not in BUILT_FROM_SDIST], Path(scratch)
+            )
+            if problems:
+                return fail(problems)
+            for name in BUILT_FROM_SDIST & carry.keys():
+                build_from_sdist(f"{name}=={carry[name]}", Path(scratch))
+            for wheel in Path(scratch).glob("*.whl"):
+                shutil.move(wheel, args.dest / wheel.name)
+        problems = download_or_fail(OPEN_CLIP_TRAIN_DEPS, args.dest / "open_clip_train")
+        if problems:
+            return fail(problems)
+    return check_folder(args.dest)
 
-    missing = check_closure(args.dest)
-    wheels = sorted(args.dest.rglob("*.whl"))
-    folder, tree = mib(wheels), working_tree_mib()
+
+def check_folder(folder: Path) -> int:
+    """The wheels against the image (tags, requirements), the closure, the size; the manifest written."""
+    wheels = sorted(folder.rglob("*.whl"))
+    if not wheels:
+        return fail([f"no wheels in {folder}: run benchmarks/gpu/prepare_wheels.py without --check first"])
+    problems = tag_conflicts(wheels) + image_conflicts(folder_requirements(wheels))
+    problems += [f"{need}, found neither in {folder.name} nor on the image" for need in check_closure(folder)]
+    size, tree = mib(wheels), working_tree_mib()
     for wheel in wheels:
-        print(f"{wheel.stat().st_size / 2**20:7.2f} MiB  {wheel.relative_to(args.dest)}")
-    print(
-        f"wheels {folder:.1f} MiB + working tree {tree:.1f} MiB = {folder + tree:.1f} MiB "
-        f"(transfer limit {TRANSFER_LIMIT_MIB:.0f} MiB)"
-    )
+        print(f"{wheel.stat().st_size / 2**20:7.2f} MiB  {wheel.relative_to(folder)}")
     for reason in (f"carried although on the image: {n} ({why})" for n, why in CARRY_ANYWAY.items()):
         print(reason)
-    if missing:
-        print("requirements found nowhere:\n  " + "\n  ".join(missing), file=sys.stderr)
-        return 1
-    if folder + tree > TRANSFER_LIMIT_MIB - HEADROOM_MIB:
-        print(f"too large: keep {HEADROOM_MIB:.0f} MiB of headroom under the transfer limit", file=sys.stderr)
-        return 1
+    manifest = write_manifest(folder, wheels)
+    for note in version_notes(manifest["tested_here_with"]):
+        print(note)
+    total = size + tree
+    print(
+        f"wheels {size:.1f} MiB + working tree {tree:.1f} MiB = {total:.1f} MiB "
+        f"(transfer limit {TRANSFER_LIMIT_MIB:.0f} MiB, {HEADROOM_MIB:.0f} MiB kept free)"
+    )
+    if total > TRANSFER_LIMIT_MIB - HEADROOM_MIB:
+        problems.append(f"wheels and working tree take {total:.1f} MiB, over {TRANSFER_LIMIT_MIB - HEADROOM_MIB:.0f}")
+    if problems:
+        return fail(problems)
+    print(
+        f"{len(wheels)} wheels fit the GPU image (Python {IMAGE['python']}, torch {IMAGE['torch']}, CUDA {IMAGE['cuda']})"
+    )
     return 0
 
 

@@ -10,6 +10,10 @@ start them). RESULT.json gets: status (ok, oom, error), the error line, the peak
 (several GB of optimizer state for a 0.4B model) and the consolidation of its weights are skipped
 by replacing `mmpt.engine.checkpoint.Checkpointer.save` and `mmpt.engine.trainer.finish`; the peak is read where
 `finish` would start, right after the last step.
+
+Where CUDA is, every run goes with `torch.cuda.set_sync_debug_mode("warn")` on: each operation that makes the
+host wait for the device warns, and RESULT.json counts the warnings: in all, by the point of the step the
+run had last reached (mmpt's step hooks; `setup` before the first), and by the Python line that called.
 """
 
 from __future__ import annotations
@@ -20,12 +24,79 @@ import runpy
 import sys
 import time
 import traceback
+import warnings
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's warning in sync debug mode "warn"
+SHOWN_SYNC_WARNINGS = 3  # printed to the log; the rest only counted
+
+
+class SyncWarnings:
+    """Sync debug mode "warn" on (where CUDA is) while inside, and its warnings counted, not printed beyond the
+    first few. `reached(point, step)` is a step-hook observer: warnings are counted by the last point reached."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.count = 0
+        self.point = "setup"
+        self.by_point: Counter[str] = Counter()
+        self.sites: Counter[str] = Counter()
+
+    def __enter__(self) -> SyncWarnings:
+        import torch
+
+        self._catcher = warnings.catch_warnings()
+        self._catcher.__enter__()
+        warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}")
+        self._show = warnings.showwarning
+        warnings.showwarning = self._seen
+        self.active = torch.cuda.is_available()
+        if self.active:
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        if self.active:
+            torch.cuda.set_sync_debug_mode("default")
+        self._catcher.__exit__(*exc)
+
+    def reached(self, point: str, step: int) -> None:
+        self.point = point
+
+    def _seen(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if SYNC_MESSAGE not in str(message):
+            self._show(message, category, filename, lineno, file, line)
+            return
+        site = f"{short_path(filename)}:{lineno}"
+        self.count += 1
+        self.by_point[self.point] += 1
+        self.sites[site] += 1
+        if self.count <= SHOWN_SYNC_WARNINGS:
+            print(f"sync warning {self.count} (after {self.point}): {site}", file=sys.stderr, flush=True)
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "sync_debug": "warn" if self.active else "off: no CUDA device",
+            "sync_warnings": self.count,
+            "sync_warnings_in_steps": self.count - self.by_point["setup"],
+            "sync_warnings_by_point": dict(self.by_point),
+            "sync_warning_sites": dict(self.sites.most_common(8)),
+        }
+
+
+def short_path(filename: str) -> str:
+    """A file name from site-packages or the repository, without the machine's folders before it."""
+    for marker in ("site-packages/", str(Path(__file__).resolve().parents[2]) + "/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    return filename
 
 
 def device_memory() -> dict[str, float | None]:
@@ -63,7 +134,7 @@ def steps_only(record: dict[str, Any]) -> Iterator[None]:
         record.update(device_memory())
         return {}
 
-    Checkpointer.save, trainer.finish = (lambda *args, **kwargs: None), finish
+    Checkpointer.save, trainer.finish = (lambda *args, **kwargs: None), finish  # pyright: ignore[reportAttributeAccessIssue]
     try:
         yield
     finally:
@@ -85,19 +156,21 @@ def run_entry(script: str, args: list[str], mmpt: bool = False) -> dict[str, Any
     started = time.perf_counter()
     argv = sys.argv
     sys.argv = [script, *args]
+    syncs = SyncWarnings()
     try:
-        with steps_only(record) if mmpt else _nothing():
+        with syncs, steps_only(record) if mmpt else _nothing(), observed(syncs.reached, mmpt):
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (0, None):
             record.update(status="error", error=f"{Path(script).name} exited with {exc.code}")
-    except BaseException as exc:  # reported in the record: the caller decides what a failure means
+    except Exception as exc:  # reported in the record: the caller decides what a failure means
         traceback.print_exc()
         status = "oom" if is_oom(exc) else "error"
         record.update(status=status, error=" ".join(f"{type(exc).__name__}: {exc}".split())[:600])
     finally:
         sys.argv = argv
     record["wall_s"] = time.perf_counter() - started
+    record.update(syncs.record())
     if record.get("peak_allocated_mib") is None:
         record.update(device_memory())
     return record
@@ -106,6 +179,15 @@ def run_entry(script: str, args: list[str], mmpt: bool = False) -> dict[str, Any
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+def observed(observer: Any, mmpt: bool) -> Any:
+    """mmpt's step hooks tell `observer` each point a run reaches; other trainers have none."""
+    if not mmpt:
+        return _nothing()
+    from mmpt.engine.hooks import observing
+
+    return observing(observer)
 
 
 def main(argv: list[str]) -> int:

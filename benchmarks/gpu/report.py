@@ -1,4 +1,7 @@
-"""gpu.md from the suite's record (gpu.json): the machine at the top, then one section and table per stage."""
+"""gpu.md from the suite's record (gpu.json): the machine at the top, then one section and table per stage.
+
+Built from whatever stage records there are, after every stage: a stage may be `running` (the command ended
+while it ran), `timed_out` with what it measured before its cap, or have partial results."""
 
 from __future__ import annotations
 
@@ -11,6 +14,12 @@ TITLES = {
     "victor": "VICTOR base, bf16",
     "space2": "SPACE-2 base, bf16",
     "nccl": "NCCL collectives",
+    "clip_compile": "torch.compile on and off: a ViT-B/16 CLIP training step",
+    "data_loader": "mmpt's loader on the machine's CPU cores: generated JPEG shards",
+}
+STATUS_NOTES = {
+    "running": "did not finish: the command ended while this stage ran",
+    "timed_out": "stopped at its cap",
 }
 
 
@@ -59,13 +68,29 @@ def header(record: dict) -> list[str]:
     ]
     if record.get("dry_run"):
         lines.append("**Dry run** on CPU with tiny shapes: it checks the suite, its figures say nothing about a GPU.")
-    if record.get("merged_from"):
-        lines.append("Merged from " + ", ".join(f"`{m}`" for m in record["merged_from"]) + ".")
+    if record.get("machines"):
+        lines.append("Stages ran on: " + ", ".join(f"{k}: {v}" for k, v in record["machines"].items()) + ".")
     rows = [
-        [name, stage["status"], fmt(stage.get("seconds"), 0), fmt(stage.get("cap_s"), 0)]
+        [
+            name,
+            stage["status"],
+            fmt(stage.get("group")),
+            fmt(stage.get("seconds"), 0),
+            fmt(stage.get("cap_s"), 0),
+            fmt(stage.get("finished") or stage.get("started")),
+        ]
         for name, stage in record["stages"].items()
     ]
-    return [*lines, "", *table(["stage", "status", "seconds", "cap s"], rows), ""]
+    return [*lines, "", *table(["stage", "status", "command", "seconds", "cap s", "recorded"], rows), ""]
+
+
+def syncs(run: dict) -> str:
+    """Sync warnings of a run as `in steps / all`, or what kept the count off."""
+    if run.get("sync_debug") is None:
+        return "n/a"
+    if run["sync_debug"] != "warn":
+        return "off"
+    return f"{run.get('sync_warnings_in_steps', 'n/a')} / {run['sync_warnings']}"
 
 
 def clip_section(r: dict) -> list[str]:
@@ -76,7 +101,8 @@ def clip_section(r: dict) -> list[str]:
         f"master copy); open_clip_train: `--precision {r['open_clip_precision']}` (autocast). Step times are "
         "what each trainer logs, timed on the host: mmpt's forward time has no device synchronisation, so "
         "kernels still running when it returns count in backward + optimizer; open_clip logs data and whole-step "
-        "time only.",
+        'time only. Sync warnings: `torch.cuda.set_sync_debug_mode("warn")` was on in every run; counted while '
+        "the steps ran / in all (setup included).",
         f"FLOPs per step (FlopCounterMode, forward + backward): {sig(r['flops_per_step'] / 1e12)} TFLOP. "
         f"Measured dense bf16 matmul ({matmul['size']}³): **{sig(matmul['tflops'])} TFLOP/s**. "
         f"Nominal: {fmt(r['nominal_peak_tflops'], 0)} TFLOP/s ({r['nominal_note']}).",
@@ -85,7 +111,7 @@ def clip_section(r: dict) -> list[str]:
     rows = []
     for run in r["runs"]:
         if run["status"] != "ok":
-            rows.append([run["name"], fmt(run.get("zero_stage")), run["status"], *["n/a"] * 11])
+            rows.append([run["name"], fmt(run.get("zero_stage")), run["status"], *["n/a"] * 12])
             continue
         rows.append(
             [
@@ -103,6 +129,7 @@ def clip_section(r: dict) -> list[str]:
                 sig(run.get("achieved_tflops")),
                 pct(run.get("mfu_measured_peak")),
                 pct(run.get("mfu_nominal_peak")),
+                syncs(run),
             ]
         )
     return [
@@ -123,6 +150,7 @@ def clip_section(r: dict) -> list[str]:
                 "TFLOP/s",
                 "MFU (measured peak)",
                 "MFU (nominal)",
+                "sync warnings (steps / all)",
             ],
             rows,
         ),
@@ -152,6 +180,7 @@ def m2_section(r: dict) -> list[str]:
                 fmt(s["largest_fit"]),
                 fmt(s["first_oom"]),
                 s["stopped_by"],
+                syncs(t),
             ]
         )
     lines += table(
@@ -166,6 +195,7 @@ def m2_section(r: dict) -> list[str]:
             "largest micro-batch that fits",
             "first OOM",
             "search stopped by",
+            "sync warnings (steps / all)",
         ],
         rows,
     )
@@ -225,11 +255,10 @@ def method_section(r: dict) -> list[str]:
         fmt(run.get("forward_s"), 3),
         gib(run.get("peak_allocated_mib")),
         gib(run.get("peak_reserved_mib")),
+        syncs(run),
     ]
-    return [
-        *lines,
-        *table(["batch", "samples/s", "step s", "data s", "forward s", "peak alloc GiB", "peak reserved GiB"], [row]),
-    ]
+    header = ["batch", "samples/s", "step s", "data s", "forward s", "peak alloc GiB", "peak reserved GiB"]
+    return [*lines, *table([*header, "sync warnings (steps / all)"], [row])]
 
 
 def nccl_section(r: dict) -> list[str]:
@@ -241,6 +270,53 @@ def nccl_section(r: dict) -> list[str]:
     ]
 
 
+def compile_section(r: dict) -> list[str]:
+    lines = [
+        f"`{r['model']}`, batch {r['batch']}, {r['precision']}, AdamW, one fixed random batch; compiled: "
+        f"{r['compiled']} (backend `{r['backend']}`). {r['steps']} steps timed after {r['warmup_steps']} (the first "
+        f"compiled ones compile; their time is the warm-up column). Speedup (eager / compiled step time): "
+        f"**{fmt(r.get('speedup'), 2)}x**.",
+        "",
+    ]
+    rows = [
+        [
+            mode,
+            fmt(m.get("samples_per_s")),
+            fmt(m.get("step_s"), 4),
+            fmt(m.get("first_step_s"), 1),
+            fmt(m.get("warmup_s"), 1),
+            gib(m.get("peak_allocated_mib")),
+            syncs(m),
+            m.get("error") or "",
+        ]
+        for mode, m in r["modes"].items()
+    ]
+    header = ["mode", "samples/s", "step s", "first step s", "warm-up s", "peak alloc GiB", "sync warnings", "note"]
+    return [*lines, *table(header, rows)]
+
+
+def loader_section(r: dict) -> list[str]:
+    lines = [
+        f"The open_clip method's training loader for `{r['model']}` (StatefulLoader over BatchStream: JPEG decode, "
+        f"open_clip's training transform, tokenizer, uint8 batches of {r['batch']}) on {r['cores']} CPU cores, "
+        f"reading about {r['images']} generated JPEGs (`{r['images_from']}`) resampled; "
+        f"each worker count timed for {fmt(r['timed_s'], 0)} s after two batches.",
+        "",
+    ]
+    rows = [
+        [
+            str(run["workers"]),
+            fmt(run.get("samples_per_s")),
+            fmt(run.get("samples_per_s_per_worker")),
+            fmt(run.get("first_batch_s"), 1),
+            fmt(run.get("batches_timed")),
+            run.get("error") or "",
+        ]
+        for run in r["runs"]
+    ]
+    return [*lines, *table(["workers", "samples/s", "per worker", "first batch s", "batches", "error"], rows)]
+
+
 SECTIONS = {
     "clip_vitb16": clip_section,
     "m2_encoder": m2_section,
@@ -248,6 +324,8 @@ SECTIONS = {
     "victor": method_section,
     "space2": method_section,
     "nccl": nccl_section,
+    "clip_compile": compile_section,
+    "data_loader": loader_section,
 }
 
 
@@ -256,7 +334,8 @@ def markdown(record: dict) -> str:
     for name, stage in record["stages"].items():
         lines += [f"## {TITLES.get(name, name)} (`{name}`)", ""]
         if stage["status"] != "ok":
-            lines += [f"**{stage['status']}**: {stage.get('error') or ''}", ""]
+            note = stage.get("error") or STATUS_NOTES.get(stage["status"], "")
+            lines += [f"**{stage['status']}**: {note}", ""]
         if stage.get("results"):
             try:
                 lines += SECTIONS[name](stage["results"])

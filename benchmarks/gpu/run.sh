@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The GPU benchmark suite in one command, on a machine with torch and CUDA but no network:
+# One command of the GPU benchmark suite, on a machine with torch and CUDA but no network:
 #
-#   bash benchmarks/gpu/run.sh [suite.py options]      e.g.  --only m2_encoder --budget 540
+#   bash benchmarks/gpu/run.sh --group 1      # each group of `python benchmarks/gpu/plan.py`, in order
+#   bash benchmarks/gpu/run.sh [suite.py options]      e.g.  --only nccl --budget 120
 #
 # from the repository root, with the wheel folder made by benchmarks/gpu/prepare_wheels.py at .whl/
 # (or MMPT_WHEELS=folder). It installs the wheels into /tmp/site (MMPT_SITE), lays out the mmpt package
-# from the working tree, prints the machine, and runs benchmarks/gpu/suite.py: results in
-# benchmarks/results/gpu.{md,json} and, when OUT is set, in $OUT with suite.log and logs.tar.gz.
+# from the working tree, prints the machine, and runs benchmarks/gpu/suite.py, which counts a group's
+# time from this script's start. Results in $OUT when it is set (benchmarks/results/gpu/ without it):
+# stage-<name>.json as each stage ends, gpu.md and gpu.json rebuilt each time, logs.tar.gz, and suite.log.
+export MMPT_GPU_COMMAND_START=${MMPT_GPU_COMMAND_START:-$(date +%s)}
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
@@ -43,7 +46,7 @@ export PYTHONUNBUFFERED=1
     echo "== machine"
     nvidia-smi 2>&1 || echo "nvidia-smi: not available"
     # From another folder: the repository root on sys.path would shadow the mmpt layout above.
-    cd /tmp && "$python" - <<'EOF'
+    cd /tmp && MMPT_REPO=$repo "$python" - <<'EOF'
 import platform
 from importlib import metadata
 
@@ -58,14 +61,26 @@ for name in ("deepspeed", "open_clip_torch", "webdataset", "pydantic", "av", "de
         print(f"  {name} {metadata.version(name)}")
     except metadata.PackageNotFoundError:
         print(f"  {name}: not installed")
+import json, os
+manifest = os.path.join(os.environ.get("MMPT_WHEELS") or os.path.join(os.environ["MMPT_REPO"], ".whl"), "manifest.json")
+if os.path.isfile(manifest):  # what prepare_wheels.py checked the wheels against
+    image = json.load(open(manifest))["image"]
+    found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in image:
+        if name not in found:
+            try:
+                found[name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                found[name] = None
+    differ = [f"{n} {found[n]} (prepared for {v})" for n, v in image.items()
+              if found[n] is None or not str(found[n]).startswith(str(v))]
+    print("the image is what the wheels were prepared for" if not differ
+          else "the image differs from what the wheels were prepared for: " + ", ".join(differ))
 import mmpt.data, mmpt.losses, mmpt.engine  # the layout above works
 EOF
 } 2>&1 | tee "$log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "the environment check failed: see above" >&2; exit 1; }
 
+# The suite writes each stage's record and logs.tar.gz as the stage ends: nothing is left to do after it.
 "$python" benchmarks/gpu/suite.py --work "$work" "$@" 2>&1 | tee -a "$log"
-status=${PIPESTATUS[0]}
-if [ -n "${OUT:-}" ]; then
-    tar czf "$OUT/logs.tar.gz" -C "$work" logs configs results 2>/dev/null
-fi
-exit "$status"
+exit "${PIPESTATUS[0]}"

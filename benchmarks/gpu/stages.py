@@ -10,6 +10,10 @@ the H100/H200 SXM (989 TFLOP/s), reported beside the measured one.
 from __future__ import annotations
 
 import copy
+import io
+import os
+import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -21,7 +25,7 @@ import corpora
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from training import REPO, Runner, deep_update, mmpt_run, open_clip_run
+from training import REPO, Runner, benchmark_settings, deep_update, mmpt_run, open_clip_run
 
 if str(REPO) not in sys.path:  # the other benchmarks (benchmarks.train_throughput, ...) as modules
     sys.path.append(str(REPO))
@@ -55,6 +59,12 @@ class Profile:
     loss_batch_cap: int
     victor_batch: int | None  # None: the config's
     space2_batch: int | None
+    compile_backend: str  # torch.compile's, for the clip_compile stage
+    loader_images: int  # generated JPEGs the data_loader stage reads (resampled)
+    loader_image_sizes: tuple[int, int]  # shortest and longest side of a generated JPEG
+    loader_batch: int
+    loader_workers: tuple[int, ...]  # worker counts, each at most the machine's cores (at least 1)
+    loader_seconds: float  # timed per worker count, after the warm-up batches
     m2_overrides: dict = field(default_factory=dict)
     victor_overrides: dict = field(default_factory=dict)
     space2_overrides: dict = field(default_factory=dict)
@@ -78,6 +88,12 @@ GPU = Profile(
     loss_batch_cap=2**22,
     victor_batch=None,
     space2_batch=None,
+    compile_backend="inductor",
+    loader_images=512,
+    loader_image_sizes=(240, 800),
+    loader_batch=256,
+    loader_workers=(1, 4, 8, 16),
+    loader_seconds=6.0,
     victor_overrides={"method": {"text": {"vocab_size": BERT_BASE_CHINESE_VOCAB}}},
 )
 
@@ -99,6 +115,12 @@ DRY = Profile(
     loss_batch_cap=128,
     victor_batch=2,
     space2_batch=4,
+    compile_backend="aot_eager",  # the dynamo capture and autograd split without inductor's code generation
+    loader_images=4,
+    loader_image_sizes=(48, 96),
+    loader_batch=4,
+    loader_workers=(1, 2),
+    loader_seconds=1.0,
     # The shapes of tests/test_config_matrix.py's shrunk configs: the same code paths, tiny.
     m2_overrides={
         "method": {
@@ -138,6 +160,7 @@ class Context:
     work: Path
     deadline: float  # time.monotonic() by which the stage must be done
     runner: Runner
+    partial: dict[str, Any] = field(default_factory=dict)  # what the stage measured so far: kept if it is stopped
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -197,11 +220,11 @@ def matmul_peak(device: str, size: int, repeats: int = 50) -> dict[str, Any]:
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     for _ in range(10):
-        a @ b
+        torch.mm(a, b)
     synchronize(device)
     started = time.perf_counter()
     for _ in range(repeats):
-        a @ b
+        torch.mm(a, b)
     synchronize(device)
     seconds = (time.perf_counter() - started) / repeats
     return {
@@ -221,17 +244,13 @@ def synchronize(device: str) -> None:
 def count_step_flops(model_name: str, batch: int, device: str) -> int:
     """FLOPs of one training step's forward + backward (model and loss; the optimizer's are negligible)
     on mmpt's open_clip model in bf16 autocast, counted by torch.utils.flop_counter.FlopCounterMode."""
-    import open_clip
     from torch.utils.flop_counter import FlopCounterMode
 
     from mmpt.losses import ContrastiveLoss
-    from mmpt.models.open_clip_model import OpenClipModel, register_model_config
+    from mmpt.models.open_clip_model import OpenClipModel
 
-    config = open_clip.get_model_config(register_model_config(model_name))
-    size, text = config["vision_cfg"]["image_size"], config["text_cfg"]
     model = OpenClipModel(model_name).to(device)
-    images = torch.randn(batch, 3, size, size, device=device)
-    tokens = torch.randint(1, text.get("vocab_size", 49408), (batch, text.get("context_length", 77)), device=device)
+    images, tokens = clip_batch(model_name, batch, device)
     with FlopCounterMode(display=False) as counter:
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             image_features, text_features, scale = model(images, tokens)
@@ -241,6 +260,21 @@ def count_step_flops(model_name: str, batch: int, device: str) -> int:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return counter.get_total_flops()
+
+
+def clip_batch(model_name: str, batch: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images and tokens of the shapes the open_clip model `model_name` takes."""
+    import open_clip
+
+    from mmpt.models.open_clip_model import register_model_config
+
+    config = open_clip.get_model_config(register_model_config(model_name))
+    if config is None:
+        raise ValueError(f"open_clip has no model config {model_name}")
+    size, text = config["vision_cfg"]["image_size"], config["text_cfg"]
+    images = torch.randn(batch, 3, size, size, device=device)
+    tokens = torch.randint(1, text.get("vocab_size", 49408), (batch, text.get("context_length", 77)), device=device)
+    return images, tokens
 
 
 def nominal_peak_tflops(device_name: str) -> float | None:
@@ -292,7 +326,7 @@ def clip_vitb16(ctx: Context) -> dict[str, Any]:
             zero_stage=None,
         )
     )
-    records = []
+    records = ctx.partial.setdefault("runs", [])
     for index, run in enumerate(runs):
         records.append(ctx.runner.run(run, run_share(ctx, len(runs) - index + 1), p.warmup))
     flops = count_step_flops(p.clip_model, p.clip_batch, p.device)
@@ -401,7 +435,8 @@ def m2_encoder(ctx: Context) -> dict[str, Any]:
     p = ctx.profile
     digits = corpora.digits(ctx.data, p.dry_run)
     settings = [(zero, accum) for zero in (2, 3) for accum in (1, 4)]
-    results, errors = [], []
+    results: list[dict] = ctx.partial.setdefault("settings", [])
+    errors: list[str] = []
     for index, (zero, accum) in enumerate(settings):
         share_end = time.monotonic() + ctx.left() / (len(settings) - index)
 
@@ -718,7 +753,7 @@ def nccl(ctx: Context) -> dict[str, Any]:
         leaf = x.clone().requires_grad_()
         out = mdist._GatherWithGrad.apply(leaf, None)
         out.backward(torch.ones_like(out))
-        return torch.equal(out, x) and torch.equal(leaf.grad, torch.ones_like(x))
+        return leaf.grad is not None and torch.equal(out, x) and torch.equal(leaf.grad, torch.ones_like(x))
 
     def all_gather() -> bool:
         parts = [torch.empty_like(x)]
@@ -753,6 +788,8 @@ def nccl(ctx: Context) -> dict[str, Any]:
 
     def subgroup_all_gather() -> bool:  # GBA-ITC's gathering groups
         group = dist.new_group([0])
+        if not isinstance(group, dist.ProcessGroup):
+            return False  # this rank is not in the group it made
         parts = [torch.empty_like(x)]
         dist.all_gather(parts, x, group=group)
         return torch.equal(parts[0], x)
@@ -803,21 +840,239 @@ def nccl(ctx: Context) -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def clip_compile(ctx: Context) -> dict[str, Any]:
+    """One ViT-B/16 CLIP training step (bf16 autocast, the contrastive loss, AdamW) eager and with both towers
+    under plain torch.compile: step time, the first compiled steps (the compilation), peak memory, sync warnings."""
+    from probe import SyncWarnings
+
+    p = ctx.profile
+    modes: dict[str, dict[str, Any]] = ctx.partial.setdefault("modes", {})
+    for index, mode in enumerate(("eager", "compiled")):
+        share_end = time.monotonic() + ctx.left() / (2 - index)
+        with SyncWarnings() as syncs:
+            modes[mode] = compile_trial(p, mode == "compiled", share_end)
+        modes[mode].update(syncs.record())
+    eager, compiled = modes["eager"].get("step_s"), modes["compiled"].get("step_s")
+    return {
+        "model": Path(p.clip_model).stem,
+        "batch": p.clip_batch,
+        "precision": "bf16 autocast",
+        "backend": p.compile_backend,
+        "compiled": "model.clip.encode_image and model.clip.encode_text, each through torch.compile",
+        "steps": p.steps,
+        "warmup_steps": p.warmup,
+        "modes": modes,
+        "speedup": eager / compiled if eager and compiled else None,
+        "errors": [f"{mode}: {r['error']}" for mode, r in modes.items() if r.get("error")],
+    }
+
+
+def compile_trial(p: Profile, compiled: bool, deadline: float) -> dict[str, Any]:
+    """Steps of the CLIP model on one fixed random batch until `p.warmup + p.steps` or `deadline`."""
+    from mmpt.losses import ContrastiveLoss
+    from mmpt.models.open_clip_model import OpenClipModel
+
+    torch.manual_seed(0)
+    model = OpenClipModel(p.clip_model).to(p.device)
+    if compiled:
+        model.clip.encode_image = torch.compile(model.clip.encode_image, backend=p.compile_backend)
+        model.clip.encode_text = torch.compile(model.clip.encode_text, backend=p.compile_backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    loss_fn = ContrastiveLoss()
+    images, tokens = clip_batch(p.clip_model, p.clip_batch, p.device)
+    if p.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    seconds: list[float] = []
+    record: dict[str, Any] = {"error": None}
+    try:
+        while len(seconds) < p.warmup + p.steps:
+            if seconds and time.monotonic() + max(seconds[-1], 0.0) > deadline:
+                record["error"] = f"out of time after {len(seconds)} steps"
+                break
+            started = time.perf_counter()
+            with torch.autocast(torch.device(p.device).type, dtype=torch.bfloat16):
+                image_features, text_features, scale = model(images, tokens)
+                loss = loss_fn(image_features.float(), text_features.float(), scale)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            synchronize(p.device)
+            seconds.append(time.perf_counter() - started)
+    finally:
+        del model, optimizer, images, tokens
+        if p.device.startswith("cuda"):
+            record["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.empty_cache()
+    timed = seconds[p.warmup :]
+    step = statistics.median(timed) if timed else None
+    return {
+        **record,
+        "steps_run": len(seconds),
+        "first_step_s": seconds[0] if seconds else None,
+        "warmup_s": sum(seconds[: p.warmup]),
+        "step_s": step,
+        "samples_per_s": p.clip_batch / step if step else None,
+    }
+
+
+# ----------------------------------------------------------------------------- the data loader
+
+
+def data_loader(ctx: Context) -> dict[str, Any]:
+    """samples/s of mmpt's training loader (the open_clip method's: JPEG decode, open_clip's training transform
+    at the model's size, tokenizer, uint8 batches through StatefulLoader) on this machine's CPU cores, for a few
+    worker counts up to one per core, on generated web-like JPEG shards."""
+    p = ctx.profile
+    cores = os.cpu_count() or 1
+    counts = sorted({max(1, min(w, cores)) for w in (*p.loader_workers, cores)})
+    shards, generator = loader_corpus(ctx.data / "web_jpeg", p.loader_images, p.loader_image_sizes)
+    runs: list[dict[str, Any]] = ctx.partial.setdefault("runs", [])
+    for index, workers in enumerate(counts):
+        share = ctx.left() / (len(counts) - index)
+        runs.append(loader_trial(ctx, shards, workers, share))
+    return {
+        "model": Path(p.clip_model).stem,
+        "cores": cores,
+        "batch": p.loader_batch,
+        "images": p.loader_images,
+        "images_from": generator,
+        "timed_s": p.loader_seconds,
+        "runs": runs,
+        "errors": [f"{r['workers']} workers: {r['error']}" for r in runs if r.get("error")],
+    }
+
+
+def loader_trial(ctx: Context, shards: str, workers: int, share: float) -> dict[str, Any]:
+    """Batches through the loader a training run builds: two to warm up (worker start, first shards), then as
+    many as `p.loader_seconds` (or what is left of `share`) take."""
+    import gc
+
+    import yaml
+
+    from mmpt.config_loader import load_config
+    from mmpt.data import StatefulLoader
+    from mmpt.methods import get_method
+
+    p = ctx.profile
+    run_dir = ctx.work / "runs" / f"loader-w{workers}"
+    loader = {"sources": [{"shards": shards}], "batch_size": p.loader_batch}
+    config = deep_update(clip_config(p, ctx.data, 0), {"data": {"train": {**loader, "num_workers": workers}}})
+    path = ctx.work / "configs" / f"loader-w{workers}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(deep_update(config, benchmark_settings(run_dir, 1)), sort_keys=False))
+    cfg = load_config(path)
+    method = get_method(cfg.method_name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    method.prepare(cfg, run_dir)
+    end = time.monotonic() + share
+    started = time.perf_counter()
+    batches = iter(StatefulLoader(method.train_data(cfg, run_dir, rank=0, world_size=1)))
+    record: dict[str, Any] = {"workers": workers, "error": None}
+    try:
+        next(batches)
+        record["first_batch_s"] = time.perf_counter() - started
+        next(batches)
+        timed_from, count, batch = time.perf_counter(), 0, {}
+        stop = min(time.monotonic() + p.loader_seconds, end)
+        while time.monotonic() < stop or count == 0:
+            batch = next(batches)
+            count += 1
+        seconds = time.perf_counter() - timed_from
+        record.update(
+            batches_timed=count,
+            seconds=seconds,
+            samples_per_s=count * p.loader_batch / seconds,
+            samples_per_s_per_worker=count * p.loader_batch / seconds / workers,
+            image_shape=list(batch["image"].shape),
+            image_dtype=str(batch["image"].dtype),
+        )
+    except Exception as exc:  # recorded per worker count
+        record["error"] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+    finally:
+        del batches  # its DataLoader's workers end with it
+        gc.collect()
+    return record
+
+
+def loader_corpus(folder: Path, count: int, sides: tuple[int, int]) -> tuple[str, str]:
+    """(shard pattern, what made it): benchmarks/web_images.py's photo-like corpus where it is, one shard per
+    core written in parallel (`count` images, or at least one per shard); else the simpler JPEGs below."""
+    try:
+        from benchmarks.web_images import write_shard
+    except ImportError:
+        return str(web_jpeg_shards(folder, count, sides) / "train/web-*.tar"), "stages.web_jpeg_shards"
+    from concurrent.futures import ProcessPoolExecutor
+
+    shards = max(1, min(os.cpu_count() or 1, count))
+    per_shard = max(1, count // shards)
+    done = folder / "web_images" / "complete"
+    if not done.is_file():
+        done.parent.mkdir(parents=True, exist_ok=True)
+        with ProcessPoolExecutor(shards) as pool:
+            list(pool.map(write_shard, [done.parent] * shards, range(shards), [per_shard] * shards, [0] * shards))
+        done.write_text(str(shards * per_shard))
+    return str(done.parent / "*.tar"), "benchmarks/web_images.py"
+
+
+def web_jpeg_shards(folder: Path, count: int, sides: tuple[int, int]) -> Path:
+    """`count` JPEGs of varied size and aspect (sides in `sides`), quality 70-95, smooth gradients under shapes
+    and sensor-like noise (what photos on the web cost to decode, unlike flat test images), with captions, in
+    tar shards of 64. Built once per folder."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from mmpt.data.shards import ShardSetWriter
+
+    done = folder / "train" / "complete"
+    if done.is_file():
+        return folder
+    rng, noise = random.Random(0), np.random.default_rng(0)
+    colours = ["red", "green", "blue", "yellow", "white", "black", "orange", "purple"]
+    with ShardSetWriter(folder / "train" / "web", max_samples=64) as writer:
+        for index in range(count):
+            width, height = rng.randint(*sides), rng.randint(*sides)
+            y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+            base = np.stack([x / width, y / height, (x + y) / (width + height)], axis=-1) * rng.uniform(120, 255)
+            pixels = np.clip(base + noise.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+            image = Image.fromarray(pixels)
+            draw = ImageDraw.Draw(image)
+            shapes = []
+            for _ in range(rng.randint(2, 6)):
+                colour = rng.choice(colours)
+                box = sorted(rng.sample(range(width), 2)), sorted(rng.sample(range(height), 2))
+                (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(
+                    [box[0][0], box[1][0], box[0][1], box[1][1]], fill=colour
+                )
+                shapes.append(colour)
+            encoded = io.BytesIO()
+            image.save(encoded, "JPEG", quality=rng.randint(70, 95))
+            caption = f"a photo with {', '.join(shapes)} shapes on a gradient"
+            writer.write({"__key__": f"{index:06d}", "jpg": encoded.getvalue(), "txt": caption})
+    done.write_text(str(count))
+    return folder
+
+
 def nccl_version() -> str | None:
     """torch's NCCL version as a string (torch reports a tuple, older releases an int)."""
     if not torch.cuda.is_available():
         return None
-    version = torch.cuda.nccl.version()
+    from torch.cuda import nccl as cuda_nccl
+
+    version = cuda_nccl.version()
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
-STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
+STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {  # in the order of plan.py's commands
     "clip_vitb16": clip_vitb16,
-    "m2_encoder": m2_encoder,
     "loss_memory": loss_memory,
+    "nccl": nccl,
+    "m2_encoder": m2_encoder,
+    "clip_compile": clip_compile,
+    "data_loader": data_loader,
     "victor": victor,
     "space2": space2,
-    "nccl": nccl,
 }
-# Seconds each stage may take on the GPU (corpus building included); together 21.5 minutes.
-GPU_CAPS = {"clip_vitb16": 300, "m2_encoder": 540, "loss_memory": 120, "victor": 150, "space2": 120, "nccl": 60}

@@ -137,8 +137,10 @@ class Runner:
             process = subprocess.Popen(command, cwd=REPO, env=self._env(run), stdout=out, stderr=subprocess.STDOUT)
             try:
                 process.wait(timeout=max(1.0, timeout))
-            except subprocess.TimeoutExpired:
+            except BaseException as exc:  # its share of the time is up, or the stage's (the suite's alarm)
                 kill_tree(process)
+                if not isinstance(exc, subprocess.TimeoutExpired):
+                    raise
                 return {
                     "status": "timeout",
                     "wall_s": timeout,
@@ -208,7 +210,7 @@ def mmpt_steps(run_dir: Path) -> list[dict[str, float]]:
     return steps
 
 
-def open_clip_steps(log_dir: Path) -> list[dict[str, float]]:
+def open_clip_steps(log_dir: Path) -> list[dict[str, float | None]]:
     """Per logged step: open_clip's `Data (t)` and `Batch (t)` (batch time includes data time)."""
     text = (log_dir / "out.log").read_text()
     return [

@@ -1,0 +1,90 @@
+"""How the suite runs on a GPU machine that takes one command at a time, each for at most 10 minutes.
+
+The stages are grouped into commands. Each command is one remote call (`bash benchmarks/gpu/run.sh
+--group N`) that ends within COMMAND_S (8 minutes) with the wheels' installation and the imports: its
+stages' caps plus SETUP_S and END_MARGIN_S fit in it, and the suite stops starting stages when what is left of the
+command would not hold one. A command writes at most FILES_BACK files into $OUT (one per stage, gpu.md,
+gpu.json, suite.log, logs.tar.gz), the number a call brings back.
+
+    python benchmarks/gpu/plan.py      # prints the commands in order, with each stage's budget
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMMAND_S = 480.0  # one command, installation and imports included (a call may run 600 s)
+SETUP_S = 75.0  # wheels installed offline, the environment printed, torch and mmpt imported (estimated)
+END_MARGIN_S = 15.0  # the last report and log archive, run.sh's end
+FILES_BACK = 8  # what one call brings back from $OUT
+FILES_PER_COMMAND = 4  # gpu.md, gpu.json, suite.log, logs.tar.gz besides one file per stage
+
+# Seconds each stage may take on the GPU, corpus building included.
+CAPS: dict[str, float] = {
+    "clip_vitb16": 270,
+    "loss_memory": 70,
+    "nccl": 20,
+    "m2_encoder": 390,
+    "victor": 100,
+    "space2": 80,
+    "clip_compile": 130,
+    "data_loader": 70,
+}
+
+
+@dataclass(frozen=True)
+class Command:
+    group: str
+    stages: tuple[str, ...]
+
+    def stage_seconds(self) -> float:
+        return sum(CAPS[name] for name in self.stages)
+
+    def seconds(self) -> float:
+        return self.stage_seconds() + SETUP_S + END_MARGIN_S
+
+    def files(self) -> int:
+        return len(self.stages) + FILES_PER_COMMAND
+
+    def shell(self) -> str:
+        return f"bash benchmarks/gpu/run.sh --group {self.group}"
+
+
+# In this order: the comparison with open_clip first, the largest model alone, the rest together.
+COMMANDS = (
+    Command("1", ("clip_vitb16", "loss_memory", "nccl")),
+    Command("2", ("m2_encoder",)),
+    Command("3", ("clip_compile", "data_loader", "victor", "space2")),
+)
+
+
+def group(name: str) -> Command:
+    for command in COMMANDS:
+        if command.group == name:
+            return command
+    raise KeyError(f"no command group {name!r}; the groups are {', '.join(c.group for c in COMMANDS)}")
+
+
+def describe() -> str:
+    """The plan as printed: each command, a single remote call, with its stages' budgets."""
+    total = len(COMMANDS) * COMMAND_S / 60
+    lines = [
+        f"{len(COMMANDS)} commands, in this order, each a single remote call with `.whl` carried "
+        f"(timeout 600 s; each ends within {COMMAND_S:.0f} s, about {total:.0f} minutes of device time together):",
+    ]
+    for index, command in enumerate(COMMANDS, 1):
+        budgets = ", ".join(f"{name} {CAPS[name]:.0f} s" for name in command.stages)
+        lines.append(
+            f"  {index}. {command.shell()}    # {budgets}; stages {command.stage_seconds():.0f} s + setup "
+            f"{SETUP_S:.0f} s + end {END_MARGIN_S:.0f} s = {command.seconds():.0f} s; {command.files()} files back"
+        )
+    lines += [
+        "Each command's $OUT holds a stage-<name>.json per stage (written as the stage ends), gpu.md and gpu.json",
+        "(rebuilt after every stage), suite.log and logs.tar.gz. Then, here, one report from the folders that came back:",
+        "  python benchmarks/gpu/suite.py --merge FOLDER_1 FOLDER_2 FOLDER_3    # -> benchmarks/results/gpu/",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(describe())
