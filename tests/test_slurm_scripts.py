@@ -2,6 +2,7 @@
 launchers on PATH: the command each node gets (parsed by the real launchers' own argument parsers),
 the hostfile, and when the job requeues itself."""
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -30,6 +31,7 @@ FAKE_SCONTROL = """#!/bin/bash
 case $1 in
     show) [[ $2 == hostnames && $3 == "$SLURM_JOB_NODELIST" ]] && printf "%s\\n" $FAKE_HOSTS ;;
     requeue) echo "$2" >> "$FAKE_LOG/requeue" ;;
+    requeuehold | update | release) echo "$*" >> "$FAKE_LOG/held" ;;
 esac
 """
 FAKE_LAUNCHER = """#!/bin/bash
@@ -37,11 +39,14 @@ FAKE_LAUNCHER = """#!/bin/bash
 printf "%s\\n" "$@" > "$FAKE_LOG/$(basename "$0").$SLURM_NODEID"
 echo "$NCCL_DEBUG $TORCH_NCCL_ASYNC_ERROR_HANDLING $DEEPSPEED_TIMEOUT" > "$FAKE_LOG/env.$SLURM_NODEID"
 code=FAKE_EXIT_$SLURM_NODEID
+[[ -n ${FAKE_UNHEALTHY:-} ]] && printf "%s" "$FAKE_UNHEALTHY" > "$RUN_DIR/unhealthy.json"  # the run named a node
 exit ${!code:-0}
 """
 
 
-def submit(tmp_path: Path, script: str, exits=(0, 0), restarts: int = 0) -> tuple[subprocess.CompletedProcess, Path]:
+def submit(
+    tmp_path: Path, script: str, exits=(0, 0), restarts: int = 0, unhealthy: dict | None = None
+) -> tuple[subprocess.CompletedProcess, Path]:
     """Run the batch script as the batch step of a 2-node job with 4 GPUs per node."""
     bin_dir, log = tmp_path / "bin", tmp_path / "log"
     bin_dir.mkdir(exist_ok=True)
@@ -67,6 +72,7 @@ def submit(tmp_path: Path, script: str, exits=(0, 0), restarts: int = 0) -> tupl
         "SLURM_RESTART_COUNT": str(restarts),
         "RUN_DIR": str(tmp_path / "run"),
         **{f"FAKE_EXIT_{n}": str(code) for n, code in enumerate(exits)},
+        **({"FAKE_UNHEALTHY": json.dumps(unhealthy)} if unhealthy else {}),
     }
     result = subprocess.run(
         ["bash", str(SCRIPTS / script), "configs/clip/demo.yaml", "train.max_steps=7"],
@@ -154,3 +160,28 @@ def test_job_requeues_itself_only_when_a_restart_can_help(tmp_path, script, exit
     assert (log / "requeue").exists() == requeued, result.stdout
     if requeued:
         assert (log / "requeue").read_text().split() == [str(JOB_ID)]
+
+
+@pytest.mark.parametrize("script, exits", [("deepspeed.sbatch", (0, 76)), ("torchrun.sbatch", (1, 1))])
+def test_a_stop_on_an_unhealthy_rank_requeues_the_job_without_its_node(tmp_path, script, exits):
+    report = {"step": 5, "action": "stop", "nodes": ["gpu08"], "ranks": [{"rank": 5, "node": "gpu08"}]}
+    result, log = submit(tmp_path, script, exits=exits, unhealthy=report)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "without node(s) gpu08" in result.stdout
+    assert (log / "held").read_text().splitlines() == [
+        f"requeuehold {JOB_ID}",
+        f"update JobId={JOB_ID} ExcNodeList=gpu08",
+        f"release {JOB_ID}",
+    ]
+    assert not (log / "requeue").exists()
+    archived = tmp_path / f"run/slurm/unhealthy-{JOB_ID}-0.json"
+    assert json.loads(archived.read_text()) == report and not (tmp_path / "run/unhealthy.json").exists()
+    # the next stop names another node: both stay excluded
+    result, log = submit(tmp_path, script, exits=exits, restarts=1, unhealthy={**report, "nodes": ["gpu07"]})
+    assert f"update JobId={JOB_ID} ExcNodeList=gpu07,gpu08" in (log / "held").read_text()
+
+
+def test_a_report_that_only_warned_requeues_as_before(tmp_path):
+    report = {"step": 5, "action": "warn", "nodes": ["gpu08"], "ranks": []}
+    result, log = submit(tmp_path, "deepspeed.sbatch", exits=(0, 1), unhealthy=report)
+    assert result.returncode == 0 and (log / "requeue").exists() and not (log / "held").exists(), result.stdout

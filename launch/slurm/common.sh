@@ -56,9 +56,36 @@ on_every_node() {
         bash -c "$1"'; code=$?; echo "$code" > "$EXITS/$SLURM_NODEID"; exit "$code"' node "${@:2}"
 }
 
+# The nodes an unhealthy-rank stop named (`train.on_unhealthy: stop`, exit 76), comma-separated, or nothing.
+# mmpt writes $RUN_DIR/unhealthy.json when it names a rank; only a report of a stop counts, and it is moved
+# to $RUN_DIR/slurm/ once read, so a later failure is not blamed on the same node again.
+unhealthy_nodes() {
+    local report="$RUN_DIR/unhealthy.json"
+    [[ -f $report ]] || return 0
+    python -c 'import json, sys
+report = json.load(open(sys.argv[1]))
+print(",".join(report["nodes"]) if report.get("action") == "stop" else "")' "$report" &&
+        mv "$report" "$RUN_DIR/slurm/unhealthy-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}.json"
+}
+
+# Requeue the job held, add $1 (comma-separated nodes) to the nodes it excludes (every node excluded so far,
+# kept in $RUN_DIR/slurm/excluded_nodes), and release it: it restarts on other nodes.
+requeue_without() {
+    local excluded="$RUN_DIR/slurm/excluded_nodes"
+    tr ',' '\n' <<< "$1" >> "$excluded"
+    local nodes
+    nodes=$(sort -u "$excluded" | grep -v '^$' | paste -sd, -)
+    echo "mmpt-slurm: requeueing job $SLURM_JOB_ID without node(s) $nodes (unhealthy rank; see $RUN_DIR/slurm)"
+    scontrol requeuehold "$SLURM_JOB_ID"
+    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$nodes"
+    scontrol release "$SLURM_JOB_ID"
+    exit 0
+}
+
 # Requeue (the job goes back to the queue with the same id and resumes from its latest checkpoint) when
 # the exit codes say a restart can help, at most MAX_REQUEUES times; `#SBATCH --requeue` allows it.
-# $1: the exit codes that must not be retried (a rerun would stop the same way).
+# A run that stopped on an unhealthy rank (exit 76; with torchrun, whose code is 1, its report) is requeued
+# without that rank's node. $1: the exit codes that must not be retried (a rerun would stop the same way).
 requeue_or_exit() {
     local final=0 code node
     for ((node = 0; node < NNODES; node++)); do
@@ -76,6 +103,11 @@ requeue_or_exit() {
     if ((${SLURM_RESTART_COUNT:-0} >= MAX_REQUEUES)); then
         echo "mmpt-slurm: not requeued: already restarted ${SLURM_RESTART_COUNT:-0} times (MAX_REQUEUES=$MAX_REQUEUES)"
         exit 1
+    fi
+    local unhealthy
+    unhealthy=$(unhealthy_nodes)
+    if [[ -n $unhealthy ]]; then
+        requeue_without "$unhealthy"
     fi
     echo "mmpt-slurm: requeueing job $SLURM_JOB_ID; it resumes from the latest checkpoint in $RUN_DIR"
     scontrol requeue "$SLURM_JOB_ID"
