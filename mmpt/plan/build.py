@@ -52,10 +52,13 @@ def built(cfg: Config, device: str | torch.device = "meta") -> Iterator[Built]:
         except FileNotFoundError:
             pass  # fine when the build reads none of its files (a preset with its vocabulary size); else said below
         try:
-            with torch.device(device):
-                model = method.build_model(cfg, run_dir)
-                loss = method.build_loss(cfg)
-        except (FileNotFoundError, OSError, ValueError) as exc:
+            try:
+                with torch.device(device):
+                    model = method.build_model(cfg, run_dir)
+                    loss = method.build_loss(cfg)
+            except (NotImplementedError, RuntimeError):  # a model that moves its weights itself (open_clip)
+                model, loss = method.build_model(cfg, run_dir), method.build_loss(cfg)
+        except Exception as exc:
             raise ConfigError(f"cannot build the model of {cfg.method_name} to plan it: {_first_line(exc)}") from None
         yield Built(cfg, method, model, loss, method.engine_needs(model))
 
