@@ -129,3 +129,11 @@ def test_live_bytes_follow_frees():
         assert tracker.live == 4000
     assert tracker.peak == 8000
     del b
+
+
+def test_planning_page_is_fresh():
+    from mmpt.plan.docs_table import PAGE, fingerprint
+
+    assert f"fingerprint `{fingerprint()}`" in PAGE.read_text(), (
+        "docs/planning.md is stale: python -m mmpt.plan.docs_table"
+    )

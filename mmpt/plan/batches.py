@@ -38,7 +38,8 @@ def text_length(b: Built) -> int:
     try:
         return int(setting(b.cfg.method, "context_length"))
     except KeyError:
-        return int(getattr(b.model, "context_length", 77))
+        inner = getattr(b.model, "clip", b.model)  # an open_clip model keeps its own length
+        return int(getattr(inner, "context_length", 77))
 
 
 def image_shape(b: Built) -> tuple[int, ...]:
