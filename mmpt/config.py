@@ -251,10 +251,29 @@ class TrainConfig(Section):
         description="seconds without progress (a step, a checkpoint) before the run exits; 0 = off",
     )
     straggler_factor: float = Field(
-        default=1.5, gt=1, description="a rank this much slower than the median step is slow"
+        default=1.5,
+        gt=1,
+        description="a rank whose busy time (outside collectives) is this many times its peers' median arrives late",
     )
     straggler_windows: int = Field(
-        default=3, gt=0, description="logging windows in a row a rank must be slow to be named"
+        default=3, gt=0, description="logging windows in a row a rank must be unhealthy (late or slow) to be named"
+    )
+    slow_collective_factor: float = Field(
+        default=2.0,
+        gt=1,
+        description="a rank whose collectives return this many times later than its peers' (after the last rank "
+        "arrived) has slow collectives: its link or node",
+    )
+    unhealthy_min_share: float = Field(
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="a late arrival or slow collectives count only when they cost this share of the logging window",
+    )
+    on_unhealthy: Literal["warn", "stop"] = Field(
+        default="warn",
+        description="when a rank is named late or slow: warn (log and <output_dir>/unhealthy.json), or stop "
+        "(exit 76, so the scheduler restarts without its node)",
     )
 
     @field_validator("hpz_partition_size", mode="before")

@@ -4,10 +4,19 @@
     MMPT_INJECT_FAULT="sleep=30@forward,step=3,rank=1"           sleep there (a hung or slow rank)
     MMPT_INJECT_FAULT="nan@backward,step=3,rank=0"               make the loss about to be backpropagated NaN
     MMPT_INJECT_FAULT="fail@save:after_engine,step=4,rank=1"     raise OSError there (e.g. a full disk)
+    MMPT_INJECT_FAULT="slow_compute:rank=1:factor=2"             this rank's own work takes twice as long
+    MMPT_INJECT_FAULT="slow_collectives:rank=1:delay=0.05"       its collectives return 0.05 s late (a slow link)
 
 Several faults are separated by `;`. A fault without `step`/`rank` fires at every step / on every rank;
 `once=PATH` makes it fire only while PATH does not exist (it is created first), so a restarted run
 gets past it. The points are those `mmpt.engine.hooks` is told of.
+
+The two slowdowns last the whole run and are what rank health (`mmpt.engine.health`) must tell apart.
+`slow_compute` sleeps, at each point of the loop, `factor - 1` times the time since the previous point,
+less the time spent in collectives in between (which `mmpt.engine.collective_timing` counts): the rank
+works slower and reaches every collective late. `slow_collectives` sleeps after each synchronous
+collective returns, inside the time the collective is timed for: the rank's collectives end after its
+peers', as when the data it waits for crosses a slow link.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from mmpt.engine import collective_timing
 
 ENV = "MMPT_INJECT_FAULT"
 
@@ -31,9 +42,46 @@ class Fault:
     once: str | None = None
 
 
+SLOWDOWNS = ("slow_compute", "slow_collectives")
+STEP_POINTS = ("data", "forward", "backward", "step", "log")  # the loop's points; eval and checkpoints break the chain
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    kind: str  # one of SLOWDOWNS
+    rank: int | None = None
+    factor: float = 2.0  # slow_compute: how many times as long this rank's own work takes
+    delay: float = 0.05  # slow_collectives: seconds added to each synchronous collective
+
+
+def parse_slowdown(item: str) -> Slowdown:
+    """`slow_compute:rank=1:factor=2` or `slow_collectives:rank=1:delay=0.05`."""
+    kind, *options = item.split(":")
+    where = dict(option.split("=", 1) for option in options)
+    unknown = set(where) - {"rank", "factor", "delay"}
+    if unknown:
+        raise ValueError(f"{ENV}: unknown option(s) {sorted(unknown)} in '{item}'")
+    return Slowdown(
+        kind,
+        int(where["rank"]) if "rank" in where else None,
+        float(where.get("factor", 2.0)),
+        float(where.get("delay", 0.05)),
+    )
+
+
+def parse_slowdowns(text: str) -> list[Slowdown]:
+    return [parse_slowdown(item) for item in _items(text) if item.split(":", 1)[0] in SLOWDOWNS]
+
+
+def _items(text: str) -> list[str]:
+    return [part.strip() for part in text.split(";") if part.strip()]
+
+
 def parse(text: str) -> list[Fault]:
     faults = []
-    for item in filter(None, (part.strip() for part in text.split(";"))):
+    for item in _items(text):
+        if item.split(":", 1)[0] in SLOWDOWNS:
+            continue
         head, *conditions = item.split(",")
         action, _, point = head.partition("@")
         where = dict(condition.split("=", 1) for condition in conditions)
@@ -52,16 +100,37 @@ def parse(text: str) -> list[Fault]:
 class FaultInjector:
     """Carries out the faults configured for this rank as the run reaches their points."""
 
-    def __init__(self, faults: list[Fault], rank: int):
+    def __init__(self, faults: list[Fault], rank: int, slowdowns: list[Slowdown] | None = None):
         self.faults, self.rank = faults, rank
         self._poison_next_loss = False
+        mine = [s for s in slowdowns or [] if s.rank in (None, rank)]
+        self._compute = next((s for s in mine if s.kind == "slow_compute"), None)
+        self._last: tuple[str, float, float] | None = None  # (point, time, collective seconds) at the last point
+        for slowdown in mine:
+            if slowdown.kind == "slow_collectives":
+                collective_timing.add_delay(lambda kind, seconds=slowdown.delay: time.sleep(seconds))
 
     @classmethod
     def from_environment(cls, rank: int) -> FaultInjector | None:
-        faults = parse(os.environ.get(ENV, ""))
-        return cls(faults, rank) if faults else None
+        text = os.environ.get(ENV, "")
+        faults, slowdowns = parse(text), parse_slowdowns(text)
+        return cls(faults, rank, slowdowns) if faults or slowdowns else None
 
     def reached(self, point: str, step: int) -> None:
+        if self._compute is not None:
+            self._slow_down(point, self._compute.factor)
+        self._fire(point, step)
+
+    def _slow_down(self, point: str, factor: float) -> None:
+        """Stretch this rank's own work since the previous point of the step by `factor`."""
+        clock = collective_timing.active()
+        in_collectives = clock.seconds_so_far if clock is not None else 0.0
+        if self._last is not None and point in STEP_POINTS and self._last[0] in STEP_POINTS:
+            own = time.perf_counter() - self._last[1] - (in_collectives - self._last[2])
+            time.sleep((factor - 1) * max(0.0, own))
+        self._last = (point, time.perf_counter(), in_collectives)
+
+    def _fire(self, point: str, step: int) -> None:
         for fault in self.faults:
             if fault.point != point or fault.step not in (None, step) or fault.rank not in (None, self.rank):
                 continue

@@ -11,7 +11,6 @@ import json
 import logging
 import time
 import uuid
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -65,9 +64,10 @@ class MetricLogger:
     ):
         self.rank = mdist.get_rank()
         self.run_dir = run_dir
-        self.straggler_factor, self.straggler_windows = straggler_factor, straggler_windows
-        self._slow_windows: dict[int, int] = defaultdict(int)
-        self.stragglers: dict[int, float] = {}  # rank -> worst step time / median seen while named
+        # Unhealthy ranks are judged by `mmpt.engine.health` from the collective timings; these thresholds
+        # are the same config keys it reads, accepted here for callers that pass them.
+        del straggler_factor, straggler_windows
+        self.health_summary: dict[str, dict[str, float]] = {"stragglers": {}}  # the ranks the health monitor named
         self.global_batch = global_batch
         self.data_counts: dict[str, dict[str, int]] = {}  # the latest reduced sample counts, for the summary
         self._sums: dict[str, torch.Tensor] = {}
@@ -104,11 +104,13 @@ class MetricLogger:
         sources: list[str],
         skipped_steps: int,
         state_bytes: tuple[float, float | None] | None,
+        per_rank: dict | None = None,
     ) -> dict:
         """Reduce the window over ranks and write it (rank 0); returns the record. Every rank calls it.
 
         `counts`: this rank's sample counts by source (`sources` in order); `state_bytes`: this rank's
-        (optimizer state, momentum copies) bytes, the second None when the model keeps no momentum copies.
+        (optimizer state, momentum copies) bytes, the second None when the model keeps no momentum copies;
+        `per_rank`: fields already gathered over ranks (the health monitor's collective timings).
         """
         local = data_counts.flatten(counts, sources)
         summed = mdist.all_reduce_sum(torch.tensor(local, dtype=torch.float64), mdist.data_parallel_group()).tolist()
@@ -122,6 +124,7 @@ class MetricLogger:
         }
         if momentum_bytes is not None:
             extra["momentum_copy_mib_per_rank"] = [round(m[1], 3) for m in mib]
+        extra.update(per_rank or {})
         record = self.reduce(step, lr, times, extra)
         self.write(step, record)
         return record
@@ -151,35 +154,10 @@ class MetricLogger:
         return record
 
     def write(self, step: int, record: dict) -> None:
-        """Rank 0: check for stragglers, then write the record (jsonl, TensorBoard, console)."""
+        """Rank 0: write the record (jsonl, TensorBoard, console)."""
         if self.rank != 0:
             return
-        # Waiting in a collective makes every rank's step as slow as the slowest, so a straggler
-        # shows in the time it works on its own: data + forward (less the loss's gather waits).
-        self._watch_stragglers(
-            step, [d + f for d, f in zip(record["data_time_per_rank"], record["forward_time_per_rank"])]
-        )
         self._emit(step, record)
-
-    def _watch_stragglers(self, step: int, busy_times: list[float]) -> None:
-        """Name a rank slower than the median by `straggler_factor` for `straggler_windows` windows in a row."""
-        median = sorted(busy_times)[(len(busy_times) - 1) // 2]  # the lower median: with 2 ranks, the faster
-        for rank, seconds in enumerate(busy_times):
-            ratio = seconds / median if median > 0 else 1.0
-            self._slow_windows[rank] = self._slow_windows[rank] + 1 if ratio > self.straggler_factor else 0
-            if self._slow_windows[rank] >= self.straggler_windows:
-                if rank not in self.stragglers:
-                    log.warning(
-                        "straggler: rank %d takes %.1fx the median time to reach the step's collectives "
-                        "(%.3fs vs %.3fs) for %d logging windows up to step %d",
-                        rank,
-                        ratio,
-                        seconds,
-                        median,
-                        self._slow_windows[rank],
-                        step,
-                    )
-                self.stragglers[rank] = max(ratio, self.stragglers.get(rank, 0.0))
 
     def _jsonl_file(self):
         """Rank 0's metrics.jsonl (line-buffered: each record is written out whole as it comes)."""
@@ -244,10 +222,7 @@ class MetricLogger:
 
     def close(self) -> None:
         if self.rank == 0:
-            summary = {
-                "stragglers": {str(rank): round(ratio, 2) for rank, ratio in sorted(self.stragglers.items())},
-                "data": self.data_counts,
-            }
+            summary = {**self.health_summary, "data": self.data_counts}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         for handle in (self._bar, self._writer, self._jsonl):
             if handle is not None:

@@ -9,6 +9,7 @@
 | 4 | non-finite training: too many optimizer steps in a row with a NaN/Inf loss or gradient |
 | 5 | checkpoint error: a rank could not write its part of a checkpoint (the previous one stands) |
 | 75 | watchdog: a rank made no progress (`mmpt.engine.watchdog`), restart to resume |
+| 76 | unhealthy rank: a rank arrived late or its collectives were slow for several logging windows and `train.on_unhealthy` is `stop` (`mmpt.engine.health`); `<output_dir>/unhealthy.json` names its node: restart without that node |
 
 A stop that every rank finds alike (config, non-finite) is said in full by rank 0; the others say
 one short line. A data or checkpoint error belongs to one rank's readers or files, so each rank that
@@ -26,9 +27,11 @@ from mmpt.config import ConfigError
 from mmpt.data.shards import DataError, MissingDataError
 from mmpt.engine.checkpoint.protocol import CheckpointError
 from mmpt.engine.guards import NonFiniteError
+from mmpt.engine.health import UnhealthyRankError
 from mmpt.models.m2_official import CheckpointMismatch
 
 EXIT_UNEXPECTED, EXIT_CONFIG, EXIT_DATA, EXIT_NON_FINITE, EXIT_CHECKPOINT, EXIT_HANG = 1, 2, 3, 4, 5, 75
+EXIT_UNHEALTHY = 76
 # Errors a surviving rank gets from its collective library when a peer process is gone.
 PEER_LOST = (
     "Connection closed by peer",
@@ -54,6 +57,7 @@ STOPS: dict[type[Exception], Stop] = {  # the first that matches wins
     DataError: Stop("data error", EXIT_DATA, False),
     NonFiniteError: Stop("non-finite training", EXIT_NON_FINITE, True),
     CheckpointError: Stop("checkpoint error", EXIT_CHECKPOINT, False),
+    UnhealthyRankError: Stop("unhealthy rank", EXIT_UNHEALTHY, True),  # every rank judges the same gathered times
 }
 
 

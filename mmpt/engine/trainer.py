@@ -12,9 +12,11 @@ import torch
 from mmpt import distributed as mdist
 from mmpt.artifacts import WEIGHTS
 from mmpt.config import Config
+from mmpt.engine import collective_timing
 from mmpt.engine import run as runs
 from mmpt.engine.checkpoint import read_weights
 from mmpt.engine.evaluation import evaluate_sets, evaluate_while_training
+from mmpt.engine.health import HealthMonitor
 from mmpt.engine.hooks import StepHooks
 from mmpt.engine.optim import SkippingAdamW
 from mmpt.engine.timing import Spans
@@ -27,6 +29,9 @@ def train(cfg: Config) -> dict[str, Any]:
     if run is None:
         return {}
     mdist.GatherClock.spans = run.spans
+    health = HealthMonitor.start(cfg.train, run.run_dir, run.engine.device.type == "cuda")
+    if health is not None:
+        run.hooks.observers.append(health.reached)
     first_step = run.step
     try:
         while run.step < cfg.train.max_steps:
@@ -38,7 +43,7 @@ def train(cfg: Config) -> dict[str, Any]:
             run.guard.update(step_skipped(run.engine))
             run.metrics.update(losses)
             if run.due(cfg.train.log_every):
-                log_window(run)
+                log_window(run, health)
             if run.eval_due():
                 run.hooks.reached("eval", run.step)
                 run.metrics.write_eval(
@@ -53,6 +58,8 @@ def train(cfg: Config) -> dict[str, Any]:
         raise
     finally:
         mdist.GatherClock.spans = None
+        if health is not None:
+            collective_timing.uninstall()
         run.close()
     try:
         return finish(run)
@@ -75,10 +82,11 @@ def train_step(run: runs.Run) -> dict[str, torch.Tensor]:
     return losses
 
 
-def log_window(run: runs.Run) -> None:
-    """The logging window's metrics, reduced over ranks and written (a collective)."""
+def log_window(run: runs.Run, health: HealthMonitor | None = None) -> None:
+    """The logging window's metrics, reduced over ranks and written (a collective); unhealthy ranks named."""
     run.hooks.reached("log", run.step)
     times = run.spans.take()  # waits for the window's work: the one host sync of a logging window
+    per_rank = health.window(run.step) if health is not None else None  # one gather of collective timings
     loader = run.batches.loader
     record = run.metrics.log_window(
         run.step,
@@ -88,7 +96,11 @@ def log_window(run: runs.Run) -> None:
         loader.source_names,
         run.guard.read(),
         run.state_bytes(),
+        per_rank,
     )
+    if health is not None:
+        run.metrics.health_summary = health.summary()
+        health.act(run.step)  # warns, or stops the run (every rank alike)
     run.guard.check(run.step, {k.removeprefix("loss/"): v for k, v in record.items() if k.startswith("loss/")})
 
 

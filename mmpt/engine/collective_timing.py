@@ -1,0 +1,324 @@
+"""Time every collective a rank runs, per logging window, at the cost of two clock reads per call.
+
+Why: data-parallel training is periodic and homogeneous. Every rank runs the same collectives in the
+same order, step after step, so a rank whose timings drift from its peers' is the faulty part (the C4
+idea). `mmpt.engine.health` compares the ranks; this module measures one rank.
+
+What is wrapped: `torch.distributed`'s collectives (mmpt's own gathers call those) and the collectives of
+DeepSpeed's communication backend (`deepspeed.comm.comm.cdb`, DeepSpeed 0.19.8). DeepSpeed's ZeRO code
+calls the backend object, which calls `torch.distributed` through function references taken when it
+started (its all-gather) or its shared-memory kernel on CPU ranks (`mmpt.engine.shm_collectives`), so
+wrapping `torch.distributed` alone would miss its traffic. A call made from inside another wrapped call
+(DeepSpeed's backend calling `torch.distributed`) counts once, as the outer call.
+
+What is recorded, per window: for each collective kind (all_reduce, all_gather, reduce_scatter,
+all_to_all, broadcast, reduce, gather, scatter, barrier) and group (the world, or its ranks), the calls, the bytes (the
+larger of a call's input and output buffers) and the seconds in the call. For the synchronous calls, also
+when the rank arrived at each call and when the call returned, relative to the window's reference: the
+moment the previous logging step's small all-gather returned, an instant all ranks share (a synchronous
+collective returns on every rank once its last rank arrived, and a few bytes cross any link at once).
+Measuring from a shared instant needs no synchronised clocks.
+
+How arrival and return tell the faults apart (the reasoning `mmpt.engine.health` applies):
+
+- A rank whose own work is slow (compute, data) arrives late at the collectives: its peers wait for it
+  inside the call, so their collective time grows and its own shrinks. Its busy time (the window's time
+  outside collectives) stands above its peers'; its calls return when theirs do.
+- A rank whose collectives are slow once everyone arrived (its link, its NIC, its node) is not busier
+  than its peers. Its calls return after its peers' do (the data it waits for arrives last), so it also
+  reaches the next call late and its peers wait there: summed collective time alone would look the
+  same on every rank. What sets it apart is the return: its calls return later than its peers' by more
+  than the collective itself takes on them.
+
+Clocks: on CPU the host clock (`time.perf_counter`) around the call, which returns when the collective
+is done. On a GPU the host returns as soon as the call is queued, so each synchronous call records two
+CUDA events on the current stream: before (this rank's work reached the call) and after (the stream has
+waited for the collective). The events are read at `take()`, once per logging window, after the work
+has finished (`mmpt.engine.timing.Spans.take` synchronises already): no step waits for the host.
+Asynchronous calls (`async_op=True`: ZeRO-3's prefetching gathers, overlapped reductions) are counted
+with their bytes and the time the call took to issue; their waits show where the work waits for them.
+
+`install` wraps once per process; `uninstall` restores the originals (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+KINDS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "barrier",
+)
+
+# function name -> kind, for torch.distributed and DeepSpeed's backend object alike
+_KIND_OF = {
+    "all_reduce": "all_reduce",
+    "inference_all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_object": "all_gather",
+    "all_gather_coalesced": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_object_list": "broadcast",
+    "reduce": "reduce",
+    "gather": "gather",
+    "gather_object": "gather",
+    "scatter": "scatter",  # mmpt's reduce-scatter on gloo, which has none
+    "scatter_object_list": "scatter",
+    "barrier": "barrier",
+}
+
+Delay = Callable[[str], None]  # called with the kind after a synchronous collective returned, inside its timing
+
+
+@dataclass
+class Totals:
+    """One (kind, group)'s figures in a window."""
+
+    calls: int = 0
+    bytes: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
+class Window:
+    """One rank's logging window, in seconds from the window's reference instant."""
+
+    wall: float  # reference to the end of the window's work
+    collective_seconds: float  # in synchronous collectives
+    sync_calls: int
+    mean_arrival: float  # when this rank reached its synchronous calls, on average
+    mean_return: float  # when they returned, on average
+    by_kind: dict[tuple[str, str], Totals] = field(default_factory=dict)  # (kind, group) -> totals
+
+    @property
+    def busy(self) -> float:
+        """Time outside synchronous collectives: this rank's own work (data, compute, optimizer, host)."""
+        return max(0.0, self.wall - self.collective_seconds)
+
+    def kind_totals(self, kind: str) -> Totals:
+        out = Totals()
+        for (name, _), totals in self.by_kind.items():
+            if name == kind:
+                out.calls += totals.calls
+                out.bytes += totals.bytes
+                out.seconds += totals.seconds
+        return out
+
+
+_DELAYS: list[Delay] = []  # injected faults (`mmpt.engine.faults`): run after each synchronous call, timed with it
+
+
+def add_delay(delay: Delay) -> None:
+    """Run `delay(kind)` after every synchronous collective returns, inside its timing (fault injection)."""
+    _DELAYS.append(delay)
+
+
+class CollectiveClock:
+    """This rank's collective timings since the last `take()`."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.delays = _DELAYS
+        self.seconds_so_far = 0.0  # host seconds in collectives since the start, for the fault injector
+        self._local = threading.local()
+        self._group_names: dict[Any, str] = {}
+        self._reset(self._now())
+
+    # -- clocks -----------------------------------------------------------------------------------------
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _reset(self, reference: Any) -> None:
+        self._reference = reference
+        self._totals: dict[tuple[str, str], Totals] = defaultdict(Totals)
+        self._sync: list[tuple[tuple[str, str], Any, Any]] = []  # (key, arrived, returned) marks
+        self._last_raw_return: Any = reference
+
+    def _seconds(self, start: Any, end: Any) -> float:
+        if isinstance(start, float):
+            return end - start
+        return start.elapsed_time(end) / 1000.0
+
+    # -- recording --------------------------------------------------------------------------------------
+    def _group_name(self, group: Any) -> str:
+        if group is None or group is dist.GroupMember.WORLD:
+            return "world"
+        name = self._group_names.get(group)
+        if name is None:
+            ranks = dist.get_process_group_ranks(group)
+            name = "world" if len(ranks) == dist.get_world_size() else "ranks " + ",".join(map(str, ranks))
+            self._group_names[group] = name
+        return name
+
+    def call(self, kind: str, function: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run one collective and note it (only the outermost of nested wrapped calls counts)."""
+        if getattr(self._local, "inside", False):
+            return function(*args, **kwargs)
+        self._local.inside = True
+        try:
+            return self._timed(kind, function, args, kwargs)
+        finally:
+            self._local.inside = False
+
+    def _timed(self, kind: str, function: Callable, args: tuple, kwargs: dict) -> Any:
+        group = kwargs["group"] if "group" in kwargs else _positional_group(function, args)
+        key = (kind, self._group_name(group))
+        asynchronous = bool(kwargs.get("async_op", False))
+        host_start = time.perf_counter()
+        arrived = self._now() if not asynchronous else None
+        result = function(*args, **kwargs)
+        if arrived is not None:
+            self._last_raw_return = self._now()
+            for delay in self.delays:
+                delay(kind)
+            returned = self._now() if self.delays else self._last_raw_return
+            self._sync.append((key, arrived, returned))
+        totals = self._totals[key]
+        totals.calls += 1
+        totals.bytes += _buffer_bytes(args, kwargs)
+        host_seconds = time.perf_counter() - host_start
+        self.seconds_so_far += host_seconds
+        if asynchronous:
+            totals.seconds += host_seconds
+        return result
+
+    def mark_reference(self) -> None:
+        """The return of the last synchronous call (before any injected delay) becomes the next window's
+        reference: call it right after a collective every rank left together."""
+        self._reset(self._last_raw_return)
+
+    def take(self) -> Window:
+        """This window's figures, then start the next one from now (until `mark_reference`)."""
+        end = self._now()
+        if self.cuda:
+            end.synchronize()
+        wall = self._seconds(self._reference, end)
+        arrivals = returns = collective = 0.0
+        for key, arrived, returned in self._sync:
+            start, stop = self._seconds(self._reference, arrived), self._seconds(self._reference, returned)
+            arrivals += start
+            returns += stop
+            collective += stop - start
+            self._totals[key].seconds += stop - start
+        count = len(self._sync)
+        window = Window(
+            wall=wall,
+            collective_seconds=collective,
+            sync_calls=count,
+            mean_arrival=arrivals / count if count else 0.0,
+            mean_return=returns / count if count else 0.0,
+            by_kind=dict(self._totals),
+        )
+        self._reset(end)
+        return window
+
+
+_PARAMETERS: dict[Any, list[str]] = {}  # a wrapped function's parameter names, read once
+
+
+def _positional_group(function: Callable, args: tuple) -> Any:
+    """The `group` argument when it was passed by position (rare: mmpt and DeepSpeed pass it by keyword)."""
+    key = getattr(function, "__func__", function)  # a bound method's function: one entry for every call
+    names = _PARAMETERS.get(key)
+    if names is None:
+        try:
+            names = list(inspect.signature(function).parameters)
+        except (TypeError, ValueError):
+            names = []
+        _PARAMETERS[key] = names
+    if "group" in names and names.index("group") < len(args):
+        return args[names.index("group")]
+    return None
+
+
+def _buffer_bytes(args: tuple, kwargs: dict) -> float:
+    """The larger of the call's tensor buffers (a tensor, or a list of them summed)."""
+    largest = 0
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            largest = max(largest, value.numel() * value.element_size())
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            largest = max(largest, sum(v.numel() * v.element_size() for v in value))
+    return float(largest)
+
+
+_ACTIVE: CollectiveClock | None = None
+_ORIGINALS: list[tuple[Any, str, Any]] = []  # (owner, name, original), to restore
+_WRAPPED: set[Callable] = set()
+
+
+def active() -> CollectiveClock | None:
+    """The installed clock, or None."""
+    return _ACTIVE
+
+
+def _wrap(clock: CollectiveClock, owner: Any, name: str) -> None:
+    original = getattr(owner, name, None)
+    if original is None or original in _WRAPPED:
+        return
+    kind = _KIND_OF[name]
+
+    @functools.wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        return clock.call(kind, original, args, kwargs)
+
+    _WRAPPED.add(timed)
+    setattr(owner, name, timed)
+    _ORIGINALS.append((owner, name, original))
+
+
+def install(cuda: bool) -> CollectiveClock:
+    """Wrap the collectives of `torch.distributed` and of DeepSpeed's backend (once) and return the clock."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        return _ACTIVE
+    clock = CollectiveClock(cuda)
+    for name in _KIND_OF:
+        _wrap(clock, dist, name)
+    try:
+        import deepspeed.comm.comm as ds_comm
+    except ImportError:
+        ds_comm = None
+    backend = getattr(ds_comm, "cdb", None)
+    if backend is not None:
+        for name in _KIND_OF:
+            _wrap(clock, backend, name)
+    _ACTIVE = clock
+    return clock
+
+
+def uninstall() -> None:
+    """Put the original functions back."""
+    global _ACTIVE
+    while _ORIGINALS:
+        owner, name, original = _ORIGINALS.pop()
+        setattr(owner, name, original)
+    _WRAPPED.clear()
+    _ACTIVE = None

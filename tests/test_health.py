@@ -1,0 +1,182 @@
+"""Rank health: the collective clock, the judgement that tells a late rank from slow collectives, the
+injected slowdowns, and 2-rank runs (deepspeed launcher, CPU) in which each fault is named."""
+
+import json
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, deepspeed_command, launcher_env, tiny_config, write_config
+from mmpt.engine import collective_timing, faults, health, stops
+from mmpt.engine.health import HealthMonitor, RankRow, Thresholds, judge
+
+REST = [0.0] * 3 * len(collective_timing.KINDS)  # per kind: seconds, calls, MiB
+THRESHOLDS = Thresholds(busy_factor=1.5, collective_factor=2.0, min_share=0.05, windows=3)
+
+
+def rows_for(busy: list[float], arrival: list[float], returned: list[float], calls: int = 10) -> list[RankRow]:
+    """Windows of 1 s in which each rank spent `1 - busy` in collectives."""
+    return [RankRow(1.0, 1.0 - b, calls, a, r) for b, a, r in zip(busy, arrival, returned)]
+
+
+def test_a_rank_with_twice_the_busy_time_is_a_straggler_and_its_returns_are_not_late():
+    # rank 1 computes twice as long: it arrives last; every rank's calls return together
+    rows = rows_for(busy=[0.3, 0.6, 0.3, 0.3], arrival=[0.2, 0.5, 0.2, 0.21], returned=[0.52, 0.52, 0.52, 0.52])
+    assert [(f.kind, f.rank) for f in judge(rows, THRESHOLDS)] == [("straggler", 1)]
+
+
+def test_a_rank_whose_calls_return_late_has_slow_collectives_though_no_busier():
+    # rank 2's calls return 50 ms after its peers' (so it also arrives late by as much): busy alike
+    rows = rows_for(busy=[0.4] * 4, arrival=[0.30, 0.30, 0.35, 0.30], returned=[0.352, 0.352, 0.402, 0.352])
+    found = judge(rows, THRESHOLDS)
+    assert [(f.kind, f.rank) for f in found] == [("slow collectives", 2)]
+    assert found[0].value == pytest.approx(0.052) and found[0].peer_median == pytest.approx(0.002)
+
+
+def test_small_lags_and_equal_ranks_are_healthy():
+    assert judge(rows_for([0.4, 0.41], [0.3, 0.3], [0.302, 0.302]), THRESHOLDS) == []
+    # 3x its peer's return lag, but 10 calls x 2 ms is 2% of the window: below unhealthy_min_share
+    assert judge(rows_for([0.4, 0.4], [0.3, 0.3], [0.301, 0.303]), THRESHOLDS) == []
+    assert judge(rows_for([0.4], [0.3], [0.31]), THRESHOLDS) == []  # one rank has no peers
+
+
+class Clock:
+    """Stands in for the collective clock: hands out the window a test sets."""
+
+    def __init__(self):
+        self.window = collective_timing.Window(1.0, 0.5, 10, 0.3, 0.35)
+
+    def take(self):
+        return self.window
+
+    def mark_reference(self):
+        pass
+
+
+def monitor(tmp_path, action="warn") -> HealthMonitor:
+    return HealthMonitor(Clock(), THRESHOLDS, action, tmp_path, [("gpu07", 0), ("gpu08", 1)])  # type: ignore[arg-type]
+
+
+def test_a_rank_is_named_after_windows_in_a_row_and_the_file_names_its_node(tmp_path, monkeypatch):
+    late = [[1.0, 0.2, 10, 0.5, 0.52] + REST, [1.0, 0.8, 10, 0.2, 0.52] + REST]  # rank 0 busy 0.8 vs 0.2
+    monkeypatch.setattr(health.mdist, "all_gather_floats", lambda row: late)
+    watcher = monitor(tmp_path)
+    for step in (1, 2):
+        watcher.window(step)
+        watcher.act(step)
+        assert not (tmp_path / "unhealthy.json").exists(), step
+    watcher.reached("checkpoint", 3)  # a window with a checkpoint is not judged, and does not break the streak
+    watcher.window(3)
+    watcher.act(3)
+    assert not (tmp_path / "unhealthy.json").exists()
+    record = watcher.window(4)
+    watcher.act(4)
+    report = json.loads((tmp_path / "unhealthy.json").read_text())
+    assert report["nodes"] == ["gpu07"] and report["step"] == 4
+    assert report["ranks"][0]["kind"] == "straggler" and report["ranks"][0]["rank"] == 0
+    assert report["ranks"][0]["line"].startswith("straggler: rank 0 on node gpu07 arrives late")
+    assert watcher.summary()["stragglers"] == {"0": 4.0}
+    assert record["busy_time_per_rank"] == [0.8, 0.2]
+
+
+def test_stop_raises_the_unhealthy_stop_with_its_exit_code(tmp_path, monkeypatch):
+    slow = [[1.0, 0.5, 10, 0.3, 0.30] + REST, [1.0, 0.5, 10, 0.35, 0.40] + REST]
+    monkeypatch.setattr(health.mdist, "all_gather_floats", lambda row: slow)
+    monkeypatch.setattr(health.mdist, "get_rank", lambda: 1)  # not rank 0: raises alike, writes nothing
+    watcher = monitor(tmp_path, action="stop")
+    watcher.window(1)
+    watcher.act(1)
+    watcher.window(2)
+    watcher.act(2)
+    watcher.window(3)
+    with pytest.raises(health.UnhealthyRankError, match="slow collectives: rank 1 on node gpu08") as caught:
+        watcher.act(3)
+    assert stops.ending(caught.value, rank=0).exit_code == stops.EXIT_UNHEALTHY == 76
+    assert not (tmp_path / "unhealthy.json").exists()
+
+
+def test_the_clock_times_calls_once_and_counts_bytes(monkeypatch):
+    clock = collective_timing.CollectiveClock(cuda=False)
+    inner = lambda tensor, group=None: time.sleep(0.01)
+    outer = lambda tensor, group=None: clock.call("all_reduce", inner, (tensor,), {"group": group})
+    clock.call("all_reduce", outer, (torch.zeros(4),), {})  # DeepSpeed's backend calling torch.distributed
+    window = clock.take()
+    assert window.sync_calls == 1
+    totals = window.kind_totals("all_reduce")
+    assert (totals.calls, totals.bytes) == (1, 16.0) and totals.seconds >= 0.01
+    assert window.mean_return - window.mean_arrival == pytest.approx(totals.seconds)
+
+
+def test_slow_collectives_delay_is_timed_with_the_call(monkeypatch):
+    monkeypatch.setattr(collective_timing, "_DELAYS", [])
+    injector = faults.FaultInjector([], rank=1, slowdowns=faults.parse_slowdowns("slow_collectives:rank=1:delay=0.02"))
+    clock = collective_timing.CollectiveClock(cuda=False)
+    clock.call("barrier", lambda: None, (), {})
+    assert clock.take().collective_seconds >= 0.02
+    assert injector.faults == []
+    assert faults.FaultInjector([], rank=0, slowdowns=faults.parse_slowdowns("slow_collectives:rank=1")).faults == []
+    assert collective_timing._DELAYS and len(collective_timing._DELAYS) == 1  # rank 0 added none
+
+
+def test_slow_compute_stretches_the_work_between_points():
+    injector = faults.FaultInjector([], rank=1, slowdowns=faults.parse_slowdowns("slow_compute:rank=1:factor=3"))
+    injector.reached("forward", 1)
+    time.sleep(0.02)
+    started = time.perf_counter()
+    injector.reached("backward", 1)
+    assert time.perf_counter() - started >= 0.04  # (3 - 1) x the 20 ms since the previous point
+    with pytest.raises(ValueError, match="unknown option"):
+        faults.parse_slowdowns("slow_compute:rank=1:speed=2")
+    assert faults.parse("slow_compute:rank=1;kill@forward,rank=0") == [faults.Fault("kill", "forward", None, 0)]
+
+
+# -- 2-rank runs ------------------------------------------------------------------------------------------
+
+
+def launch(tmp_path, digits_root, fault: str, **train) -> tuple[subprocess.CompletedProcess, str]:
+    run_dir = tmp_path / "run"
+    settings = dict(zero_stage=2, max_steps=7, save_every=0, log_every=1, **train)
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=settings))
+    env = dict(launcher_env(), MMPT_INJECT_FAULT=fault)
+    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return result, result.stdout + result.stderr
+
+
+def named(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "straggler: rank" in line or "slow collectives: rank" in line]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "fault, kind",
+    [("slow_compute:rank=1:factor=2", "straggler"), ("slow_collectives:rank=1:delay=0.05", "slow collectives")],
+)
+def test_each_fault_is_told_apart_and_named_within_three_windows(tmp_path, digits_root, fault, kind):
+    result, output = launch(tmp_path, digits_root, fault)
+    assert result.returncode == 0, output[-3000:]
+    report = json.loads((tmp_path / "run/unhealthy.json").read_text())
+    assert [(r["kind"], r["rank"]) for r in report["ranks"]] == [(kind, 1)], named(output)
+    assert report["step"] <= 4  # the first window holds start-up; named by the third after it
+    assert all(line.split(": ", 1)[0] in kind for line in named(output)), named(output)
+
+
+@pytest.mark.distributed
+def test_a_clean_run_names_nobody(tmp_path, digits_root):
+    result, output = launch(tmp_path, digits_root, "")
+    assert result.returncode == 0, output[-3000:]
+    assert named(output) == [] and not (tmp_path / "run/unhealthy.json").exists()
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    assert summary["stragglers"] == {} and summary["slow_collectives"] == {}
+
+
+@pytest.mark.distributed
+def test_stop_on_an_unhealthy_rank_exits_with_its_code(tmp_path, digits_root):
+    result, output = launch(tmp_path, digits_root, "slow_collectives:rank=1:delay=0.05", on_unhealthy="stop")
+    assert result.returncode == stops.EXIT_UNHEALTHY, output[-3000:]
+    lines = sorted(line for line in output.splitlines() if line.startswith("mmpt: "))
+    assert len(lines) == 2 and lines[0] == "mmpt: rank 1: stopped on the unhealthy rank that rank 0 reports", lines
+    assert lines[1].startswith("mmpt: unhealthy rank: slow collectives: rank 1 on node "), lines
+    assert "Traceback" not in output
+    assert json.loads((tmp_path / "run/unhealthy.json").read_text())["action"] == "stop"
