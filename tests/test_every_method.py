@@ -125,3 +125,34 @@ def optimizer_state(checkpoint: Path) -> tuple[set[int], set[float]]:
         visit(torch.load(path, map_location="cpu", weights_only=False))
     assert steps and rates, f"no Adam state in {checkpoint}"
     return steps, rates
+
+
+def test_a_run_with_nothing_to_evaluate_builds_no_evaluation_model(corpora, one_process, tmp_path, monkeypatch):  # noqa: F811
+    """Training ends with the weights written and no second, whole model built for an evaluation that has no work."""
+    from mmpt.config_loader import load_config
+    from mmpt.engine import train
+    from mmpt.methods import get_method
+
+    config = demo_config("clip")
+    cfg = load_config(
+        config,
+        [
+            *shrink(config, corpora),
+            f"run.output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+            "train.save_every=0",
+            "train.eval_every=0",
+            "train.zero_stage=0",
+            "train.precision=fp32",
+            "data.eval=[]",
+            "method.zeroshot.dataset=null",
+        ],
+    )
+    method = get_method(cfg.method_name)
+    assert not cfg.data.eval and not method.evaluates_at_end(cfg)
+    builds = []
+    build_model = method.build_model
+    monkeypatch.setattr(method, "build_model", lambda *args: builds.append(args) or build_model(*args))
+    assert train(cfg) == {}
+    assert (tmp_path / "run/model.safetensors").is_file()
+    assert len(builds) == 1, f"the model was built {len(builds)} times: once for training only"

@@ -197,9 +197,9 @@ def finish(run: runs.Run) -> dict[str, Any]:
     free_engine(run.engine)
     run.engine = None
     mdist.barrier()
-    if mdist.get_rank() != 0:
-        return {}
     cfg, method = run.cfg, run.method
+    if mdist.get_rank() != 0 or not (cfg.data.eval or method.evaluates_at_end(cfg)):
+        return {}
     model = read_weights(method.build_model(cfg, run.run_dir), run.run_dir / WEIGHTS).to(device).eval()
     results = method.evaluate(model, cfg, run.run_dir)
     with torch.no_grad():

@@ -152,6 +152,11 @@ class Method(Generic[SectionT]):
         """
         raise NotImplementedError
 
+    def evaluates_at_end(self, cfg: Config) -> bool:
+        """Whether `evaluate` has work for this config: without any (and no `data.eval` set), the engine builds
+        no evaluation model when training ends. By default, whether the method has an `evaluate` of its own."""
+        return type(self).evaluate is not Method.evaluate
+
     def evaluate(self, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:
         """Evaluation at the end of training, on one process with the full (unsharded) model."""
         return {}

@@ -186,6 +186,9 @@ class ImageTextMethod(Method[SettingsT]):
             return {"contrastive": loss(image_features, text_features, scale)}
         return {"contrastive": loss(image_features, text_features, scale, pool=pool, slot=index)}
 
+    def evaluates_at_end(self, cfg: Config) -> bool:
+        return self.settings(cfg).zeroshot.dataset is not None
+
     def evaluate(self, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:
         zs = self.settings(cfg).zeroshot
         if zs.dataset is None:

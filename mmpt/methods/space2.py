@@ -231,6 +231,9 @@ class Space2Method(Method[Space2Config]):
         )
         return result["metrics"]
 
+    def evaluates_at_end(self, cfg: Config) -> bool:
+        return self.settings(cfg).intent_eval.dataset is not None
+
     def evaluate(self, model: Space2Encoder, cfg: Config, run_dir: Path) -> dict[str, Any]:
         ev = self.settings(cfg).intent_eval
         if ev.dataset is None:

@@ -335,6 +335,9 @@ class VictorMethod(Method[VictorConfig]):
             loss.frame_queue.push(key_frames.flatten(0, 1))
         return terms
 
+    def evaluates_at_end(self, cfg: Config) -> bool:
+        return self.settings(cfg).retrieval.dataset is not None
+
     def evaluate(self, model: VictorModel, cfg: Config, run_dir: Path) -> dict[str, Any]:
         ev = self.settings(cfg).retrieval
         if ev.dataset is None:
