@@ -182,3 +182,22 @@ def test_stop_on_an_unhealthy_rank_exits_with_its_code(tmp_path, digits_root):
     assert lines[1].startswith("mmpt: unhealthy rank: slow collectives: rank 1 on node "), lines
     assert "Traceback" not in output
     assert json.loads((tmp_path / "run/unhealthy.json").read_text())["action"] == "stop"
+
+
+@pytest.mark.distributed
+def test_two_nodes_the_rank_with_slow_collectives_and_its_node_are_named(tmp_path, digits_root):
+    """2 nodes x 2 ranks on this machine (each node its own torchrun, as tests/test_multinode.py starts them)."""
+    from test_multinode import STALE_LAUNCHER_VARIABLES, node_commands, run_nodes
+
+    settings = dict(zero_stage=2, max_steps=6, save_every=0, log_every=1)
+    config = write_config(
+        tmp_path / "cfg.yaml",
+        tiny_config(digits_root, tmp_path / "run", train=settings, data={"train": {"batch_size": 8}}),
+    )
+    env = {k: v for k, v in launcher_env().items() if k not in STALE_LAUNCHER_VARIABLES}
+    env["MMPT_INJECT_FAULT"] = "slow_collectives:rank=3:delay=0.05"
+    commands = node_commands("torchrun", 2, 2, tmp_path, [str(REPO / "launch/train.py"), "--config", str(config)])
+    run_nodes(commands, env, tmp_path / "logs", timeout=600)
+    report = json.loads((tmp_path / "run/unhealthy.json").read_text())
+    assert [(r["kind"], r["rank"], r["node_rank"]) for r in report["ranks"]] == [("slow collectives", 3, 1)]
+    assert report["step"] <= 4
