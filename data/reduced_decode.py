@@ -8,8 +8,8 @@ image's size is in its header: nothing is decoded yet), so the distribution of c
 always had. The image is then decoded at the largest reduction that leaves the box at least the output size in
 pixels, and the box, scaled to the reduced image and rounded to its pixels, is resized to the output size with
 the crop's own interpolation, antialiased. Bilinear and bicubic resizing run on torch's uint8 resampler (Pillow's
-filters, vectorised: within 1 of 255 of PIL's resize and several times faster). The steps after the crop (flips,
-RandAugment, placement, `PILToTensor`) run as before on the cropped image.
+filters, vectorised: within 2 of 255 of PIL's resize and several times faster), JPEGs too small to reduce
+included. The steps after the crop (flips, RandAugment, placement, `PILToTensor`) run as before on the crop.
 
 Other formats (PNG, WebP) take the crop on the full decode exactly as torchvision does: their pixels are unchanged.
 """
@@ -90,7 +90,7 @@ def reduced_box(box: tuple[int, int, int, int], scale: float, bounds: tuple[int,
 def resample(image: Image.Image, box: tuple[int, int, int, int], size: tuple[int, int], mode: T.InterpolationMode):
     """`box` of an RGB image resized to `size` (height, width) with `mode`, antialiased, as an RGB image.
 
-    Bilinear and bicubic run on torch's uint8 antialiased resampler, Pillow's filters vectorised (within 1 of 255
+    Bilinear and bicubic run on torch's uint8 antialiased resampler, Pillow's filters vectorised (within 2 of 255
     of PIL's resize, several times faster); other modes on PIL's.
     """
     name = TORCH_MODES.get(mode)
