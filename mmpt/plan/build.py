@@ -16,6 +16,8 @@ from torch import nn
 from mmpt.config import Config, ConfigError
 from mmpt.methods import EngineNeeds, Method, get_method
 
+PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold: ZeRO-3 keeps these whole
+
 
 @dataclass(frozen=True)
 class Counts:
@@ -27,6 +29,7 @@ class Counts:
     momentum: int  # elements of the momentum copies the method declares (kept fp32 by the engine)
     buffers: int  # floating buffers of the model outside momentum copies (e.g. batch-norm statistics)
     loss_buffers: int  # floating buffers of the loss module (e.g. memory queues)
+    persistent: int = 0  # parameters small enough that ZeRO-3 keeps them whole on every rank (`states`)
 
 
 @dataclass
@@ -78,6 +81,7 @@ def count(b: Built) -> Counts:
         momentum=momentum,
         buffers=sum(t.numel() for t in b.model.buffers() if t.is_floating_point() and id(t) not in copies),
         loss_buffers=sum(t.numel() for t in b.loss.buffers() if t.is_floating_point()),
+        persistent=sum(p.numel() for p in params if p.numel() <= PERSISTENCE_THRESHOLD),
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmpt.config import Config
+from mmpt.engine.deepspeed_config import GPU_REDUCE_BUCKET
 from mmpt.losses import ContrastiveLoss
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.plan.comm import Traffic, feature_bytes, zero_bytes
@@ -107,6 +108,10 @@ def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptio
         stage=train.zero_stage,
         offload=train.offload_optimizer,
         hpz=cluster.gpus_per_node if hpz == "node" else int(hpz or 1),
+        # DeepSpeed's gradient bucket as the engine configures it on GPUs (mmpt.engine.deepspeed_config)
+        reduce_bucket=train.reduce_bucket_size or (GPU_REDUCE_BUCKET if train.zero_stage in (1, 2) else 0),
+        contiguous_gradients=True,
+        overlap_comm=bool(train.overlap_comm),
     )
     states = model_states(profile.counts, layout)
     budget = cluster.memory_gib * 2**30 * assume.usable_share - states.gpu
