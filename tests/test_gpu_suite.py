@@ -92,7 +92,8 @@ def dry_run(module_tmp):
     if process.poll() is None:
         process.kill()
     output = process.communicate()[0]
-    assert process.returncode == 0, output[-3000:] + log_tails(work)
+    not_ok = {n: (r["status"], r["error"]) for n, r in results.read_stages(out).items() if r["status"] != "ok"}
+    assert process.returncode == 0, f"{not_ok}\n" + output[-3000:] + log_tails(work)
     after = sorted(str(p.relative_to(results_folder)) for p in results_folder.rglob("*"))
     assert after == before, "a dry run must not write benchmarks/results/"
     return json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text(), snapshots, out
