@@ -230,6 +230,11 @@ class TrainConfig(Section):
         "split the sequence of the transformers the method declares (all-to-all around attention); must divide the "
         "ranks. 1: off",
     )
+    compile: bool = Field(
+        default=False,
+        description="compile the towers the method declares with torch.compile (inductor), in place: weights, "
+        "checkpoints and exports keep their names. Not with ZeRO-3 or sequence parallelism",
+    )
     log_every: int = Field(default=10, gt=0)
     eval_every: int = Field(
         default=0,

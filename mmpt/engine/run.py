@@ -23,6 +23,7 @@ from mmpt.data.loader import SkipPolicy, StatefulLoader
 from mmpt.engine import precision, shm_collectives
 from mmpt.engine.batch_norm import batch_norm_across_ranks
 from mmpt.engine.checkpoint import Checkpointer, RngState, deepspeed_io, find_resume, saved_world_size
+from mmpt.engine.compile import check_compile, compile_towers
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.faults import FaultInjector
 from mmpt.engine.grad_buckets import BucketedAllReduce
@@ -321,6 +322,7 @@ def build_engine(
     """(DeepSpeed engine, what `Method.load_initial_weights` said it loaded, or None)."""
     import deepspeed
 
+    check_compile(cfg)
     seed_everything(cfg.train.seed)  # the same initial weights on every rank
     model = method.build_model(cfg, Path(cfg.run.output_dir))
     check_pooled_accumulation(method, model.train(), cfg.train.grad_accum)
@@ -336,6 +338,8 @@ def build_engine(
             )
         assert layout.sequence_group is not None  # formed whenever sequence parallelism is on
         split_sequences(needs.sequence_parallel, layout.sequence_group, layout.sequence_parallel)
+    if cfg.train.compile:
+        compile_towers(needs, method.name)  # in place: parameter names, so checkpoints, stay those of eager runs
     module = TrainingModule(method, model, method.build_loss(cfg), needs)
     optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage)
     schedule = torch.optim.lr_scheduler.LambdaLR(

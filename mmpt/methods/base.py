@@ -60,6 +60,10 @@ class EngineNeeds:
     batch_norm_across_ranks: every BatchNorm in the model takes its batch statistics over all data-parallel
         ranks' samples (torch's SyncBatchNorm semantics, on CPU ranks too), so a model whose loss depends on
         batch statistics trains as on the global batch, and running statistics agree on every rank.
+    compilable: the towers (image, video, text, dialog encoders) the engine compiles in place with
+        `torch.compile` when a run sets `train.compile` (see `mmpt.engine.compile`). Each is compiled as a
+        whole module, so its parameters keep their names; what runs between them (projections, pooling, the
+        loss) stays eager. List modules that each run a large share of the step and hold no host-side logic.
     """
 
     step_pool: Callable[..., Any] | None = None  # (model, loss, the step's micro-batches) -> the pool
@@ -68,6 +72,7 @@ class EngineNeeds:
     momentum_copies: tuple[MomentumCopy, ...] = ()
     sequence_parallel: tuple[nn.Module, ...] = ()
     batch_norm_across_ranks: bool = False
+    compilable: tuple[nn.Module, ...] = ()
 
 
 SectionT = TypeVar("SectionT")  # a method's own `method:` section (its `config_class`)

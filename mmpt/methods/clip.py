@@ -20,7 +20,7 @@ from mmpt.config import Config
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.losses import ContrastiveLoss
 from mmpt.methods import register
-from mmpt.methods.base import MethodConfig
+from mmpt.methods.base import EngineNeeds, MethodConfig
 from mmpt.methods.image_text import TINY_IMAGE_TEXT_DATA, ImageTextMethod, PlacementAugment, ZeroShotConfig
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
 
@@ -76,6 +76,9 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
 
     def build_loss(self, cfg: Config) -> nn.Module:
         return ContrastiveLoss()
+
+    def engine_needs(self, model: ClipModel) -> EngineNeeds:
+        return EngineNeeds(compilable=(model.visual, model.text))  # the timm image tower, the BERT text tower
 
 
 METHOD = register(ClipMethod())

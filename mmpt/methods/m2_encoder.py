@@ -222,7 +222,9 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
         return GroupedContrastiveLoss(mdist.contiguous_group(size), tile_size=spec.tile_size)
 
     def engine_needs(self, model: M2Encoder) -> EngineNeeds:
-        return EngineNeeds(step_pool=self.step_pool)  # GBA-ITC: the step's K micro-batches form one negative pool
+        # GBA-ITC: the step's K micro-batches form one negative pool. The towers: the modality-expert stack
+        # and the shared top (both images and texts run through each, selecting their expert by name).
+        return EngineNeeds(step_pool=self.step_pool, compilable=(model.backbone.encoder, model.backbone_vl))
 
     def step_pool(self, model: M2Encoder, loss: GroupedContrastiveLoss, batches: list[dict[str, Any]]):
         images = [model.encode_image(model_images(model, b["image"])) for b in batches]

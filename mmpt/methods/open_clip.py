@@ -17,7 +17,7 @@ from torch import nn
 from mmpt.config import Config
 from mmpt.losses import ContrastiveLoss
 from mmpt.methods import register
-from mmpt.methods.base import MethodConfig
+from mmpt.methods.base import EngineNeeds, MethodConfig
 from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig
 from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer, preprocess_settings
 
@@ -79,6 +79,11 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
 
     def build_loss(self, cfg: Config) -> nn.Module:
         return ContrastiveLoss()
+
+    def engine_needs(self, model: OpenClipModel) -> EngineNeeds:
+        # open_clip's image tower, and its text transformer (`text` in its custom-text models)
+        text = model.clip.text if hasattr(model.clip, "text") else model.clip.transformer
+        return EngineNeeds(compilable=(model.clip.visual, text))
 
 
 METHOD = register(OpenClipMethod())

@@ -27,7 +27,7 @@ from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.tree_contrastive import TreeContrastiveLoss
 from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, VIEWS, LabelCodes
 from mmpt.methods import register
-from mmpt.methods.base import Method, MethodConfig, stream_spec
+from mmpt.methods.base import EngineNeeds, Method, MethodConfig, stream_spec
 from mmpt.models.space2 import Space2Encoder
 
 BACKBONE_DIR = "encoder"  # the backbone's config and tokenizer files inside a run directory
@@ -175,6 +175,9 @@ class Space2Method(Method[Space2Config]):
             [VIEWS.index(v) for v in m.views], combined=not m.project, temperature=m.temperature
         )
         return Space2Loss(contrastive, m.mlm_weight, m.supervised)
+
+    def engine_needs(self, model: Space2Encoder) -> EngineNeeds:
+        return EngineNeeds(compilable=(model.backbone.encoder,))  # the dialog encoder's transformer layers
 
     def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
         encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg))

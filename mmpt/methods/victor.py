@@ -236,8 +236,13 @@ class VictorMethod(Method[VictorConfig]):
         transformers = [model.unimodal.temporal.encoder, key_towers.temporal.encoder]
         if model.cross is not None:
             transformers.append(model.cross.encoder)
+        # Compiled: the query towers and the cross-modal transformer (the key network runs without gradient).
+        towers = model.unimodal
         return EngineNeeds(
-            momentum_copies=(model.key,), sequence_parallel=tuple(transformers), batch_norm_across_ranks=True
+            momentum_copies=(model.key,),
+            sequence_parallel=tuple(transformers),
+            batch_norm_across_ranks=True,
+            compilable=(towers.frame_encoder, towers.temporal.encoder, towers.text, *transformers[2:]),
         )
 
     def build_loss(self, cfg: Config) -> VictorLoss:

@@ -1,0 +1,71 @@
+"""Compiled towers (`train.compile`): the modules a method lists in `EngineNeeds.compilable`, compiled with
+torch.compile (inductor) in place.
+
+`module.compile()` keeps the module where it is and compiles its call: parameter and buffer names do not
+change, so checkpoints, the consolidated weights and every export read and write the keys of an eager run,
+and a run may be resumed with compilation switched on or off. Compilation is lazy: each tower is compiled at
+its first call, again for each new variant of its inputs (a modality expert, masks or none, with or without
+gradient, training or evaluation mode) and once more with dynamic shapes when a batch size changes.
+
+What composes: ZeRO 0-2, every precision, pooled accumulation, momentum copies, batch norm over ranks and
+gradient checkpointing inside a tower (non-reentrant checkpoints are traced as such). What does not:
+- ZeRO-3: DeepSpeed 0.19.8 gathers and releases partitioned parameters in hooks on every submodule, which
+  a compiled tower would have to trace;
+- sequence parallelism: its hooks on the split transformers and its attention run collectives mid-tower.
+Both are refused with a config error naming `train.compile`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from mmpt.config import Config, ConfigError
+from mmpt.methods import EngineNeeds
+
+log = logging.getLogger(__name__)
+
+# torch.compile keeps up to `recompile_limit` compiled variants per Python function, then runs it eagerly.
+# Towers of one class share their `forward`, and each runs in several variants (see above): this many
+# leaves room for every tower of a method, in training and in evaluation.
+RECOMPILE_LIMIT = 64
+
+
+def check_compile(cfg: Config) -> None:
+    """Refuse the combinations compiled towers do not support (before anything is built)."""
+    train = cfg.train
+    if not train.compile:
+        return
+    if train.zero_stage == 3:
+        raise ConfigError(
+            "config key 'train.compile': compiled towers are not supported with train.zero_stage=3 (DeepSpeed "
+            "gathers partitioned parameters in hooks inside every tower); use ZeRO 0-2 or set train.compile=false"
+        )
+    if train.sequence_parallel > 1:
+        raise ConfigError(
+            "config key 'train.compile': compiled towers are not supported with train.sequence_parallel="
+            f"{train.sequence_parallel} (its collectives run inside the split transformers); set one of them off"
+        )
+
+
+def compile_towers(needs: EngineNeeds, method_name: str) -> int:
+    """Compile every module of `needs.compilable` in place; returns how many. Call `check_compile` first."""
+    if not needs.compilable:
+        raise ConfigError(
+            f"config key 'train.compile': method '{method_name}' declares no tower to compile; set it to false"
+        )
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+    seen: set[int] = set()
+    for module in needs.compilable:
+        if id(module) not in seen:
+            seen.add(id(module))
+            module.compile()
+    return len(seen)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether `module` was compiled in place (`nn.Module.compile`)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
