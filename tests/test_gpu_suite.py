@@ -115,7 +115,8 @@ def test_each_stage_file_and_the_report_are_written_as_the_stage_ends(dry_run):
             and any(seen.get(later) in (None, "running") for later in names[index + 1 :])
             for seen, rows in snapshots
         ), (name, snapshots)
-    assert any(seen.get(names[1]) == "running" for seen, _ in snapshots)  # a stage's record exists while it runs
+    # a stage's record exists while it runs (short stages may start and end between two looks)
+    assert any(status == "running" for seen, _ in snapshots for status in seen.values()), snapshots
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["gpu.json", "gpu.md", "logs.tar.gz", *(f"stage-{n}.json" for n in names)]
     )
