@@ -16,9 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +27,10 @@ from torch.profiler import profile as profiler
 from mmpt.config_loader import load_config
 from mmpt.engine.precision import DTYPES
 from mmpt.plan.batches import micro_batch
-from mmpt.plan.build import built, count
+from mmpt.plan.build import built
+from mmpt.plan.held import HELD_BUCKET
 from mmpt.plan.measure import drop_gradients, measure_step, run_step, set_checkpointing
 from mmpt.plan.profile import profile
-from mmpt.plan.states import Layout, model_states
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [
@@ -81,7 +79,6 @@ def allocator_peak(config: str, overrides: list[str], batch: int) -> int:
     return peak
 
 
-HELD_BUCKET = 1_000_000  # DeepSpeed's gradient bucket in elements, small beside the model's partitions
 STATES_CONFIG = "configs/m2_encoder/demo.yaml"
 
 
@@ -89,7 +86,7 @@ def _held_rank(rank: int, port: int, queue) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from mmpt.plan.held import engine_for, held_after_backward
+    from mmpt.plan.held import held_and_planned
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
     os.environ["WORLD_SIZE"] = "2"
@@ -100,24 +97,8 @@ def _held_rank(rank: int, port: int, queue) -> None:
     rows = []
     for precision in ("fp32", "bf16"):
         for stage in range(4):
-            run_dir = Path(tempfile.mkdtemp(prefix="mmpt-held-"))
-            overrides = [
-                f"method.tokenizer={ROOT}/demo_data/digits/tokenizer.json",
-                f"train.zero_stage={stage}",
-                f"train.precision={precision}",
-                f"run.output_dir={run_dir}",
-                *([f"train.reduce_bucket_size={HELD_BUCKET}"] if stage else []),
-            ]
-            cfg = load_config(ROOT / STATES_CONFIG, overrides)
-            try:
-                held = held_after_backward(engine_for(cfg, run_dir), cfg)
-            finally:
-                shutil.rmtree(run_dir, ignore_errors=True)
-            with built(cfg) as b:
-                counts = count(b)
-            layout = Layout(world=2, precision=precision, stage=stage, reduce_bucket=HELD_BUCKET if stage else 0)
-            states = model_states(counts, layout)
-            predicted = states.gpu - states.gathered_layer  # the gathered layer is released after each use
+            tokenizer = f"{ROOT}/demo_data/digits/tokenizer.json"
+            held, predicted = held_and_planned(ROOT / STATES_CONFIG, tokenizer, stage, precision)
             rows.append(
                 {
                     "config": STATES_CONFIG,

@@ -7,10 +7,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -90,15 +88,12 @@ def test_stages_partition_what_they_say():
     assert hpz.hpz_shard == 1000
 
 
-HELD_BUCKET = 1_000_000  # a small DeepSpeed gradient bucket, so that it does not hide the partitions
-
-
 def check_planned_states_are_held(rank, tokenizer):
     """On each of 2 gloo ranks: an engine per ZeRO stage and precision, built as training builds it; the bytes
     the rank holds at its peak (`mmpt.plan.held`) are what `states` predicts, within 5%."""
     import deepspeed
 
-    from mmpt.plan.held import engine_for, held_after_backward
+    from mmpt.plan.held import held_and_planned
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     backend = importlib.import_module("deepspeed.comm.torch")
@@ -107,24 +102,7 @@ def check_planned_states_are_held(rank, tokenizer):
     misses = []
     for precision in ("fp32", "bf16"):
         for stage in range(4):
-            run_dir = Path(tempfile.mkdtemp(prefix="mmpt-held-"))
-            overrides = [
-                f"method.tokenizer={tokenizer}",
-                f"train.zero_stage={stage}",
-                f"train.precision={precision}",
-                f"run.output_dir={run_dir}",
-                *([f"train.reduce_bucket_size={HELD_BUCKET}"] if stage else []),
-            ]
-            cfg = load_config(DEMO, overrides)
-            try:
-                held = held_after_backward(engine_for(cfg, run_dir), cfg)
-            finally:
-                shutil.rmtree(run_dir, ignore_errors=True)
-            with built(cfg) as b:
-                counts = count(b)
-            layout = Layout(world=2, precision=precision, stage=stage, reduce_bucket=HELD_BUCKET if stage else 0)
-            states = model_states(counts, layout)
-            predicted = states.gpu - states.gathered_layer  # the gathered layer is released after each use
+            held, predicted = held_and_planned(DEMO, tokenizer, stage, precision)
             if abs(predicted / held.total - 1) > 0.05:
                 misses.append(f"ZeRO-{stage} {precision}: predicted {predicted}, held {held}")
     assert not misses, "; ".join(misses)

@@ -112,6 +112,39 @@ def engine_for(cfg: Any, run_dir: Path) -> Any:
     return engine
 
 
+HELD_BUCKET = 1_000_000  # a small DeepSpeed gradient bucket (elements), so that it does not hide the partitions
+
+
+def held_and_planned(config: Path | str, tokenizer: str, stage: int, precision: str) -> tuple[Held, int]:
+    """(what this rank holds at its peak, what the planner predicts) for `config` at a ZeRO stage and precision,
+    on the started 2-rank process group; the run's folder is removed afterwards."""
+    import shutil
+    import tempfile
+
+    from mmpt.config_loader import load_config
+    from mmpt.plan.build import built, count
+    from mmpt.plan.states import Layout, model_states
+
+    run_dir = Path(tempfile.mkdtemp(prefix="mmpt-held-"))
+    overrides = [
+        f"method.tokenizer={tokenizer}",
+        f"train.zero_stage={stage}",
+        f"train.precision={precision}",
+        f"run.output_dir={run_dir}",
+        *([f"train.reduce_bucket_size={HELD_BUCKET}"] if stage else []),
+    ]
+    cfg = load_config(config, overrides)
+    try:
+        held = held_after_backward(engine_for(cfg, run_dir), cfg)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    with built(cfg) as b:
+        counts = count(b)
+    layout = Layout(world=2, precision=precision, stage=stage, reduce_bucket=HELD_BUCKET if stage else 0)
+    states = model_states(counts, layout)
+    return held, states.gpu - states.gathered_layer  # the gathered layer is released after each use
+
+
 def held_after_backward(engine: Any, cfg: Any, batch_size: int = 2) -> Held:
     """One full optimizer step, then the next one's micro-batches through the engine's own loop
     (`mmpt.engine.trainer.optimizer_step`): what the rank holds after the last backward, before that step."""
