@@ -183,16 +183,18 @@ def test_resumed_compiled_run_continues_as_the_uninterrupted_one(corpora, one_pr
 
     def run(run_dir: Path, *max_steps: int) -> dict[int, float]:
         for last in max_steps:
+            torch._dynamo.reset()  # each start is a new process for a user: nothing compiled, no shapes seen
             train(make_config("clip", corpora, run_dir, 0, True, *steps, f"train.max_steps={last}"))
         return {r["step"]: r["loss/total"] for r in read_metrics(run_dir) if "loss/total" in r}
 
     whole = run(tmp_path / "whole", 3)
     resumed = run(tmp_path / "resumed", 2, 3)
     assert sorted(resumed) == [1, 2, 3], f"logged steps {sorted(resumed)}: the second start did not resume at 2"
-    # Compiled kernels are not bit-stable from one compilation to the next (a warm inductor cache may pick
-    # others): up to ~2e-7 relative measured between the two runs, at any step; a wrong resume is off by far more.
+    # Compiled CPU kernels are not bit-stable from one compilation to the next: ~2e-7 relative between two
+    # runs at any step, which Adam's first steps (update ~ lr * sign(gradient)) grow to ~2e-5 by step 3.
+    # A resume at another batch moves it by over 1e-1 (steps' losses differ by 0.3-1.9 here).
     for step in (1, 2, 3):
-        assert resumed[step] == pytest.approx(whole[step], rel=1e-5, abs=0), f"resumed {resumed}, uninterrupted {whole}"
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-3, abs=0), f"resumed {resumed}, uninterrupted {whole}"
     final, expected = (
         load_file(str(tmp_path / "resumed/model.safetensors")),
         load_file(str(tmp_path / "whole/model.safetensors")),
