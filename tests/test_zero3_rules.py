@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from timm.layers.patch_dropout import PatchDropout
 from torch import nn
 
 from conftest import run_on_gloo_ranks
@@ -79,6 +80,7 @@ def m2():
         (nn.Dropout(0.1), "dropout p=0.1"),
         (nn.BatchNorm1d(4), "batch norm in training mode"),
         (nn.MultiheadAttention(4, 1, dropout=0.2), "attention dropout 0.2"),
+        (PatchDropout(0.5), "patch dropout 0.5"),
     ],
 )
 def test_pooled_accumulation_refuses_modules_whose_two_passes_differ(m2, stochastic, reason):

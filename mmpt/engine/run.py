@@ -306,6 +306,8 @@ def check_pooled_accumulation(method: Method, model: nn.Module, grad_accum: int)
             reason = f"attention dropout {module.dropout}"
         elif isinstance(drop := getattr(module, "drop_prob", None), float) and drop > 0:
             reason = f"drop-path {drop}"
+        elif "PatchDropout" in type(module).__name__ and getattr(module, "prob", 0) > 0:
+            reason = f"patch dropout {module.prob}"  # timm's and open_clip's: a random patch choice per pass
         elif isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
             reason = "batch norm in training mode"
         if reason:

@@ -90,6 +90,9 @@ class Method(Generic[SectionT]):
     # with no edit of the file (the tests train every config and every method with them). Placeholders:
     # {digits}, {video}, {dialogs} (demo corpora folders), {bert} (a small BERT-family checkpoint), {repo}.
     tiny_overrides: tuple[str, ...] = ()
+    # Where the image or video tower's `TowerSwitches` (gradient checkpointing, patch dropout) sit in the
+    # config, e.g. "method.image"; None for a method without such a tower.
+    tower_switches: str | None = None
 
     def settings(self, cfg: Config) -> SectionT:
         """This method's `method:` section of `cfg`, with its own schema's type (the shared schema types the

@@ -42,6 +42,7 @@ class ClipConfig(MethodConfig):
 class ClipMethod(ImageTextMethod[ClipConfig]):
     name = "clip"
     config_class = ClipConfig
+    tower_switches = "method.image"
     tiny_overrides = (
         *TINY_IMAGE_TEXT_DATA,
         "method.tokenizer={digits}/tokenizer.json",

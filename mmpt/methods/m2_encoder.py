@@ -110,6 +110,7 @@ class M2Config(MethodConfig):
 class M2EncoderMethod(ImageTextMethod[M2Config]):
     name = "m2_encoder"
     config_class = M2Config
+    tower_switches = "method.arch"
     tiny_overrides = (
         *TINY_IMAGE_TEXT_DATA,
         "method.tokenizer={digits}/tokenizer.json",

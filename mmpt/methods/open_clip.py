@@ -20,9 +20,12 @@ from mmpt.methods import register
 from mmpt.methods.base import EngineNeeds, MethodConfig
 from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig
 from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer, preprocess_settings
+from mmpt.models.switches import TowerSwitches
 
 
-class OpenClipConfig(MethodConfig):
+class OpenClipConfig(MethodConfig, TowerSwitches):
+    """`grad_checkpointing` covers both towers (open_clip's switch); `patch_dropout` the ViT image tower."""
+
     name: Literal["open_clip"] = "open_clip"
     model: str = Field(description="open_clip model name (e.g. ViT-B-32) or a path to a model config .json")
     image_size: int | None = Field(
@@ -34,6 +37,7 @@ class OpenClipConfig(MethodConfig):
 class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     name = "open_clip"
     config_class = OpenClipConfig
+    tower_switches = "method"
     # The model is named by an open_clip config (no size keys to shrink): the small one the benchmarks use.
     tiny_overrides = (
         'data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}]',
@@ -75,7 +79,8 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         return preprocess_settings(self.settings(cfg).model, self.settings(cfg).image_size)
 
     def build_model(self, cfg: Config, run_dir: Path) -> OpenClipModel:
-        return OpenClipModel(self.settings(cfg).model, self.settings(cfg).image_size)
+        settings = self.settings(cfg)
+        return OpenClipModel(settings.model, settings.image_size, settings)
 
     def build_loss(self, cfg: Config) -> nn.Module:
         return ContrastiveLoss()

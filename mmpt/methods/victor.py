@@ -117,6 +117,7 @@ class VictorLoss(nn.Module):
 class VictorMethod(Method[VictorConfig]):
     name = "victor"
     config_class = VictorConfig
+    tower_switches = "method.video"
     tiny_overrides = (
         'data.train.sources=[{{shards: "{video}/train/en-*.tar"}}, {{shards: "{video}/train/zh-*.tar"}}]',
         "method.tokenizer={video}/tokenizer.json",

@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 from typing import Any, cast
 
-import timm
 import torch
 import torch.nn.functional as F
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
@@ -16,9 +15,10 @@ from transformers import BertConfig, BertModel
 
 from mmpt.config import Section
 from mmpt.models.padding_masks import last_hidden_state
+from mmpt.models.switches import TowerSwitches, timm_tower
 
 
-class ImageTowerConfig(Section):
+class ImageTowerConfig(TowerSwitches):
     timm_name: str = Field(
         default="vit_tiny_patch16_224", description="any timm model name; built without pretrained weights"
     )
@@ -83,12 +83,20 @@ class ClipModel(nn.Module):
     ):
         super().__init__()
         self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
-        self.visual = timm.create_model(image.timm_name, pretrained=False, num_classes=0, **image.timm_kwargs)
+        self.visual = timm_tower(image.timm_name, image.timm_kwargs, image, "method.image")
         self.image_projection = nn.Linear(cast(int, self.visual.num_features), embed_dim, bias=False)
         self.text = bert_text_encoder(text)
         self.text_projection = nn.Linear(text.width, embed_dim, bias=False)
         # Shape [1], not 0-D: DeepSpeed cannot flatten 0-D parameters.
         self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return bool(getattr(self.visual, "grad_checkpointing", False))
+
+    def set_grad_checkpointing(self, enabled: bool = True) -> None:
+        """The image tower's switch (the text tower is not checkpointed)."""
+        self.visual.set_grad_checkpointing(enabled)
 
     def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         features = self.image_projection(self.visual(images))

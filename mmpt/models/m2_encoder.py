@@ -16,18 +16,20 @@ from typing import Generic, TypeVar
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
+from timm.layers.patch_dropout import PatchDropout
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mmpt.config import Section
+from mmpt.models.switches import TowerSwitches
 from mmpt.registry import Registry
 
 VISION, TEXT = "A", "B"
 FIRST_POSITION = 2  # fairseq convention: position rows 0 and 1 are never used
 
 
-class M2EncoderConfig(Section):
-    """Every size knob; the official 0.4B/1B/10B are presets of this (see `PRESETS`)."""
+class M2EncoderConfig(TowerSwitches):
+    """Every size knob; the official 0.4B/1B/10B are presets of this (see `PRESETS`). `grad_checkpointing`
+    covers every layer (both towers share the stack); `patch_dropout` the image tokens."""
 
     width: int = Field(default=768, gt=0)
     heads: int = Field(default=12, gt=0)
@@ -46,7 +48,6 @@ class M2EncoderConfig(Section):
         gt=0,
         description="std of the position tables at init (official: 1.0; small models train better with ~0.02)",
     )
-    grad_checkpointing: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> M2EncoderConfig:
@@ -168,6 +169,10 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(num_layers))
         self.layer_norm = Multiway(lambda: nn.LayerNorm(cfg.width, eps=cfg.layernorm_eps))
         self.grad_checkpointing = cfg.grad_checkpointing
+        # FLIP: image patches dropped once their positions are added (the class token is kept)
+        self.patch_dropout = (
+            PatchDropout(cfg.patch_dropout, num_prefix_tokens=1) if positions and cfg.patch_dropout else None
+        )
         _magneto_scale(self, num_layers)
 
     def forward(
@@ -176,6 +181,8 @@ class Encoder(nn.Module):
         if position_expert is not None:
             positions = torch.arange(FIRST_POSITION, FIRST_POSITION + x.shape[1], device=x.device)
             x = x + self.embed_positions(positions, position_expert)
+            if position_expert == VISION and self.patch_dropout is not None:
+                x = self.patch_dropout(x)
         if attend is not None:
             x = x * attend.unsqueeze(-1).to(x.dtype)
         for layer in self.layers:
@@ -271,6 +278,10 @@ class M2Encoder(nn.Module):
             nn.init.normal_(head.fc.weight, std=0.02)
         nn.init.normal_(self.pooler.dense.weight, std=0.02)
         nn.init.zeros_(self.pooler.dense.bias)
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return self.backbone.encoder.grad_checkpointing
 
     def set_grad_checkpointing(self, enabled: bool = True) -> None:
         self.backbone.encoder.grad_checkpointing = self.backbone_vl.grad_checkpointing = enabled

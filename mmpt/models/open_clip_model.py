@@ -11,7 +11,11 @@ from typing import Any
 
 import open_clip
 import torch
+from timm.layers.patch_dropout import PatchDropout
 from torch import nn
+
+from mmpt.config import ConfigError
+from mmpt.models.switches import TowerSwitches
 
 
 def register_model_config(model: str) -> str:
@@ -47,17 +51,42 @@ def preprocess_settings(model: str, image_size: int | None = None) -> dict:
 class OpenClipModel(nn.Module):
     """An open_clip model; images are expected normalised with `image_mean` / `image_std` (its preprocessing's)."""
 
-    def __init__(self, model: str, image_size: int | None = None):
+    def __init__(self, model: str, image_size: int | None = None, switches: TowerSwitches | None = None):
         super().__init__()
+        switches = switches or TowerSwitches()
         # open_clip builds one of several CLIP classes; all have encode_image, encode_text and logit_scale
         self.clip: Any = open_clip.create_model(
             register_model_config(model), pretrained=None, force_image_size=image_size
         )
+        if switches.patch_dropout:
+            self._swap_patch_dropout(model, switches.patch_dropout)
+        self.set_grad_checkpointing(switches.grad_checkpointing)
         settings = preprocess_settings(model, image_size)
         self.image_mean, self.image_std = settings["mean"], settings["std"]
         scale = self.clip.logit_scale.detach().reshape(1).clone()
         del self.clip.logit_scale
         self.clip.logit_scale = nn.Parameter(scale)
+
+    def _swap_patch_dropout(self, model: str, prob: float) -> None:
+        """open_clip's patch dropout draws its patch choice on the host and indexes the device tensor with it
+        (two host-to-device copies a step); timm's draws on the device and gathers, with the same result."""
+        current = getattr(self.clip.visual, "patch_dropout", None)
+        if current is None:
+            raise ConfigError(
+                f"config key 'method.patch_dropout': open_clip model {model!r} has no patch tokens (patch dropout "
+                "needs a ViT image tower); set it to 0"
+            )
+        prefix = 1 if getattr(current, "exclude_first_token", True) else 0
+        self.clip.visual.patch_dropout = PatchDropout(prob, num_prefix_tokens=prefix)
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return self._grad_checkpointing
+
+    def set_grad_checkpointing(self, enabled: bool = True) -> None:
+        """open_clip's switch: both towers' transformer blocks (a ResNet image tower is not checkpointed)."""
+        self.clip.set_grad_checkpointing(enabled)
+        self._grad_checkpointing = enabled
 
     def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         return self.clip.encode_image(images, normalize=normalize)

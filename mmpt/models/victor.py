@@ -20,24 +20,27 @@ import math
 from collections.abc import Sequence
 from typing import Any, cast
 
-import timm
 import torch
 import torch.nn.functional as F
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from pydantic import Field, model_validator
 from timm.models.vision_transformer import Block
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from mmpt.config import Section
 from mmpt.models.clip import TextTowerConfig, bert_text_encoder
 from mmpt.models.momentum import MomentumCopy
 from mmpt.models.padding_masks import last_hidden_state
+from mmpt.models.switches import TowerSwitches, timm_tower
 
 NUM_ORDER_CLASSES = 6  # 3! orders of three segments
 TASKS = ("mlm", "msom", "mfom", "intra_mfm", "inter_mfm", "dual_vsa")
 
 
-class VideoTowerConfig(Section):
+class VideoTowerConfig(TowerSwitches):
+    """The frame backbone and temporal transformer; `grad_checkpointing` covers both, `patch_dropout` the
+    backbone (a ViT), frame by frame."""
+
     backbone: str | None = Field(
         default="resnet10t",
         description="timm model name (built without pretrained weights); null: precomputed features",
@@ -86,7 +89,7 @@ class FrameEncoder(nn.Module):
             self.backbone = None
             in_dim = cfg.feature_dim
         else:
-            self.backbone = timm.create_model(cfg.backbone, pretrained=False, num_classes=0, **cfg.backbone_kwargs)
+            self.backbone = timm_tower(cfg.backbone, cfg.backbone_kwargs, cfg, "method.video")
             self.backbone.requires_grad_(not cfg.frozen)
             in_dim = cast(int, self.backbone.num_features)
         self.frozen = cfg.frozen
@@ -153,12 +156,16 @@ class Transformer(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio=4.0, qkv_bias=True) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
+        self.grad_checkpointing = False
 
     def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, L, W]; padding [B, L], True where a position is ignored as a key."""
         mask = None if padding is None else ~padding[:, None, None, :]
         for block in self.blocks:
-            x = block(x, attn_mask=mask)
+            if self.grad_checkpointing and self.training:
+                x = checkpoint(block, x, attn_mask=mask, use_reentrant=False)
+            else:
+                x = block(x, attn_mask=mask)
         return self.norm(x)
 
 
@@ -174,6 +181,7 @@ class TemporalTransformer(nn.Module):
         nn.init.normal_(self.cls_token, std=0.02)
         nn.init.normal_(self.mask_token, std=0.02)
         self.encoder = Transformer(cfg.width, cfg.layers, cfg.heads)
+        self.encoder.grad_checkpointing = cfg.grad_checkpointing
 
     def forward(self, frames: torch.Tensor, frame_mask: torch.Tensor | None = None) -> torch.Tensor:
         if frames.shape[1] != self.time_embedding.shape[1]:
@@ -214,6 +222,17 @@ class UnimodalTowers(nn.Module):
         self.text = bert_text_encoder(text)
         self.video_projection = Projection(video.width, embed_dim)
         self.text_projection = Projection(text.width, embed_dim)
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return self.temporal.encoder.grad_checkpointing
+
+    def set_grad_checkpointing(self, enabled: bool = True) -> None:
+        """The video tower's switch: the frame backbone (a timm model) and the temporal transformer."""
+        backbone: Any = self.frame_encoder.backbone
+        if backbone is not None:
+            backbone.set_grad_checkpointing(enabled)
+        self.temporal.encoder.grad_checkpointing = enabled
 
     def text_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return last_hidden_state(self.text, input_ids, attention_mask)
@@ -312,6 +331,14 @@ class VictorModel(nn.Module):
         self.frame_head = PredictionHead(text.width, video.width) if {"intra_mfm", "inter_mfm"} & set(tasks) else None
         self.vsa_scale = LogitScale(vsa_temperature, learn_temperature)
         self.key = MomentumCopy(self.unimodal, momentum)  # registered after `unimodal`: deepcopy keeps the link
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return self.unimodal.grad_checkpointing
+
+    def set_grad_checkpointing(self, enabled: bool = True) -> None:
+        """The query video tower's switch (the key network runs without gradient: nothing to recompute)."""
+        self.unimodal.set_grad_checkpointing(enabled)
 
     def encode_video(self, video: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """Frames [B, T, C, H, W] (or features [B, T, D] for a feature model) -> video features [B, E]."""

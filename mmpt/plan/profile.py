@@ -46,16 +46,12 @@ class Profile:
     feature_dim: int  # width of the features a contrastive loss gathers (0: none)
 
 
-def configured_checkpointing(cfg: Config) -> bool:
-    arch = getattr(cfg.method, "arch", None)
-    return bool(getattr(arch, "grad_checkpointing", False))
-
-
 def profile(cfg: Config) -> Profile:
     with built(cfg) as b:
         counts = count(b)
         sources = len(cfg.data.train.sources) if cfg.data.train.compose == "per_source" else 1
         sizes = (2 * sources, 4 * sources)  # two samples at least: batch norm needs more than one
+        configured = bool(getattr(b.model, "grad_checkpointing", False))  # as the config built it
         mode = on_fake_tensors(b)
         runs: dict[bool, tuple[StepMeasure, StepMeasure]] = {}
         with mode:
@@ -64,7 +60,7 @@ def profile(cfg: Config) -> Profile:
             for checkpointing in (False, True):
                 if set_checkpointing(b.model, checkpointing) or not checkpointing:
                     runs[checkpointing] = (measure_step(b, sizes[0]), measure_step(b, sizes[1]))
-        on = configured_checkpointing(cfg) and True in runs
+        on = configured and True in runs
         other = runs.get(not on)
         return Profile(
             counts=counts,
