@@ -33,11 +33,11 @@ def first_batches(method, cfg, run_dir, count: int) -> list[dict]:
 def one_step(method, model, loss, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
     """What the engine runs of a step on the device: the pool pass when the method pools micro-batches, then
     each micro-batch's `training_step` and the backward of its summed terms. Returns the last terms."""
-    step_pool = method.engine_needs(model).step_pool
+    needs = method.engine_needs(model)
     pool = None
-    if step_pool is not None:
+    if needs.step_pool is not None:
         with torch.no_grad():
-            pool = step_pool(model, loss, micro_batches)
+            pool = needs.pool(model, loss, micro_batches)
     terms = {}
     for index, batch in enumerate(micro_batches):
         terms = method.training_step(model, loss, batch, pool, index)

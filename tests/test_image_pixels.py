@@ -190,9 +190,9 @@ def test_the_model_reads_what_the_float_pipeline_gave(tmp_path, digits_root, col
         seen = images_the_model_reads(model, tower, lambda: implementation.training_step(model, None, batch))
         assert seen.dtype == dtype and seen.shape == expected.shape
         torch.testing.assert_close(seen.float(), expected.to(dtype).float(), rtol=0, atol=1e-6)
-        step_pool = implementation.engine_needs(model).step_pool
-        if step_pool is not None:  # GBA-ITC's pool pass reads the same images
-            pooled = images_the_model_reads(model, tower, lambda: step_pool(model, None, [batch]))
+        needs = implementation.engine_needs(model)
+        if needs.pool_features is not None:  # GBA-ITC's pool pass reads the same images
+            pooled = images_the_model_reads(model, tower, lambda: needs.pool_features(model, batch))
             torch.testing.assert_close(pooled, seen, rtol=0, atol=0)
 
     # Batches built by hand with normalised floats (as the engine tests do) are read as they are.

@@ -5,7 +5,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from timm.layers.patch_dropout import PatchDropout
 from torch import nn
 
 from conftest import run_on_gloo_ranks
@@ -74,27 +73,59 @@ def m2():
     return get_method("m2_encoder"), M2Encoder(M2EncoderConfig(**{**PRESETS["m2-encoder-demo"], "vocab_size": 50}))
 
 
-@pytest.mark.parametrize(
-    "stochastic, reason",
-    [
-        (nn.Dropout(0.1), "dropout p=0.1"),
-        (nn.BatchNorm1d(4), "batch norm in training mode"),
-        (nn.MultiheadAttention(4, 1, dropout=0.2), "attention dropout 0.2"),
-        (PatchDropout(0.5), "patch dropout 0.5"),
-    ],
-)
-def test_pooled_accumulation_refuses_modules_whose_two_passes_differ(m2, stochastic, reason):
+def test_pooled_accumulation_refuses_batch_norm_in_training_mode(m2):
     method, model = m2
-    check_pooled_accumulation(method, model.train(), grad_accum=4)  # the M2-Encoder itself is deterministic
-    model.backbone_vl.layers[0].extra = stochastic
-    with pytest.raises(ConfigError, match=f"'backbone_vl.layers.0.extra' has {reason}: .*train.grad_accum=1"):
+    check_pooled_accumulation(method, model.train(), grad_accum=4)  # the M2-Encoder has none
+    model.backbone_vl.layers[0].extra = nn.BatchNorm1d(4)
+    with pytest.raises(ConfigError, match="'backbone_vl.layers.0.extra' has batch norm in training mode.*grad_accum=1"):
         check_pooled_accumulation(method, model.train(), grad_accum=4)
-    check_pooled_accumulation(method, model.train(), grad_accum=1)  # no pool, nothing to differ
+    check_pooled_accumulation(method, model.train(), grad_accum=1)  # no pool, nothing counted twice
     averaging = SimpleNamespace(engine_needs=lambda model: EngineNeeds())  # a method that averages micro-batches
     check_pooled_accumulation(averaging, model.train(), grad_accum=4)  # is unaffected
 
 
-def test_pooled_accumulation_accepts_inert_modules(m2):
+def test_pooled_accumulation_replays_random_draws_in_the_gradient_pass():
+    """Dropout and patch dropout draw the same masks in a micro-batch's pool pass and its gradient pass, so
+    the features the pool holds are the ones the gradient flows through; without the replay they differ."""
+    from losses.grouped_itc import GroupedContrastiveLoss
+    from mmpt.engine.run import TrainingModule
+    from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
+
+    torch.manual_seed(0)
+    arch = {**PRESETS["m2-encoder-demo"], "vocab_size": 50, "patch_dropout": 0.5}
+    model = M2Encoder(M2EncoderConfig(**arch)).train()
+    model.itc_vl_text_proj.fc = nn.Sequential(nn.Dropout(0.3), model.itc_vl_text_proj.fc)  # drawn after images
+    method = get_method("m2_encoder")
+    module = TrainingModule(method, model, GroupedContrastiveLoss(), method.engine_needs(model))
+    size = arch["image_size"]
+    batches = [
+        {
+            "image": torch.randint(0, 256, (3, 3, size, size), dtype=torch.uint8),
+            "input_ids": torch.randint(1, 50, (3, 6)),
+            "attention_mask": torch.ones(3, 6, dtype=torch.long),
+        }
+        for _ in range(3)
+    ]
+    features: list[torch.Tensor] = []  # image then text features of each micro-batch, in call order
+    for head in (model.itc_vl_image_proj, model.itc_vl_text_proj):
+        head.register_forward_hook(lambda m, args, out: features.append(out.detach().clone()))
+    with torch.no_grad():
+        pool = module(batches, pool_pass=True)
+    pooled, features[:] = list(features), []
+    for index, batch in enumerate(batches):
+        module(batch, pool, index)
+    assert len(features) == len(pooled) == 6
+    for index, (first, second) in enumerate(zip(pooled, features, strict=True)):
+        torch.testing.assert_close(second, first, rtol=0, atol=0, msg=f"micro-batch {index // 2}")
+    features.clear()
+    method.training_step(model, module.loss, batches[0], pool, 0)  # no replay: the draws go on, other masks
+    for tower, (first, second) in enumerate(zip(pooled[:2], features, strict=True)):
+        assert not torch.equal(first, second), f"the control drew the same masks (tower {tower}): the test cannot tell"
+
+
+def test_pooled_accumulation_accepts_random_modules_and_batch_norm_in_evaluation_mode(m2):
     method, model = m2
-    model.backbone_vl.layers[0].extra = nn.ModuleList([nn.Dropout(0.0), nn.BatchNorm1d(4).eval()])
-    check_pooled_accumulation(method, model.eval(), grad_accum=2)
+    model.train().backbone_vl.layers[0].extra = nn.ModuleList(
+        [nn.Dropout(0.3), nn.MultiheadAttention(4, 1, dropout=0.2), nn.BatchNorm1d(4).eval()]
+    )
+    check_pooled_accumulation(method, model, grad_accum=2)  # random draws are replayed

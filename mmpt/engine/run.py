@@ -52,12 +52,34 @@ class TrainingModule(nn.Module):
         super().__init__()
         self.method, self.model, self.loss, self.needs = method, model, loss, needs
         self.gradient_reduction: BucketedAllReduce | None = None  # set by `build_engine` where it replaces DeepSpeed's
+        self._replay: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # RNG states of the pool pass, by index
 
     def forward(self, batch: Any, pool: Any = None, index: int = 0, pool_pass: bool = False) -> Any:
         if pool_pass:  # `batch` is then the step's list of micro-batches (the engine asks only with a pool)
-            assert self.needs.step_pool is not None
-            return self.needs.step_pool(self.model, self.loss, batch)
+            return self._pool(batch)
+        if pool is not None:
+            set_torch_rng(self._replay[index])  # the draws its pool pass made: the same masks, the same features
         return self.method.training_step(self.model, self.loss, batch, pool, index)
+
+    def _pool(self, micro_batches: list[Any]) -> Any:
+        assert self.needs.pool_features is not None and self.needs.step_pool is not None
+        features, self._replay = [], []
+        for batch in micro_batches:
+            self._replay.append(torch_rng())
+            features.append(self.needs.pool_features(self.model, batch))
+        return self.needs.step_pool(self.loss, features)
+
+
+def torch_rng() -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch's host and current-device generator states (host-side values: reading them does not sync)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+
+def set_torch_rng(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    host, device = state
+    torch.set_rng_state(host)
+    if device is not None:
+        torch.cuda.set_rng_state(device)
 
 
 class Batches:
@@ -293,28 +315,16 @@ def prepare_run_dir(cfg: Config, method: Method, run_dir: Path) -> None:
 
 
 def check_pooled_accumulation(method: Method, model: nn.Module, grad_accum: int) -> None:
-    """Pooled accumulation is exact only if both passes over a micro-batch compute the same features:
-    refuse modules whose training-mode forward is random (dropout, drop-path) or counts each batch
-    (batch norm statistics would be updated twice)."""
+    """Pooled accumulation is exact only if both passes over a micro-batch compute the same features. Random
+    draws are replayed (`TrainingModule`); batch norm in training mode would update its statistics twice."""
     if method.engine_needs(model).step_pool is None or grad_accum == 1:
         return
     for name, module in model.named_modules():
-        reason = None
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            reason = f"dropout p={module.p}"
-        elif isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
-            reason = f"attention dropout {module.dropout}"
-        elif isinstance(drop := getattr(module, "drop_prob", None), float) and drop > 0:
-            reason = f"drop-path {drop}"
-        elif "PatchDropout" in type(module).__name__ and getattr(module, "prob", 0) > 0:
-            reason = f"patch dropout {module.prob}"  # timm's and open_clip's: a random patch choice per pass
-        elif isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-            reason = "batch norm in training mode"
-        if reason:
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
             raise ConfigError(
                 f"method '{method.name}' pools train.grad_accum={grad_accum} micro-batches per step, which "
-                f"needs the same features in its pool and gradient passes, but model module '{name}' has "
-                f"{reason}: turn it off or set train.grad_accum=1"
+                f"runs each micro-batch twice, but model module '{name}' has batch norm in training mode (its "
+                "statistics would count each batch twice): put it in evaluation mode or set train.grad_accum=1"
             )
 
 

@@ -60,8 +60,8 @@ class _Guard(TorchFunctionMode):
                     raise PartitionedParameterError(
                         f"parameter '{name}' (shape {shape}) was used by {_op_name(func)} in "
                         f"{self.where} while ZeRO-3 had it partitioned: method code may read parameters only inside "
-                        f"training_step/step_pool (which run in the engine's forward) or in an AfterStep that "
-                        f"lists them in `reads`"
+                        f"training_step/pool_features/step_pool (which run in the engine's forward) or in an "
+                        f"AfterStep that lists them in `reads`"
                     )
         return func(*args, **kwargs)
 

@@ -41,12 +41,15 @@ class AfterStep:
 class EngineNeeds:
     """Everything a method asks of the engine besides running `training_step` (see `Method.engine_needs`).
 
-    step_pool: pooled accumulation. With `train.grad_accum` K > 1 the engine first runs
-        `step_pool(model, loss, micro_batches)` over the step's K micro-batches without gradient, then each
-        micro-batch through `training_step` with that pool. Each micro-batch loss is then the whole step's
-        loss with gradient through that micro-batch only, so the engine sums the K gradients instead of
-        averaging them. Exact only if the model computes the same features in both passes: the engine
-        refuses models with dropout, drop-path or batch norm in training mode here.
+    pool_features, step_pool: pooled accumulation. With `train.grad_accum` K > 1 the engine first runs
+        `pool_features(model, micro_batch)` for each of the step's K micro-batches without gradient and
+        `step_pool(loss, [their features])`, then each micro-batch through `training_step` with that pool.
+        Each micro-batch loss is then the whole step's loss with gradient through that micro-batch only, so
+        the engine sums the K gradients instead of averaging them. Exact only if both passes compute the same
+        features: the engine replays each micro-batch's random draws (torch's generators, as
+        `pool_features` found them) for its `training_step`, so dropout, drop-path and patch dropout draw the
+        same masks in both, provided `training_step` makes the model's random draws in the order
+        `pool_features` does. Batch norm in training mode would count each batch twice: refused.
     fp32_modules: modules whose state stays fp32 under bf16/fp16 training; the engine runs their forward
         under autocast to the training precision and hands their outputs back in it.
     after_step: work after each applied optimizer step, in order.
@@ -66,13 +69,23 @@ class EngineNeeds:
         loss) stays eager. List modules that each run a large share of the step and hold no host-side logic.
     """
 
-    step_pool: Callable[..., Any] | None = None  # (model, loss, the step's micro-batches) -> the pool
+    pool_features: Callable[[Any, Any], Any] | None = None  # (model, one micro-batch) -> what the pool keeps
+    step_pool: Callable[[Any, list[Any]], Any] | None = None  # (loss, each micro-batch's pool features) -> pool
     fp32_modules: tuple[nn.Module, ...] = ()
     after_step: tuple[AfterStep, ...] = ()
     momentum_copies: tuple[MomentumCopy, ...] = ()
     sequence_parallel: tuple[nn.Module, ...] = ()
     batch_norm_across_ranks: bool = False
     compilable: tuple[nn.Module, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.pool_features is None) != (self.step_pool is None):
+            raise TypeError("EngineNeeds: pooled accumulation needs both pool_features and step_pool")
+
+    def pool(self, model: Any, loss: Any, micro_batches: list[Any]) -> Any:
+        """The step's pool from its micro-batches (without the engine's replay of random draws)."""
+        assert self.pool_features is not None and self.step_pool is not None
+        return self.step_pool(loss, [self.pool_features(model, batch) for batch in micro_batches])
 
 
 SectionT = TypeVar("SectionT")  # a method's own `method:` section (its `config_class`)

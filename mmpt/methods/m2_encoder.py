@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 from torchvision import transforms as T
@@ -225,12 +226,19 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
     def engine_needs(self, model: M2Encoder) -> EngineNeeds:
         # GBA-ITC: the step's K micro-batches form one negative pool. The towers: the modality-expert stack
         # and the shared top (both images and texts run through each, selecting their expert by name).
-        return EngineNeeds(step_pool=self.step_pool, compilable=(model.backbone.encoder, model.backbone_vl))
+        return EngineNeeds(
+            pool_features=self.pool_features,
+            step_pool=self.step_pool,
+            compilable=(model.backbone.encoder, model.backbone_vl),
+        )
 
-    def step_pool(self, model: M2Encoder, loss: GroupedContrastiveLoss, batches: list[dict[str, Any]]):
-        images = [model.encode_image(model_images(model, b["image"])) for b in batches]
-        texts = [model.encode_text(b["input_ids"], b["attention_mask"]) for b in batches]
-        return loss.pool(images, texts)
+    def pool_features(self, model: M2Encoder, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image then text features, in the order `training_step` (the model's forward) computes them."""
+        images = model.encode_image(model_images(model, batch["image"]))
+        return images, model.encode_text(batch["input_ids"], batch["attention_mask"])
+
+    def step_pool(self, loss: GroupedContrastiveLoss, features: list[tuple[torch.Tensor, torch.Tensor]]):
+        return loss.pool([image for image, _ in features], [text for _, text in features])
 
 
 METHOD = register(M2EncoderMethod())

@@ -9,6 +9,7 @@ it with the files as they are, so a stale page fails without the minutes a regen
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 from mmpt.config import ConfigError
@@ -43,7 +44,8 @@ def rows(config: Path, assume: Assumptions) -> list[str]:
         cfg = load_config(config)
         found = profile(cfg)
     except (ConfigError, RuntimeError) as exc:
-        return [f"| {name} | - | - | not planned: {str(exc).splitlines()[0]} | | | | | |"]
+        reason = re.sub(r"[^\s']*mmpt-plan-[^/\s']+", "<scratch run dir>", str(exc).splitlines()[0])  # no tmp path
+        return [f"| {name} | - | - | not planned: {reason} | | | | | |"]
     out = []
     for gpu in GPUS.values():
         for nodes in NODES:

@@ -108,7 +108,7 @@ def run_step(b: Built, batch: dict[str, Any]) -> None:
     pool = None
     if b.needs.step_pool is not None:
         with torch.no_grad():
-            pool = b.needs.step_pool(b.model, b.loss, [batch])
+            pool = b.needs.pool(b.model, b.loss, [batch])
     terms = b.method.training_step(b.model, b.loss, batch, pool, 0)
     torch.stack([t.float() for t in terms.values()]).sum().backward()
 
