@@ -1,7 +1,9 @@
 """Global image-text contrastive loss (InfoNCE over all ranks' pairs), as CLIP trains it.
 
 Each rank scores its own rows against every rank's columns (gathered with gradient), the
-"local loss" form: the same gradients as the full N*b x N*b matrix at 1/N of its memory.
+"local loss" form: the same gradients as the full N*b x N*b matrix at 1/N of its memory. Each rank's
+loss is the mean over its own rows; ranks may hold different numbers of rows (see
+`mmpt.distributed.allow_uneven_rows`), and the engine then weighs each rank's loss by its share.
 Called like open_clip's `ClipLoss`: `loss(image_features, text_features, logit_scale)` where
 `logit_scale` is the multiplier (already exponentiated).
 
@@ -16,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mmpt.distributed import all_gather_with_grad, get_rank
+from mmpt.distributed import all_gather_with_grad, gather_rows_with_grad
 
 
 def scaled_logits(queries: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -45,10 +47,9 @@ class ContrastiveLoss(nn.Module):
         self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor
     ) -> torch.Tensor:
         image_features, text_features = upcast(image_features), upcast(text_features)
-        all_images = all_gather_with_grad(image_features, self.group)
+        all_images = gather_rows_with_grad(image_features, self.group)
         all_texts = all_gather_with_grad(text_features, self.group)
-        rows = image_features.shape[0]
-        targets = torch.arange(rows, device=image_features.device) + get_rank(self.group) * rows
+        targets = torch.arange(image_features.shape[0], device=image_features.device) + all_images.offset
         logits_per_image = scaled_logits(image_features, all_texts, logit_scale)
-        logits_per_text = scaled_logits(text_features, all_images, logit_scale)
+        logits_per_text = scaled_logits(text_features, all_images.rows, logit_scale)
         return 0.5 * (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets))

@@ -11,7 +11,8 @@ training code; see docs/gba_itc.md):
   takes its slot in the pool (its fresh features gathered in the group) and the loss is computed
   over the whole pool. Summed over k (no 1/K), the encoder gradient equals that of one K-times
   larger batch. `logit_scale` enters every one of the K losses with its full gradient, so each
-  pass lets 1/K of it through (`s.detach() + (s - s.detach()) / K`): the sum is exact.
+  pass lets 1/K of it through (`s.detach() + (s - s.detach()) / K`): the sum is exact. Ranks may hold
+  different numbers of rows; a rank's K micro-batches have one size.
 - **Tiling.** Each cross-entropy is computed over column tiles with an online log-sum-exp and a
   backward that recomputes the tiles, so the b x columns logits matrix never exists.
 - **Precision.** Features are upcast to fp32 on entry (the pool after its gather): logits, softmax and
@@ -27,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mmpt.distributed import all_gather_with_grad, get_rank, get_world_size
+from mmpt.distributed import all_gather_with_grad, gather_rows_with_grad
 from mmpt.losses.contrastive import scaled_logits, upcast
 
 
@@ -134,26 +135,35 @@ class GroupedContrastiveLoss(nn.Module):
         slot: int = 0,
     ) -> torch.Tensor:
         image_features, text_features = upcast(image_features), upcast(text_features)
-        group_images = all_gather_with_grad(image_features, self.group)
-        group_texts = all_gather_with_grad(text_features, self.group)
-        rows_i, rows_t, scale = image_features, text_features, logit_scale
+        gathered = gather_rows_with_grad(image_features, self.group)
+        group_images, group_texts = gathered.rows, all_gather_with_grad(text_features, self.group)
+        rows_i, rows_t, scale, offset = image_features, text_features, logit_scale, gathered.offset
         if pool is not None:
-            rows_i = _with_slot(pool.images, image_features, slot, pool.micro_batches, 1)
-            rows_t = _with_slot(pool.texts, text_features, slot, pool.micro_batches, 1)
-            groups = get_world_size(self.group)
-            group_images = _with_slot(pool.group_images, group_images, slot, pool.micro_batches, groups)
-            group_texts = _with_slot(pool.group_texts, group_texts, slot, pool.micro_batches, groups)
-            scale = logit_scale.detach() + (logit_scale - logit_scale.detach()) / pool.micro_batches
-        targets = torch.arange(len(rows_i), device=rows_i.device) + get_rank(self.group) * len(rows_i)
+            k, mine = pool.micro_batches, (len(image_features),)
+            rows_i = _with_slot(pool.images, image_features, slot, k, mine)
+            rows_t = _with_slot(pool.texts, text_features, slot, k, mine)
+            group_images = _with_slot(pool.group_images, group_images, slot, k, gathered.counts)
+            group_texts = _with_slot(pool.group_texts, group_texts, slot, k, gathered.counts)
+            scale = logit_scale.detach() + (logit_scale - logit_scale.detach()) / k
+            offset *= k  # a rank's K micro-batches sit together in the pool
+        targets = torch.arange(len(rows_i), device=rows_i.device) + offset
         return 0.5 * (
             contrastive_cross_entropy(rows_i, group_texts, targets, scale, self.tile_size)
             + contrastive_cross_entropy(rows_t, group_images, targets, scale, self.tile_size)
         )
 
 
-def _with_slot(pool: torch.Tensor, fresh: torch.Tensor, slot: int, micro_batches: int, ranks: int) -> torch.Tensor:
-    """`pool` laid out (rank, micro-batch, row) with every rank's micro-batch `slot` replaced by `fresh`."""
-    rows = fresh.shape[0] // ranks
-    blocks = list(pool.view(ranks, micro_batches, rows, -1).unbind(1))
-    blocks[slot] = fresh.view(ranks, rows, -1)
-    return torch.stack(blocks, dim=1).reshape(-1, fresh.shape[-1])
+def _with_slot(
+    pool: torch.Tensor, fresh: torch.Tensor, slot: int, micro_batches: int, counts: tuple[int, ...]
+) -> torch.Tensor:
+    """`pool` laid out (rank, micro-batch, row) with every rank's micro-batch `slot` replaced by `fresh`
+    (`counts[r]` rows of rank r, in rank order; a rank's micro-batches are all that size)."""
+    sizes = torch.tensor(counts)
+    rank_starts = (sizes.cumsum(0) - sizes) * micro_batches
+    fresh_starts = sizes.cumsum(0) - sizes
+    total = int(sizes.sum())
+    within = torch.arange(total) - fresh_starts.repeat_interleave(sizes, output_size=total)
+    where = (rank_starts + slot * sizes).repeat_interleave(sizes, output_size=total) + within
+    if pool.shape[0] != micro_batches * total:
+        raise ValueError(f"the pool has {pool.shape[0]} rows, not {micro_batches} micro-batches of {counts} rows")
+    return pool.index_copy(0, where.to(pool.device), fresh)

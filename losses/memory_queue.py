@@ -67,7 +67,7 @@ class MemoryQueue(nn.Module):
 
     @torch.no_grad()
     def push(self, keys: torch.Tensor) -> None:
-        """Enqueue every rank's `keys` [n, dim] (same n on every rank); every rank must call it. Without a group
+        """Enqueue every rank's `keys` [n, dim] (n may differ between ranks); every rank must call it. Without a group
         of its own the queue gathers over the data-parallel ranks (ranks splitting one batch's sequences hold
         the same keys)."""
         group = self.group if self.group is not None else data_parallel_group()

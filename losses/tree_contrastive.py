@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmpt.distributed import all_gather_with_grad, get_rank
+from mmpt.distributed import all_gather_with_grad, gather_rows_with_grad
 from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, LabelCodes, code_score_matrices, encode_labels
 
 
@@ -72,9 +72,9 @@ class TreeContrastiveLoss(nn.Module):
 
     def scores(self, labels: LabelCodes) -> tuple[torch.Tensor, int]:
         """Scores [K, n, N] of this rank's labels against every rank's, and where this rank's rows start."""
-        everyone = LabelCodes(all_gather_with_grad(labels.views), all_gather_with_grad(labels.frames))
-        offset = get_rank() * labels.frames.shape[0]
-        return code_score_matrices(labels, everyone, offset, self.views, combined=self.combined), offset
+        frames = gather_rows_with_grad(labels.frames)
+        everyone = LabelCodes(all_gather_with_grad(labels.views), frames.rows)
+        return code_score_matrices(labels, everyone, frames.offset, self.views, combined=self.combined), frames.offset
 
     def forward(self, features: torch.Tensor, labels: LabelCodes | list[dict]) -> torch.Tensor:
         """`labels`: the batch's encoded labels, or the label dicts themselves (encoded here)."""

@@ -3,7 +3,8 @@
 Losses gather features across ranks with gradient. `torch.distributed.nn.all_gather` scatters its
 gradient with group-local ranks used as global ranks, which breaks on sub-groups, so the gather
 here is an autograd Function of its own: all_gather forward, reduce-scatter backward (emulated
-with scatters on gloo, which has no reduce-scatter).
+with scatters on gloo, which has no reduce-scatter). Ranks may hold different numbers of rows once
+`allow_uneven_rows` is on (per-rank batches that follow each rank's speed).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -120,23 +121,39 @@ class GatherClock:
 
 class _GatherWithGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        ctx.rank = dist.get_rank(group)
-        ctx.rows = tensor.shape[0]
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None, counts: tuple[int, ...]) -> torch.Tensor:
+        ctx.group, ctx.counts = group, counts
+        rank, most = dist.get_rank(group), max(counts)
+        if tensor.shape[0] != counts[rank]:
+            raise ValueError(f"rank {rank} gathers {tensor.shape[0]} rows but the ranks' counts say {counts[rank]}")
+        if tensor.shape[0] < most:  # uneven rows: every rank sends as many, padded, and the padding is dropped
+            tensor = torch.cat([tensor, tensor.new_zeros((most - tensor.shape[0], *tensor.shape[1:]))])
         # Gathered straight into the output: no per-rank pieces to concatenate (one copy of the result fewer).
-        gathered = tensor.new_empty((dist.get_world_size(group) * ctx.rows, *tensor.shape[1:]))
+        gathered = tensor.new_empty((len(counts) * most, *tensor.shape[1:]))
         spans = GatherClock.spans
         if spans is not None:
             spans.start("gather")
         dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=group)
         if spans is not None:
             spans.stop("gather")
-        return gathered
+        if min(counts) == most:
+            return gathered
+        return gathered.index_select(0, _unpadded_rows(counts, gathered.device))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_rows(grad.contiguous(), ctx.group), None
+        counts, most = ctx.counts, max(ctx.counts)
+        if min(counts) < most:
+            padded = grad.new_zeros((len(counts) * most, *grad.shape[1:]))
+            grad = padded.index_copy_(0, _unpadded_rows(counts, grad.device), grad)
+        mine = reduce_scatter_rows(grad.contiguous(), ctx.group)
+        return mine[: counts[dist.get_rank(ctx.group)]], None, None
+
+
+def _unpadded_rows(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Where each rank's real rows sit in a gather padded to `max(counts)` rows per rank."""
+    most = max(counts)
+    return torch.cat([torch.arange(count) + rank * most for rank, count in enumerate(counts)]).to(device)
 
 
 def reduce_scatter_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -306,15 +323,57 @@ def _spans(ranks: list[int]) -> str:
     return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
-def all_gather_with_grad(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Concatenate `tensor` (same shape on every rank) over the group, rank order, keeping gradient.
+_uneven_rows = False
+
+
+def allow_uneven_rows(allowed: bool = True) -> None:
+    """Let ranks hand gathers different numbers of rows (each rank's share of the global batch following its
+    speed). Off (the default), every rank is taken to hold as many rows as this one and a gather moves only
+    the rows; on, each gather first exchanges the ranks' row counts: one 8-byte-per-rank collective, read on
+    the host (on a GPU, a wait for the stream to reach it)."""
+    global _uneven_rows
+    _uneven_rows = allowed
+
+
+def rows_per_rank(rows: int, group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
+    """Every rank's row count, in group rank order, when this rank holds `rows` (see `allow_uneven_rows`)."""
+    size = get_world_size(group)
+    if not _uneven_rows or size == 1:
+        return (rows,) * size
+    mine = torch.tensor([rows], dtype=torch.int64, device=_comm_device())
+    every = torch.empty(size, dtype=torch.int64, device=mine.device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    return tuple(every.tolist())
+
+
+class GatheredRows(NamedTuple):
+    """Every rank's rows in rank order, and this rank's place among them."""
+
+    rows: torch.Tensor
+    counts: tuple[int, ...]  # rows per rank
+    rank: int
+
+    @property
+    def offset(self) -> int:
+        """Where this rank's own rows start in `rows`."""
+        return sum(self.counts[: self.rank])
+
+
+def gather_rows_with_grad(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> GatheredRows:
+    """Concatenate `tensor` over the group, rank order, keeping gradient; with the ranks' row counts.
 
     The gradient reaching each rank's input is the sum over ranks of the gradient of their
     output w.r.t. that rank's rows, as if the whole gathered batch were one graph.
     """
-    if not is_initialized() or dist.get_world_size(group) == 1:
-        return tensor
-    return _GatherWithGrad.apply(tensor, group)
+    counts = rows_per_rank(tensor.shape[0], group)
+    if not is_initialized() or len(counts) == 1:
+        return GatheredRows(tensor, counts, 0)
+    return GatheredRows(_GatherWithGrad.apply(tensor, group, counts), counts, dist.get_rank(group))
+
+
+def all_gather_with_grad(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`gather_rows_with_grad`'s rows alone."""
+    return gather_rows_with_grad(tensor, group).rows
 
 
 def _comm_device() -> torch.device:

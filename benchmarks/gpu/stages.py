@@ -751,7 +751,7 @@ def nccl(ctx: Context) -> dict[str, Any]:
         # mmpt.distributed.all_gather_with_grad returns its input on one rank: call its autograd Function directly,
         # so the all_gather forward and the reduce-scatter backward both run.
         leaf = x.clone().requires_grad_()
-        out = mdist._GatherWithGrad.apply(leaf, None)
+        out = mdist._GatherWithGrad.apply(leaf, None, (leaf.shape[0],))
         out.backward(torch.ones_like(out))
         return leaf.grad is not None and torch.equal(out, x) and torch.equal(leaf.grad, torch.ones_like(x))
 
