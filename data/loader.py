@@ -312,6 +312,34 @@ def pin_tensors(batch: Any) -> Any:
     return batch
 
 
+@dataclass
+class PackedSamples:
+    """A unit's samples on their way from a worker: each field whose tensors all have one shape and dtype
+    stacked into one tensor (one shared-memory block per field, not one per sample), other fields as lists."""
+
+    count: int
+    fields: dict[str, Any]
+    loose: list[Any] | None = None  # samples that are not dicts of one set of keys travel as they are
+
+
+def pack_samples(samples: list[Any]) -> PackedSamples:
+    keys = samples[0].keys() if samples and isinstance(samples[0], dict) else None
+    if keys is None or any(not isinstance(s, dict) or s.keys() != keys for s in samples):
+        return PackedSamples(len(samples), {}, list(samples))
+    fields: dict[str, Any] = {}
+    for key in keys:
+        values = [sample[key] for sample in samples]
+        same = all(isinstance(v, torch.Tensor) for v in values) and len({(v.shape, v.dtype) for v in values}) == 1
+        fields[key] = torch.stack(values) if same else values
+    return PackedSamples(len(samples), fields)
+
+
+def unpack_samples(packed: PackedSamples) -> list[Any]:
+    if packed.loose is not None:
+        return packed.loose
+    return [{key: values[row] for key, values in packed.fields.items()} for row in range(packed.count)]
+
+
 def _as_is(item: Any) -> Any:
     return item
 
@@ -325,9 +353,31 @@ class StatefulLoader:
     batches: int = 0
     positions: dict[int, dict] = field(default_factory=dict)
     carried: counts.Counts = field(default_factory=dict)  # from before a reshard
+    unit_collate: Callable[[list[dict]], Any] | None = None  # set by `read_in_units`
+    prefetch: int = 4  # deliveries each worker keeps ready
 
     def __post_init__(self) -> None:
         self.dataset.skip_policy = self.skip_policy  # the readers enforce it on every sample they read
+
+    def read_in_units(self, unit_size: int) -> None:
+        """Deliver units of `unit_size` samples, uncollated, for `combine` to join several into one batch (a
+        rank's micro-batch that follows its speed). Each unit is a delivery with its position, so the loader's
+        state stays exact whatever number of units a batch takes. Call before iterating."""
+        dataset = self.dataset
+        self.unit_collate = dataset.collate
+        self.prefetch *= max(1, dataset.spec.batch_size // unit_size)  # as many samples ready as with whole batches
+        dataset.spec = replace(dataset.spec, batch_size=unit_size)
+        dataset.collate = pack_samples
+
+    def combine(self, units: list[Any]) -> Any:
+        """One batch of the samples of `units` (from `read_in_units`), collated here, then pinned for a GPU."""
+        assert self.unit_collate is not None, "read_in_units() first"
+        collate = self.unit_collate
+        if isinstance(units[0], dict):  # per-source units: {source: packed samples}
+            batch = {name: collate([s for unit in units for s in unpack_samples(unit[name])]) for name in units[0]}
+        else:
+            batch = collate([sample for unit in units for sample in unpack_samples(unit)])
+        return pin_tensors(batch) if pin_batches() else batch
 
     @property
     def source_names(self) -> list[str]:
@@ -406,9 +456,9 @@ class StatefulLoader:
             collate_fn=_as_is,  # batches are collated in the workers; don't walk the position state again
             num_workers=spec.num_workers,
             persistent_workers=False,
-            prefetch_factor=4 if spec.num_workers else None,
+            prefetch_factor=self.prefetch if spec.num_workers else None,
             # Pinned in the DataLoader's own thread, so training's non_blocking copies to the GPU overlap compute.
-            pin_memory=pin_batches(),
+            pin_memory=pin_batches() and self.unit_collate is None,  # units are pinned once collated
         )
         # Started here, not lazily: starting draws from the global RNG, which a resumed run restores after this.
         return self._consume(iter(loader))

@@ -235,6 +235,25 @@ class TrainConfig(Section):
         description="compile the towers the method declares with torch.compile (inductor), in place: weights, "
         "checkpoints and exports keep their names. Not with ZeRO-3 or sequence parallelism",
     )
+    adaptive_batch: bool = Field(
+        default=False,
+        description="each data-parallel rank's micro-batch follows its measured speed (busy time outside "
+        "collectives), re-decided at logging windows and the same on every rank; the global batch stays "
+        "data.train.batch_size x ranks, and each rank's loss is weighed by its share so the gradient is that of "
+        "equal shares. Not with sequence parallelism",
+    )
+    adaptive_batch_units: int = Field(
+        default=4,
+        gt=0,
+        description="adaptive batches move samples between ranks in units of data.train.batch_size / this "
+        "(it must divide the batch size): larger, finer shares; smaller, fewer and larger loader deliveries",
+    )
+    adaptive_batch_max_share: float = Field(
+        default=2.0,
+        gt=1,
+        description="the largest micro-batch a rank may get under adaptive batches, as a multiple of "
+        "data.train.batch_size: what its accelerator memory must hold",
+    )
     log_every: int = Field(default=10, gt=0)
     eval_every: int = Field(
         default=0,

@@ -120,13 +120,25 @@ def test_slow_collectives_delay_is_timed_with_the_call(monkeypatch):
     assert collective_timing._DELAYS and len(collective_timing._DELAYS) == 1  # rank 0 added none
 
 
-def test_slow_compute_stretches_the_work_between_points():
+def test_slow_compute_stretches_the_work_between_points_and_up_to_each_collective(monkeypatch):
+    monkeypatch.setattr(collective_timing, "_LATE_STARTS", [])
     injector = faults.FaultInjector([], rank=1, slowdowns=faults.parse_slowdowns("slow_compute:rank=1:factor=3"))
     injector.reached("forward", 1)
     time.sleep(0.02)
     started = time.perf_counter()
     injector.reached("backward", 1)
     assert time.perf_counter() - started >= 0.04  # (3 - 1) x the 20 ms since the previous point
+    # A collective inside backward (a bucketed reduction) starts late by as much, outside its own timing.
+    clock = collective_timing.CollectiveClock(cuda=False)
+    time.sleep(0.02)
+    started = time.perf_counter()
+    clock.call("all_reduce", lambda: None, (), {})
+    assert time.perf_counter() - started >= 0.04 and clock.take().collective_seconds < 0.02
+    injector.reached("checkpoint", 1)  # checkpoints break the chain: their collectives are not stretched
+    time.sleep(0.02)
+    started = time.perf_counter()
+    clock.call("barrier", lambda: None, (), {})
+    assert time.perf_counter() - started < 0.02
     with pytest.raises(ValueError, match="unknown option"):
         faults.parse_slowdowns("slow_compute:rank=1:speed=2")
     assert faults.parse("slow_compute:rank=1;kill@forward,rank=0") == [faults.Fault("kill", "forward", None, 0)]

@@ -90,7 +90,7 @@ _KIND_OF = {
     "barrier": "barrier",
 }
 
-Delay = Callable[[str], None]  # called with the kind after a synchronous collective returned, inside its timing
+Delay = Callable[[str], None]  # an injected fault, called with the collective's kind
 
 
 @dataclass
@@ -129,6 +129,7 @@ class Window:
 
 
 _DELAYS: list[Delay] = []  # injected faults (`mmpt.engine.faults`): run after each synchronous call, timed with it
+_LATE_STARTS: list[Delay] = []  # injected faults: run before each call starts, outside its timing
 
 
 def add_delay(delay: Delay) -> None:
@@ -136,12 +137,18 @@ def add_delay(delay: Delay) -> None:
     _DELAYS.append(delay)
 
 
+def add_late_start(delay: Delay) -> None:
+    """Run `delay(kind)` before every collective starts, outside its timing (fault injection: own work that
+    takes longer, up to each collective, inside backward's bucketed reductions too)."""
+    _LATE_STARTS.append(delay)
+
+
 class CollectiveClock:
     """This rank's collective timings since the last `take()`."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
-        self.delays = _DELAYS
+        self.delays, self.late_starts = _DELAYS, _LATE_STARTS
         self.seconds_so_far = 0.0  # host seconds in collectives since the start, for the fault injector
         self._local = threading.local()
         self._group_names: dict[Any, str] = {}
@@ -191,6 +198,8 @@ class CollectiveClock:
         group = kwargs["group"] if "group" in kwargs else _positional_group(function, args)
         key = (kind, self._group_name(group))
         asynchronous = bool(kwargs.get("async_op", False))
+        for delay in self.late_starts:
+            delay(kind)
         host_start = time.perf_counter()
         arrived = self._now() if not asynchronous else None
         result = function(*args, **kwargs)

@@ -12,11 +12,12 @@ Several faults are separated by `;`. A fault without `step`/`rank` fires at ever
 gets past it. The points are those `mmpt.engine.hooks` is told of.
 
 The two slowdowns last the whole run and are what rank health (`mmpt.engine.health`) must tell apart.
-`slow_compute` sleeps, at each point of the loop, `factor - 1` times the time since the previous point,
-less the time spent in collectives in between (which `mmpt.engine.collective_timing` counts): the rank
-works slower and reaches every collective late. `slow_collectives` sleeps after each synchronous
-collective returns, inside the time the collective is timed for: the rank's collectives end after its
-peers', as when the data it waits for crosses a slow link.
+`slow_compute` sleeps, at each point of the loop and before each collective starts, `factor - 1` times the
+time since the previous point or collective, less the time spent in collectives in between (which
+`mmpt.engine.collective_timing` counts): the rank works slower and reaches every collective late, those
+inside backward (bucketed gradient reductions) too, as a slower accelerator would. `slow_collectives`
+sleeps after each synchronous collective returns, inside the time the collective is timed for: the rank's
+collectives end after its peers', as when the data it waits for crosses a slow link.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class FaultInjector:
         mine = [s for s in slowdowns or [] if s.rank in (None, rank)]
         self._compute = next((s for s in mine if s.kind == "slow_compute"), None)
         self._last: tuple[str, float, float] | None = None  # (point, time, collective seconds) at the last point
+        if self._compute is not None:
+            collective_timing.add_late_start(lambda kind, factor=self._compute.factor: self._slow_down(None, factor))
         for slowdown in mine:
             if slowdown.kind == "slow_collectives":
                 collective_timing.add_delay(lambda kind, seconds=slowdown.delay: time.sleep(seconds))
@@ -121,14 +124,22 @@ class FaultInjector:
             self._slow_down(point, self._compute.factor)
         self._fire(point, step)
 
-    def _slow_down(self, point: str, factor: float) -> None:
-        """Stretch this rank's own work since the previous point of the step by `factor`."""
+    def _slow_down(self, point: str | None, factor: float) -> None:
+        """Stretch this rank's own work since the previous point of the step, or collective, by `factor`.
+        `point` None: a collective is about to start; it stretches inside a step but keeps the last point's
+        name, so that evaluation and checkpoints (which break the chain) stay unstretched."""
         clock = collective_timing.active()
         in_collectives = clock.seconds_so_far if clock is not None else 0.0
-        if self._last is not None and point in STEP_POINTS and self._last[0] in STEP_POINTS:
+        if point is None:
+            if self._last is None:
+                return
+            name, stretch = self._last[0], self._last[0] in STEP_POINTS
+        else:
+            name, stretch = point, self._last is not None and point in STEP_POINTS and self._last[0] in STEP_POINTS
+        if stretch and self._last is not None:
             own = time.perf_counter() - self._last[1] - (in_collectives - self._last[2])
             time.sleep((factor - 1) * max(0.0, own))
-        self._last = (point, time.perf_counter(), in_collectives)
+        self._last = (name, time.perf_counter(), in_collectives)
 
     def _fire(self, point: str, step: int) -> None:
         for fault in self.faults:

@@ -166,6 +166,7 @@ class HealthMonitor:
         self._pending: list[tuple[Finding, int, float]] = []  # named this window: (finding, windows, calls)
         self.named: dict[Kind, dict[int, float]] = {"straggler": {}, "slow collectives": {}}  # rank -> worst ratio
         self._skip_window = False
+        self.judged = False  # whether the last window was judged (one with evaluation or a checkpoint is not)
 
     @classmethod
     def start(cls, train: TrainConfig, run_dir: Path, cuda: bool) -> HealthMonitor | None:
@@ -190,6 +191,7 @@ class HealthMonitor:
         self.clock.mark_reference()
         rows = [RankRow(*values[:_SUMMARY_FIELDS]) for values in gathered]
         skip, self._skip_window = self._skip_window, False
+        self.judged = not skip
         if not skip:
             self._update(judge(rows, self.thresholds), step, rows)
         return _record(rows, gathered)

@@ -21,6 +21,7 @@ from mmpt.artifacts import WEIGHTS
 from mmpt.config import Config, ConfigError, save_config
 from mmpt.data.loader import SkipPolicy, StatefulLoader
 from mmpt.engine import precision, shm_collectives
+from mmpt.engine.adaptive_batch import BatchShares, check_adaptive_batch
 from mmpt.engine.batch_norm import batch_norm_across_ranks
 from mmpt.engine.checkpoint import Checkpointer, RngState, deepspeed_io, find_resume, saved_world_size
 from mmpt.engine.compile import check_compile, compile_towers
@@ -97,6 +98,12 @@ class Batches:
         assert self._iterator is not None, "Batches.start() first"
         return next(self._iterator)
 
+    def take(self, units: int | None = None) -> Any:
+        """The next micro-batch: one delivery, or `units` loader units collated together (adaptive batches)."""
+        if units is None:
+            return next(self)
+        return self.loader.combine([next(self) for _ in range(units)])
+
     def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict()
 
@@ -125,6 +132,7 @@ class Run:
     momentum: ShardedCopies | None  # momentum copies sharded like their parameters (ZeRO-3), else None
     float_dtype: torch.dtype
     step: int = 0
+    shares: BatchShares | None = None  # per-rank micro-batches under train.adaptive_batch
     guard: NonFiniteGuard = field(init=False)
     spans: Spans = field(init=False)
 
@@ -170,6 +178,7 @@ def seed_everything(seed: int) -> None:
 def start(cfg: Config) -> tuple[Run | None, int]:
     """(the run, ready to train from its step; None when it already finished) and the step it stands at."""
     check_precision(cfg)
+    check_adaptive_batch(cfg)
     method = get_method(cfg.method_name)
     check_inputs(cfg, method)  # before the process group: a missing file is one line and exit 2, not a requeue
     rank, world_size = start_process_group(cfg.train.watchdog_timeout)
@@ -198,6 +207,10 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         SkipPolicy(cfg.data.train.max_skip_rate, cfg.data.train.min_samples_for_skip_rate),
     )
     batches = Batches(loader)
+    shares = BatchShares.of(cfg, layout.data_size, layout.data_rank)
+    if shares is not None:
+        loader.read_in_units(shares.unit)
+    mdist.allow_uneven_rows(shares is not None)
     watchdog = Watchdog(run_dir, rank, world_size, cfg.train.watchdog_timeout)
     hooks = StepHooks([watchdog.reached], FaultInjector.from_environment(rank))
     spec = loader.dataset.spec
@@ -205,6 +218,8 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         run_dir, cfg.train.keep_last, (spec.world_size, spec.num_workers), hooks.reached, partitioned=momentum
     )
     checkpointer.register("data", batches)
+    if shares is not None:
+        checkpointer.register("batch_shares", shares)
     checkpointer.register("rng", RngState(lambda at: seed_everything(cfg.train.seed + layout.data_rank + 7919 * at)))
 
     step = 0
@@ -261,6 +276,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         momentum,
         float_dtype,
         step,
+        shares,
     ), step
 
 

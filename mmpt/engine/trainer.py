@@ -72,11 +72,13 @@ def train_step(run: runs.Run) -> dict[str, torch.Tensor]:
     at = run.step + 1
     run.spans.start("data")
     run.hooks.reached("data", at)  # inside the span: an injected slow loader shows in data time
+    units = run.shares.mine if run.shares is not None else None
     micro_batches = [
-        to_device(next(run.batches), run.engine.device, run.float_dtype) for _ in range(run.cfg.train.grad_accum)
+        to_device(run.batches.take(units), run.engine.device, run.float_dtype) for _ in range(run.cfg.train.grad_accum)
     ]
     run.spans.stop("data")
-    losses = optimizer_step(run.engine, micro_batches, run.hooks, at, run.spans)
+    weight = run.shares.loss_weight() if run.shares is not None else 1.0
+    losses = optimizer_step(run.engine, micro_batches, run.hooks, at, run.spans, weight)
     if (run.needs.after_step or run.needs.momentum_copies) and run.engine.was_step_applied():
         after_optimizer_step(run)
     return losses
@@ -87,6 +89,10 @@ def log_window(run: runs.Run, health: HealthMonitor | None = None) -> None:
     run.hooks.reached("log", run.step)
     times = run.spans.take()  # waits for the window's work: the one host sync of a logging window
     per_rank = health.window(run.step) if health is not None else None  # one gather of collective timings
+    if run.shares is not None and per_rank is not None:
+        per_rank["micro_batch_per_rank"] = run.shares.samples()  # the shares this window ran at
+        if health is not None and health.judged:  # a window with evaluation or a checkpoint says less
+            run.shares.update(per_rank["busy_time_per_rank"])
     loader = run.batches.loader
     record = run.metrics.log_window(
         run.step,
@@ -148,10 +154,12 @@ def optimizer_step(
     hooks: StepHooks | None = None,
     step: int = 0,
     spans: Spans | None = None,
+    weight: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """Forward/backward every micro-batch and step: each loss term averaged over them, as device tensors
     (nothing is read back to the host). `spans` times each forward ("forward"; the loss's gathers time
-    themselves as "gather"); `hooks` are told where step `step` is (forward, backward, step)."""
+    themselves as "gather"); `hooks` are told where step `step` is (forward, backward, step). `weight`
+    multiplies this rank's losses: its share of the global batch when ranks hold uneven shares."""
     hooks = hooks or StepHooks([])
     spans = spans or Spans(cuda=False)
     pool = None
@@ -167,6 +175,8 @@ def optimizer_step(
         hooks.reached("forward", step)
         spans.start("forward")
         losses = engine(batch, pool, index)
+        if weight != 1.0:
+            losses = {name: value * weight for name, value in losses.items()}
         spans.stop("forward")
         hooks.reached("backward", step)
         total = hooks.loss(functools.reduce(operator.add, losses.values()))

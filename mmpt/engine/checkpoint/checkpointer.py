@@ -6,6 +6,7 @@ A stateful part of a run (the data position, the RNG, anything added later) regi
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from mmpt import distributed as mdist
 from mmpt.artifacts import WEIGHTS
 from mmpt.engine.checkpoint import deepspeed_io, protocol, weights
 from mmpt.engine.checkpoint.parts import PartitionedTensors, RankPart
+
+log = logging.getLogger(__name__)
 
 LAYOUT = "layout"  # rank-state entry: the layout the parts were saved in
 
@@ -61,6 +64,9 @@ class Checkpointer:
         states = protocol.rank_states(checkpoint)
         saved_layout = list(states[0][LAYOUT])
         for name, part in self.parts.items():
+            if name not in states[0]:  # a part this checkpoint was saved without (e.g. a setting turned on since)
+                log.info("checkpoint %s holds no '%s': it starts afresh", checkpoint, name)
+                continue
             if saved_layout == self.layout:
                 part.load_state_dict(states[mdist.get_rank()][name])
             else:
