@@ -10,8 +10,8 @@ throughput is the median of its logging windows' samples/s after the first --set
 runs re-decide their shares in that time); the shares of the last window are reported.
 Results: benchmarks/results/adaptive_batch.{json,md}.
 
-    python benchmarks/adaptive_batch.py                 # ~15 minutes on 2 cores
-    python benchmarks/adaptive_batch.py --repeats 1 --steps 12 --settle 6 --results /tmp/ab   # a quick look
+    python benchmarks/adaptive_batch.py                 # ~10 minutes on 2 cores
+    python benchmarks/adaptive_batch.py --repeats 1 --steps 14 --settle 8 --results /tmp/ab   # a quick look
 """
 
 from __future__ import annotations
@@ -129,10 +129,10 @@ def markdown(record: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--settle", type=int, default=16, help="steps before the windows that are timed")
-    parser.add_argument("--log-every", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=32, help="micro-batch per rank with equal shares")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--settle", type=int, default=14, help="steps before the windows that are timed")
+    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=64, help="micro-batch per rank with equal shares")
     parser.add_argument("--units", type=int, default=8, help="train.adaptive_batch_units")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")

@@ -140,6 +140,19 @@ def test_json_plan_has_every_part():
     )
 
 
+def test_adaptive_batches_are_planned_at_the_largest_share():
+    """Memory for the largest micro-batch a rank may get; throughput at the equal share it averages."""
+    plans = []
+    for adaptive in ("false", "true"):
+        done = run_plan("--gpus", "8", "--json", f"train.adaptive_batch={adaptive}", "train.adaptive_batch_max_share=2")
+        assert done.returncode == 0, done.stderr
+        plans.append(json.loads(done.stdout))
+    fixed, adaptive = plans
+    assert adaptive["micro_batch"] == 2 * fixed["micro_batch"]
+    assert adaptive["gpu_bytes_per_rank"]["activations"] > fixed["gpu_bytes_per_rank"]["activations"]
+    assert adaptive["samples_per_s"] == fixed["samples_per_s"]
+
+
 def test_no_room_for_one_sample_is_one_line_and_exit_2():
     done = run_plan("--gpus", "2", "--gpu-memory", "0.001")
     assert done.returncode == 2, done.stderr

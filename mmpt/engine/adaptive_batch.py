@@ -49,6 +49,12 @@ def check_adaptive_batch(cfg: Config) -> None:
         )
 
 
+def largest_share(cfg: Config) -> int:
+    """The largest micro-batch a rank may hold: `data.train.batch_size`, or its adaptive maximum."""
+    shares = BatchShares.of(cfg, ranks=1, rank=0)
+    return cfg.data.train.batch_size if shares is None else shares.most * shares.unit
+
+
 class BatchShares:
     """Every data-parallel rank's micro-batch in loader units (the same list on every rank); a checkpoint part."""
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmpt.config import Config
+from mmpt.engine.adaptive_batch import largest_share
 from mmpt.engine.deepspeed_config import GPU_REDUCE_BUCKET
 from mmpt.losses import ContrastiveLoss
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
@@ -36,7 +37,8 @@ class Plan:
     cluster: Cluster
     layout: Layout
     states: States
-    micro_batch: int  # as configured
+    micro_batch: int  # as configured; with adaptive batches the largest a rank may hold
+    adaptive: bool  # train.adaptive_batch
     activations: int  # working bytes of one micro-batch, as configured (checkpointing on or off)
     activations_other: int | None  # the other way round (None: the model has no checkpointing switch)
     logits: int  # what gathering over the real ranks adds to the contrastive logits
@@ -115,7 +117,8 @@ def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptio
     )
     states = model_states(profile.counts, layout)
     budget = cluster.memory_gib * 2**30 * assume.usable_share - states.gpu
-    micro = cfg.data.train.batch_size
+    micro = largest_share(cfg)  # memory: the largest micro-batch a rank may hold
+    equal = cfg.data.train.batch_size  # throughput and traffic: the mean share
     activations, logits, batch = working_bytes(profile, cfg, cluster, micro)
     other = profile.activations_other
     largest = largest_micro_batch(profile, cfg, cluster, budget)
@@ -123,9 +126,9 @@ def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptio
     gather, kind = gathering(cfg, profile, cluster)
     params = profile.counts.trainable + profile.counts.frozen
     zero = zero_bytes(params, width, layout.stage, cluster.gpus, train.grad_accum, layout.hpz)
-    features = feature_bytes(kind, micro, profile.feature_dim, width, gather.group, train.grad_accum)
+    features = feature_bytes(kind, equal, profile.feature_dim, width, gather.group, train.grad_accum)
     traffic = Traffic(zero, features, zero_inter_node=cluster.nodes > 1)
-    samples = micro * train.grad_accum
+    samples = equal * train.grad_accum
     flops = profile.model_flops.per_sample
     compute_s = flops * samples / (cluster.gpu.bf16_tflops * 1e12 * assume.mfu)
     zero_gb_s = assume.inter_node_gb_s if traffic.zero_inter_node else assume.intra_node_gb_s
@@ -139,6 +142,7 @@ def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptio
         layout=layout,
         states=states,
         micro_batch=micro,
+        adaptive=train.adaptive_batch,
         activations=activations,
         activations_other=int(other.at(micro)) if other is not None else None,
         logits=logits,

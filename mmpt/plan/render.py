@@ -67,8 +67,9 @@ def to_text(config: str, profile: Profile, plan: Plan, assume: Assumptions) -> s
         f"  momentum copies       {gb(s.momentum)}",
         f"  buffers and queues    {gb(s.buffers)}",
         f"  DeepSpeed grad bucket {gb(s.reduce_bucket)}",
-        f"  activations           {gb(plan.activations)} at micro-batch {plan.micro_batch} "
-        f"(checkpointing {'on' if profile.checkpointing else 'off'})"
+        f"  activations           {gb(plan.activations)} at micro-batch {plan.micro_batch}"
+        + (" (the largest adaptive share) " if plan.adaptive else " ")
+        + f"(checkpointing {'on' if profile.checkpointing else 'off'})"
         + (f"; {gb(plan.activations_other)} with it {toggled}" if plan.activations_other is not None else ""),
         f"  contrastive logits    {gb(plan.logits)} beyond one rank's",
         f"  input batch           {gb(plan.batch)}",
