@@ -158,12 +158,16 @@ def _with_slot(
 ) -> torch.Tensor:
     """`pool` laid out (rank, micro-batch, row) with every rank's micro-batch `slot` replaced by `fresh`
     (`counts[r]` rows of rank r, in rank order; a rank's micro-batches are all that size)."""
-    sizes = torch.tensor(counts)
-    rank_starts = (sizes.cumsum(0) - sizes) * micro_batches
-    fresh_starts = sizes.cumsum(0) - sizes
-    total = int(sizes.sum())
-    within = torch.arange(total) - fresh_starts.repeat_interleave(sizes, output_size=total)
-    where = (rank_starts + slot * sizes).repeat_interleave(sizes, output_size=total) + within
-    if pool.shape[0] != micro_batches * total:
+    if pool.shape[0] != micro_batches * sum(counts):
         raise ValueError(f"the pool has {pool.shape[0]} rows, not {micro_batches} micro-batches of {counts} rows")
-    return pool.index_copy(0, where.to(pool.device), fresh)
+    device = pool.device  # the rows' places made there from the host's counts: no tensor is read or copied over
+    if len(set(counts)) == 1:
+        rows = counts[0]
+        ranks = torch.arange(len(counts), device=device)[:, None]
+        where = (ranks * (micro_batches * rows) + slot * rows + torch.arange(rows, device=device)).reshape(-1)
+    else:
+        starts = [sum(counts[:rank]) for rank in range(len(counts))]
+        where = torch.cat(
+            [torch.arange(n, device=device) + (micro_batches * start + slot * n) for start, n in zip(starts, counts)]
+        )
+    return pool.index_copy(0, where, fresh)

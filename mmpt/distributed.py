@@ -153,7 +153,7 @@ class _GatherWithGrad(torch.autograd.Function):
 def _unpadded_rows(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Where each rank's real rows sit in a gather padded to `max(counts)` rows per rank."""
     most = max(counts)
-    return torch.cat([torch.arange(count) + rank * most for rank, count in enumerate(counts)]).to(device)
+    return torch.cat([torch.arange(count, device=device) + rank * most for rank, count in enumerate(counts)])
 
 
 def reduce_scatter_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, deepspeed_command, launcher_env, tiny_config, write_config
+from conftest import REPO, deepspeed_command, launcher_env, read_metrics, tiny_config, write_config
 from mmpt.engine import collective_timing, faults, health, stops
 from mmpt.engine.health import HealthMonitor, RankRow, Thresholds, judge
 
@@ -149,7 +149,7 @@ def test_slow_compute_stretches_the_work_between_points_and_up_to_each_collectiv
 
 def launch(tmp_path, digits_root, fault: str, **train) -> tuple[subprocess.CompletedProcess, str]:
     run_dir = tmp_path / "run"
-    settings = dict(zero_stage=2, max_steps=7, save_every=0, log_every=1, **train)
+    settings = {**dict(zero_stage=2, max_steps=7, save_every=0, log_every=1), **train}
     config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=settings))
     env = dict(launcher_env(), MMPT_INJECT_FAULT=fault)
     result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -186,14 +186,23 @@ def test_a_clean_run_names_nobody(tmp_path, digits_root):
 
 
 @pytest.mark.distributed
-def test_stop_on_an_unhealthy_rank_exits_with_its_code(tmp_path, digits_root):
-    result, output = launch(tmp_path, digits_root, "slow_collectives:rank=1:delay=0.05", on_unhealthy="stop")
+def test_stop_on_an_unhealthy_rank_exits_with_its_code_and_the_rest_resume(tmp_path, digits_root):
+    fault = "slow_collectives:rank=1:delay=0.05"
+    result, output = launch(tmp_path, digits_root, fault, on_unhealthy="stop", save_every=2)
     assert result.returncode == stops.EXIT_UNHEALTHY, output[-3000:]
     lines = sorted(line for line in output.splitlines() if line.startswith("mmpt: "))
     assert len(lines) == 2 and lines[0] == "mmpt: rank 1: stopped on the unhealthy rank that rank 0 reports", lines
     assert lines[1].startswith("mmpt: unhealthy rank: slow collectives: rank 1 on node "), lines
     assert "Traceback" not in output
     assert json.loads((tmp_path / "run/unhealthy.json").read_text())["action"] == "stop"
+    # The scheduler restarts without the unhealthy rank's node: here, on the one rank left.
+    command = deepspeed_command(tmp_path / "cfg.yaml", ranks=1)
+    resumed = subprocess.run(command, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=900)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert "saved by 2 ranks" in output, output[-3000:]
+    steps = [r["step"] for r in read_metrics(tmp_path / "run") if "loss/total" in r]
+    assert steps and steps[-1] == 7, steps
 
 
 @pytest.mark.distributed
