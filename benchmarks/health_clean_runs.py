@@ -147,10 +147,10 @@ def main() -> int:
             for i, run in enumerate(runs)
         ),
         "",
-        "A ratio above its threshold in one window is not a report: a rank is named only when it stays above for "
-        "`train.straggler_windows` windows in a row and costs at least `train.unhealthy_min_share` of the window. "
-        "The return-lag ratio divides by lags of a few microseconds on an idle peer (floored at 0.1 ms), so it "
-        "swings far more than the seconds at stake; the minimum share keeps those windows from counting.",
+        f"Across all runs the busiest rank's busy time came to at most {record['worst_busy_ratio']['max']}x the "
+        f"other's (threshold 1.5) and its collectives' return lag to at most {record['worst_return_lag_ratio']['max']}x "
+        "(threshold 2.0). Even above a threshold a rank is named only when it stays there for "
+        "`train.straggler_windows` windows in a row and it costs at least `train.unhealthy_min_share` of the window.",
     ]
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
