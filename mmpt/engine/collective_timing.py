@@ -167,6 +167,8 @@ class CollectiveClock:
         self._totals: dict[tuple[str, str], Totals] = defaultdict(Totals)
         self._sync: list[tuple[tuple[str, str], Any, Any]] = []  # (key, arrived, returned) marks
         self._last_raw_return: Any = reference
+        self._last_return: Any = reference  # after any injected delay
+        self._carried = 0.0  # an injected delay of the call the reference was taken at: collective time
 
     def _seconds(self, start: Any, end: Any) -> float:
         if isinstance(start, float):
@@ -208,6 +210,7 @@ class CollectiveClock:
             for delay in self.delays:
                 delay(kind)
             returned = self._now() if self.delays else self._last_raw_return
+            self._last_return = returned
             self._sync.append((key, arrived, returned))
         totals = self._totals[key]
         totals.calls += 1
@@ -221,7 +224,9 @@ class CollectiveClock:
     def mark_reference(self) -> None:
         """The return of the last synchronous call (before any injected delay) becomes the next window's
         reference: call it right after a collective every rank left together."""
+        delayed = self._seconds(self._last_raw_return, self._last_return) if self.delays else 0.0
         self._reset(self._last_raw_return)
+        self._carried = delayed  # the slow link's wait after that call falls in the new window: not busy time
 
     def take(self) -> Window:
         """This window's figures, then start the next one from now (until `mark_reference`)."""
@@ -236,6 +241,7 @@ class CollectiveClock:
             returns += stop
             collective += stop - start
             self._totals[key].seconds += stop - start
+        collective += self._carried
         count = len(self._sync)
         window = Window(
             wall=wall,
