@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from demo_runs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -90,14 +91,6 @@ def one_run(name: str, data: Path, work: Path, args: argparse.Namespace) -> dict
         "micro_batch_per_rank": windows[-1].get("micro_batch_per_rank", [args.batch, args.batch]),
         "busy_time_per_rank": windows[-1].get("busy_time_per_rank"),
     }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def markdown(record: dict) -> str:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import yaml
+from demo_runs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -89,14 +90,6 @@ def one_run(data: Path, work: Path, index: int, steps: int) -> dict:
         "worst_busy_ratio": round(busy, 3),
         "worst_return_lag_ratio": round(lag, 3),
     }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> int:
