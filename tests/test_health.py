@@ -206,7 +206,11 @@ def test_stop_on_an_unhealthy_rank_exits_with_its_code_and_the_rest_resume(tmp_p
 
 
 @pytest.mark.distributed
-def test_two_nodes_the_rank_with_slow_collectives_and_its_node_are_named(tmp_path, digits_root):
+@pytest.mark.parametrize(
+    "fault, kind",
+    [("slow_compute:rank=3:factor=2", "straggler"), ("slow_collectives:rank=3:delay=0.05", "slow collectives")],
+)
+def test_two_nodes_the_faulty_rank_and_its_node_are_named(tmp_path, digits_root, fault, kind):
     """2 nodes x 2 ranks on this machine (each node its own torchrun, as tests/test_multinode.py starts them)."""
     from test_multinode import STALE_LAUNCHER_VARIABLES, node_commands, run_nodes
 
@@ -216,9 +220,9 @@ def test_two_nodes_the_rank_with_slow_collectives_and_its_node_are_named(tmp_pat
         tiny_config(digits_root, tmp_path / "run", train=settings, data={"train": {"batch_size": 8}}),
     )
     env = {k: v for k, v in launcher_env().items() if k not in STALE_LAUNCHER_VARIABLES}
-    env["MMPT_INJECT_FAULT"] = "slow_collectives:rank=3:delay=0.05"
+    env["MMPT_INJECT_FAULT"] = fault
     commands = node_commands("torchrun", 2, 2, tmp_path, [str(REPO / "launch/train.py"), "--config", str(config)])
-    run_nodes(commands, env, tmp_path / "logs", timeout=600)
+    outputs = run_nodes(commands, env, tmp_path / "logs", timeout=600)
     report = json.loads((tmp_path / "run/unhealthy.json").read_text())
-    assert [(r["kind"], r["rank"], r["node_rank"]) for r in report["ranks"]] == [("slow collectives", 3, 1)]
+    assert [(r["kind"], r["rank"], r["node_rank"]) for r in report["ranks"]] == [(kind, 3, 1)], named("".join(outputs))
     assert report["step"] <= 4
