@@ -59,7 +59,7 @@ def time_steps(method_name: str, data_root: Path, batch: int | None, compiled: b
         run_dir = Path(folder) / "run"
         cfg = load(method_name, run_dir, data_root, batch, compiled)
         prepare_run_dir(cfg, method, run_dir)
-        engine, _ = build_engine(cfg, method, mdist.layout(), 1)
+        engine, _, _ = build_engine(cfg, method, mdist.layout(), 1)
         stream = iter(StatefulLoader(method.train_data(cfg, run_dir, rank=0, world_size=1)))
         accum = cfg.train.grad_accum  # a step's micro-batches (GBA-ITC pools the M²-Encoder's over them)
         steps_batches = [[next(stream) for _ in range(accum)] for _ in range(warmup + steps)]

@@ -412,3 +412,21 @@ def all_gather_objects(value: object) -> list[object]:
     parts: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, value)
     return parts
+
+
+def broadcast_object(value: object, source: int = 0) -> object:
+    """Rank `source`'s picklable `value` on every rank."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=source)
+    return box[0]
+
+
+def broadcast_tensor(tensor: torch.Tensor, source: int = 0) -> torch.Tensor:
+    """Rank `source`'s `tensor` on every rank (same shape and dtype everywhere), on `tensor`'s device."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return tensor
+    moved = tensor.to(_comm_device())
+    dist.broadcast(moved, src=source)
+    return moved.to(tensor.device)

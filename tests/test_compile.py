@@ -75,7 +75,7 @@ def steps_of(name: str, corpora: dict, run_dir: Path, stage: int, compiled: bool
     run_dir.mkdir(parents=True, exist_ok=True)
     method.prepare(cfg, run_dir)
     graphs_before = counters["stats"]["unique_graphs"]
-    engine, _ = build_engine(cfg, method, mdist.layout(), world)
+    engine, _, _ = build_engine(cfg, method, mdist.layout(), world)
     towers = engine.module.needs.compilable
     assert towers, f"method '{name}' declares no tower to compile"
     assert [is_compiled(t) for t in towers] == [compiled] * len(towers)

@@ -79,7 +79,7 @@ def train_and_record(rank, run_dir, stage, accum, group_size, tile):
 
     method = get_method("m2_encoder")
     cfg = make_config(run_dir, stage, accum, ROWS * 4 // accum, group_size, tile)
-    engine, _ = build_engine(cfg, method, mdist.layout(), WORLD)
+    engine, _, _ = build_engine(cfg, method, mdist.layout(), WORLD)
     named = list(engine.module.model.named_parameters())
     initial = gathered_state_dict(engine.module.model)
     gradients = []

@@ -34,6 +34,7 @@ from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
 from mmpt.engine.preflight import check_inputs
 from mmpt.engine.sequence_parallel import split_sequences
+from mmpt.engine.sharded_build import build_partitioned
 from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes
 from mmpt.engine.summary import startup_summary
 from mmpt.engine.timing import Spans
@@ -193,13 +194,14 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     universal = None
     if checkpoint is not None and elastic and cfg.train.zero_stage > 0:
         universal = deepspeed_io.to_universal(checkpoint, run_dir)
-    engine, initial_weights = build_engine(cfg, method, layout, world_size, load_universal=universal is not None)
+    engine, initial_weights, momentum = build_engine(
+        cfg, method, layout, world_size, load_universal=universal is not None
+    )
     float_dtype = precision.DTYPES[cfg.train.precision]
     needs = engine.module.needs
     kept_fp32 = needs.fp32_modules + needs.momentum_copies
     precision.match_buffer_precision(engine.module, float_dtype, kept_fp32)
     precision.compute_in(kept_fp32, float_dtype, engine.device.type)
-    momentum = ShardedCopies(needs.momentum_copies) if cfg.train.zero_stage == 3 and needs.momentum_copies else None
 
     seed_everything(cfg.train.seed + layout.data_rank)  # ranks splitting one batch draw the same masks
     loader = StatefulLoader(
@@ -346,15 +348,30 @@ def check_pooled_accumulation(method: Method, model: nn.Module, grad_accum: int)
 
 def build_engine(
     cfg: Config, method: Method, layout: mdist.ParallelLayout, world_size: int, load_universal: bool = False
-) -> tuple[Any, str | None]:
-    """(DeepSpeed engine, what `Method.load_initial_weights` said it loaded, or None)."""
+) -> tuple[Any, str | None, ShardedCopies | None]:
+    """(DeepSpeed engine, what `Method.load_initial_weights` said it loaded or None, the momentum copies
+    sharded under ZeRO-3 or None)."""
     import deepspeed
 
     check_compile(cfg)
-    seed_everything(cfg.train.seed)  # the same initial weights on every rank
-    model = method.build_model(cfg, Path(cfg.run.output_dir))
+    settings = deepspeed_config(cfg, world_size, load_universal=load_universal)
+
+    def build() -> nn.Module:
+        seed_everything(cfg.train.seed)  # the same initial weights on every rank
+        return method.build_model(cfg, Path(cfg.run.output_dir))
+
+    momentum = None
+    if cfg.train.zero_stage == 3 and world_size > 1:
+        model, loaded, momentum = build_partitioned(
+            build,
+            lambda whole: method.load_initial_weights(whole, cfg),
+            lambda built: method.engine_needs(built).momentum_copies,
+            settings,
+        )
+    else:
+        model = build()
+        loaded = method.load_initial_weights(model, cfg)
     check_pooled_accumulation(method, model.train(), cfg.train.grad_accum)
-    loaded = method.load_initial_weights(model, cfg)
     needs = method.engine_needs(model)
     if needs.batch_norm_across_ranks:
         batch_norm_across_ranks(model, mdist.data_parallel_group())
@@ -377,7 +394,7 @@ def build_engine(
         model=module,
         optimizer=optimizer,
         lr_scheduler=cast(Any, schedule),  # DeepSpeed's annotation names torch's older _LRScheduler
-        config=deepspeed_config(cfg, world_size, load_universal=load_universal),
+        config=settings,
     )
     if cfg.train.zero_stage == 0 and (world_size == 1 or isinstance(engine.optimizer, SkippingAdamW)):
         # Averaging over one rank: nothing to do. Over several, with the plain (fp32) optimizer: buckets that
@@ -385,4 +402,4 @@ def build_engine(
         engine.enable_backward_allreduce = False
         if world_size > 1:
             module.gradient_reduction = BucketedAllReduce(module.parameters())
-    return engine, loaded
+    return engine, loaded, momentum

@@ -64,7 +64,8 @@ class ShardedCopies:
                     continue  # not partitioned by ZeRO-3 (a buffer of the source): stays whole
                 path, _, attr = name.rpartition(".")
                 module = copy.network.get_submodule(path)
-                shard = _Shard(key.shape, query)
+                # The parameter's whole shape: a copy taken from an already partitioned model holds empty tensors.
+                shard = _Shard(cast(torch.Size, getattr(query, "ds_shape", key.shape)), query)
                 partition = self._cut(key, shard)
                 module._buffers[attr] = partition
                 self._shards[id(partition)] = shard
@@ -132,12 +133,18 @@ class ShardedCopies:
                 ema_(key, cast(_Partitioned, query).ds_tensor if id(key) in self._shards else query, copy.momentum)
 
     @torch.no_grad()
+    def fill(self, partition: torch.Tensor, whole: torch.Tensor) -> None:
+        """Set this rank's `partition` from the whole tensor it is part of."""
+        shard = self._shards[id(partition)]
+        partition.copy_(self._cut(whole.to(partition.device, partition.dtype), shard))
+
+    @torch.no_grad()
     def load_whole(self, module: nn.Module, whole: dict[str, torch.Tensor]) -> None:
         """Refill the partitions of `module`'s copies from whole tensors (state-dict names), each cut for this
         rank; a resume on another layout rebuilds them with `checkpoint.parts.whole_from_partitions`."""
         for name, tensor in module.state_dict(keep_vars=True).items():
             if id(tensor) in self._shards:
-                tensor.copy_(self._cut(whole[name].to(tensor.device, tensor.dtype), self._shards[id(tensor)]))
+                self.fill(tensor, whole[name])
 
     def shapes(self, module: nn.Module) -> dict[str, list[int]]:
         """{state-dict name: full shape} of `module`'s partitioned tensors, for readers of a checkpoint."""

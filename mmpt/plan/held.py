@@ -108,7 +108,7 @@ def engine_for(cfg: Any, run_dir: Path) -> Any:
     run_dir.mkdir(parents=True, exist_ok=True)
     method.prepare(cfg, run_dir)
     layout = mdist.set_sequence_parallel(cfg.train.sequence_parallel)
-    engine, _ = build_engine(cfg, method, layout, mdist.get_world_size())
+    engine, _, _ = build_engine(cfg, method, layout, mdist.get_world_size())
     return engine
 
 

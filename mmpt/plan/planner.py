@@ -44,6 +44,7 @@ class Plan:
     logits: int  # what gathering over the real ranks adds to the contrastive logits
     batch: int  # the micro-batch's input tensors on the GPU
     host_per_rank: int
+    build_host: tuple[int, int]  # host bytes while the model is built: (rank 0, any other rank)
     largest_micro_batch: int  # 0: not even one sample fits
     flops_per_sample: float  # model FLOPs, forward + backward
     traffic: Traffic
@@ -137,6 +138,9 @@ def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptio
     step_s = compute_s + zero / (zero_gb_s * 1e9) + features / (feature_gb_s * 1e9)
     loader = cfg.data.train
     host = states.host + batch * (assume.pinned_batches + loader.num_workers * 4)
+    whole = 4 * (params + profile.counts.momentum)  # the model as built, in fp32
+    # ZeRO-3 on several ranks builds partitioned: rank 0 alone holds a whole copy (see engine/sharded_build.py).
+    partitioned = layout.stage == 3 and cluster.gpus > 1
     return Plan(
         cluster=cluster,
         layout=layout,
@@ -148,6 +152,7 @@ def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptio
         logits=logits,
         batch=batch,
         host_per_rank=host,
+        build_host=(whole, 0 if partitioned else whole),
         largest_micro_batch=largest,
         flops_per_sample=flops,
         traffic=traffic,

@@ -39,6 +39,7 @@ def to_json(config: str, profile: Profile, plan: Plan, assume: Assumptions) -> d
             "total": plan.gpu_bytes,
         },
         "host_bytes_per_rank": plan.host_per_rank,
+        "host_bytes_while_building": {"rank 0": plan.build_host[0], "other ranks": plan.build_host[1]},
         "micro_batch": plan.micro_batch,
         "fits": plan.fits,
         "largest_micro_batch": plan.largest_micro_batch,
@@ -75,6 +76,8 @@ def to_text(config: str, profile: Profile, plan: Plan, assume: Assumptions) -> s
         f"  input batch           {gb(plan.batch)}",
         f"  total                 {gb(plan.gpu_bytes)} of {gb(cl.memory_gib * 2**30 * assume.usable_share)} usable",
         f"host per rank: {gb(plan.host_per_rank)} (offloaded states, loader buffers)",
+        f"host while the model is built: rank 0 {gb(plan.build_host[0])}, other ranks {gb(plan.build_host[1])}"
+        + (" (ZeRO-3 builds partitioned)" if plan.build_host[1] == 0 else " (each builds the whole model in fp32)"),
         f"micro-batch {plan.micro_batch}: {'fits' if plan.fits else 'does NOT fit'}; "
         f"largest that fits: {plan.largest_micro_batch}",
         f"FLOPs per sample (forward + backward): {plan.flops_per_sample / 1e12:.3f} TFLOP",

@@ -1,0 +1,159 @@
+"""Models built partitioned under ZeRO-3 (`mmpt/engine/sharded_build.py`), on 2 gloo ranks.
+
+- The partitioned model starts from exactly the weights one process builds with the same seed: an open_clip
+  ViT whose text tower's parent initialises its children's weights (what `zero.Init` alone would lose).
+- Memory, on an M²-Encoder of ~300 MB in fp32 started from a release (`init_from`): while the model is
+  built and loaded, rank 1's peak resident memory grows by less than 3/4 of the whole model's fp32 bytes
+  (its half, and one module whole at a time), where building it whole grows it by more than the whole; rank 0, which holds the one
+  whole copy the others are filled from, grows by less than 1.5x; writing the final weights grows no rank
+  by more than a fifth. The weights each rank ends with are the release's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from conftest import REPO, run_on_gloo_ranks
+
+WORLD = 2
+ARCH = {  # ~80M parameters, no single tensor above 5% of them: partitions, not one module, decide the peak
+    "vocab_size": 1000,
+    "width": 512,
+    "heads": 8,
+    "lower_layers": 10,
+    "shared_layers": 2,
+    "output_dim": 256,
+    "image_size": 32,
+    "patch_size": 16,
+    "text_positions": 64,
+    "context_length": 16,
+    "position_init_std": 0.02,
+}
+
+
+def _config(method: dict, run_dir: str):
+    from mmpt.config_loader import validate_config
+
+    return validate_config(
+        {
+            "method": method,
+            "data": {"train": {"sources": [{"shards": "unused.tar"}], "batch_size": 2}},
+            "optim": {"lr": 1e-3, "warmup_steps": 0},
+            "train": {"max_steps": 1, "zero_stage": 3, "grad_clip": 1.0},
+            "run": {"output_dir": run_dir, "progress_bar": False, "tensorboard": False},
+        }
+    )
+
+
+def _start(rank: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+
+
+def _peak_growth(work):
+    """(what `work()` returned, how far this process's peak resident memory rose above its resident memory
+    before it, in bytes). Linux: writing 5 to clear_refs resets the peak (VmHWM) to the current size."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_bytes("VmRSS")
+    result = work()
+    return result, _status_bytes("VmHWM") - before
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def check_the_partitioned_model_starts_where_one_process_does(rank, tmp):
+    _start(rank)
+    from mmpt import distributed as mdist
+    from mmpt.engine.checkpoint import gathered_state_dict
+    from mmpt.engine.run import build_engine, seed_everything
+    from mmpt.methods import get_method
+
+    method = get_method("open_clip")
+    model = str(REPO / "benchmarks/configs/bench-vit-tiny.json")
+    cfg = _config({"name": "open_clip", "model": model, "zeroshot": {"dataset": None}}, f"{tmp}/run")
+    engine, _, _ = build_engine(cfg, method, mdist.layout(), WORLD)
+    assert all(hasattr(p, "ds_id") for p in engine.module.parameters())  # partitioned
+    weights = gathered_state_dict(engine.module.model)
+    if rank == 0:
+        seed_everything(cfg.train.seed)
+        reference = method.build_model(cfg, Path(tmp)).state_dict()
+        assert weights is not None and weights.keys() == reference.keys()
+        for name, tensor in reference.items():
+            assert torch.equal(weights[name], tensor.float()), name
+        text = reference["clip.token_embedding.weight"]  # open_clip's text init_parameters: std 0.02
+        assert abs(text.std().item() - 0.02) < 0.002
+    engine.destroy()
+    dist.barrier()
+
+
+def check_memory_while_building_loading_and_writing(rank, tmp):
+    _start(rank)
+    from safetensors.torch import load_file
+
+    from mmpt import distributed as mdist
+    from mmpt.engine.checkpoint.weights import gathered_state_dict, write_weights
+    from mmpt.engine.deepspeed_config import deepspeed_config
+    from mmpt.engine.run import seed_everything
+    from mmpt.engine.sharded_build import build_partitioned
+    from mmpt.methods import get_method
+
+    method = get_method("m2_encoder")
+    release = Path(tmp) / "release"
+    settings = {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": ARCH, "tokenizer": "unused.json"}
+    if rank == 0:  # a release to start from: a model of the same architecture, other weights
+        seed_everything(123)
+        release.mkdir()
+        write_weights(method.build_model(_config(settings, tmp), release), release / "model.safetensors")
+    dist.barrier()
+    cfg = _config({**settings, "init_from": str(release)}, f"{tmp}/run")
+    whole_bytes = sum(t.numel() * 4 for t in load_file(str(release / "model.safetensors")).values())
+    assert whole_bytes > 250e6
+
+    def build():
+        seed_everything(cfg.train.seed)
+        return method.build_model(cfg, Path(tmp))
+
+    if rank == 1:  # what every rank paid before: the whole model, built and loaded
+        _, plain = _peak_growth(lambda: method.load_initial_weights(build(), cfg))
+        assert plain > whole_bytes, (plain, whole_bytes)
+    ds_config = deepspeed_config(cfg, WORLD)
+    (model, said, _), grown = _peak_growth(
+        lambda: build_partitioned(build, lambda m: method.load_initial_weights(m, cfg), lambda m: (), ds_config)
+    )
+    # Judged on every rank from every rank's figure: a rank that failed alone would leave the other waiting.
+    growth = mdist.all_gather_objects(grown)
+    limits = [1.5 * whole_bytes, 0.75 * whole_bytes]  # rank 0: the one whole copy; rank 1: its half, one module
+    assert all(g < limit for g, limit in zip(growth, limits)), f"built and loaded with {growth} bytes, {limits}"
+    assert said is not None and str(release) in said  # rank 0's words, on every rank
+
+    import deepspeed
+
+    optimizer = torch.optim.AdamW(model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    path = Path(tmp) / "final" / "model.safetensors"
+    path.parent.mkdir(exist_ok=True)
+    _, written = _peak_growth(lambda: write_weights(engine.module, path))
+    growth = mdist.all_gather_objects(written)
+    assert all(g < 0.2 * whole_bytes for g in growth), f"wrote the weights with {growth} bytes"
+    loaded = gathered_state_dict(engine.module)
+    if rank == 0:
+        expected = load_file(str(release / "model.safetensors"))
+        assert loaded is not None and all(torch.equal(loaded[k], v) for k, v in expected.items())
+        assert all(torch.equal(v, expected[k]) for k, v in load_file(str(path)).items())
+    mdist.barrier()
+
+
+def test_the_partitioned_model_starts_from_the_weights_one_process_builds(tmp_path):
+    run_on_gloo_ranks(__name__, [("check_the_partitioned_model_starts_where_one_process_does", (str(tmp_path),))], WORLD)
+
+
+def test_no_rank_but_the_first_holds_the_whole_model_while_building_loading_and_writing(tmp_path):
+    run_on_gloo_ranks(__name__, [("check_memory_while_building_loading_and_writing", (str(tmp_path),))], WORLD)
