@@ -83,8 +83,25 @@ def commands(nodes: int, per_node: int, path: Path) -> list[list[str]]:
     """One launcher per node; with 2 nodes, each is a torchrun meeting the other at 127.0.0.1."""
     port, script = str(free_port()), ["launch/train.py", "--config", str(path)]
     if nodes == 1:
-        return [[str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(per_node), "--master_port", port, *script]]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", str(per_node)]
+        return [
+            [
+                str(Path(sys.executable).with_name("deepspeed")),
+                "--num_gpus",
+                str(per_node),
+                "--master_port",
+                port,
+                *script,
+            ]
+        ]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nodes),
+        "--nproc_per_node",
+        str(per_node),
+    ]
     address = ["--master_addr", "127.0.0.1", "--master_port", port]
     return [[*torchrun, "--node_rank", str(node), *address, *script] for node in range(nodes)]
 
@@ -136,7 +153,7 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def table(layout: str, result: dict) -> list[str]:
-    nodes, per_node, steps, batch = LAYOUTS[layout]
+    *_, steps, batch = LAYOUTS[layout]
     return [
         f"## {layout}: {result['false_reports']} of {result['runs']} runs named a rank",
         "",

@@ -14,7 +14,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple, Protocol, cast
+from typing import NamedTuple, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -414,7 +414,10 @@ def all_gather_objects(value: object) -> list[object]:
     return parts
 
 
-def broadcast_object(value: object, source: int = 0) -> object:
+Picklable = TypeVar("Picklable")
+
+
+def broadcast_object(value: Picklable, source: int = 0) -> Picklable:
     """Rank `source`'s picklable `value` on every rank."""
     if not is_initialized() or dist.get_world_size() == 1:
         return value

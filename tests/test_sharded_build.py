@@ -2,11 +2,11 @@
 
 - The partitioned model starts from exactly the weights one process builds with the same seed: an open_clip
   ViT whose text tower's parent initialises its children's weights (what `zero.Init` alone would lose).
-- Memory, on an M²-Encoder of ~300 MB in fp32 started from a release (`init_from`): while the model is
+- Memory, on an M²-Encoder of ~310 MB in fp32 started from a release (`init_from`): while the model is
   built and loaded, rank 1's peak resident memory grows by less than 3/4 of the whole model's fp32 bytes
-  (its half, and one module whole at a time), where building it whole grows it by more than the whole; rank 0, which holds the one
-  whole copy the others are filled from, grows by less than 1.5x; writing the final weights grows no rank
-  by more than a fifth. The weights each rank ends with are the release's.
+  (its half, and one module whole at a time), where building it whole grows it by more than the whole;
+  rank 0, which holds the one whole copy the others are filled from, grows by less than 1.5x; writing the
+  final weights grows no rank by more than a fifth. The weights each rank ends with are the release's.
 """
 
 from __future__ import annotations
@@ -152,7 +152,9 @@ def check_memory_while_building_loading_and_writing(rank, tmp):
 
 
 def test_the_partitioned_model_starts_from_the_weights_one_process_builds(tmp_path):
-    run_on_gloo_ranks(__name__, [("check_the_partitioned_model_starts_where_one_process_does", (str(tmp_path),))], WORLD)
+    run_on_gloo_ranks(
+        __name__, [("check_the_partitioned_model_starts_where_one_process_does", (str(tmp_path),))], WORLD
+    )
 
 
 def test_no_rank_but_the_first_holds_the_whole_model_while_building_loading_and_writing(tmp_path):

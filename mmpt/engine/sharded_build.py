@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import torch
 from torch import nn
@@ -87,11 +86,10 @@ def _copy_values(source: nn.Module | None, model: nn.Module, sharded: ShardedCop
         whole = dict(source.named_parameters(remove_duplicate=False))
         whole.update(source.named_buffers(remove_duplicate=False))
     # Buffers take rank 0's shapes and dtypes: a momentum copy's were copied from partitioned parameters.
-    buffer_layouts = cast(
-        dict[str, tuple[torch.Size, torch.dtype]],
-        mdist.broadcast_object({n: (b.shape, b.dtype) for n, b in source.named_buffers(remove_duplicate=False)}
-                               if source is not None else None),
-    )
+    layouts: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    if source is not None:
+        layouts = {n: (b.shape, b.dtype) for n, b in source.named_buffers(remove_duplicate=False)}
+    layouts = mdist.broadcast_object(layouts)
     for prefix, module in model.named_modules(remove_duplicate=False):
         params = list(module.named_parameters(prefix=prefix, recurse=False))
         if params:
@@ -102,8 +100,10 @@ def _copy_values(source: nn.Module | None, model: nn.Module, sharded: ShardedCop
                     if not hasattr(param, "ds_id"):  # left whole (0-D): DeepSpeed partitions it later
                         param.copy_(mdist.broadcast_tensor(param.detach()))
         for name, buffer in module.named_buffers(prefix=prefix, recurse=False):
-            shape, dtype = buffer_layouts[name]
-            value = mdist.broadcast_tensor(whole[name].clone() if source is not None else torch.empty(shape, dtype=dtype))
+            shape, dtype = layouts[name]
+            value = mdist.broadcast_tensor(
+                whole[name].clone() if source is not None else torch.empty(shape, dtype=dtype)
+            )
             if sharded is not None and sharded.is_partition(buffer):
                 sharded.fill(buffer, value)
             else:
