@@ -210,12 +210,14 @@ class TrainConfig(Section):
         default=None,
         gt=0,
         description="gradient elements per DeepSpeed reduction bucket (ZeRO 1-3), e.g. 50000000; "
-        "None: 5000000 at ZeRO 1-2 on CPU ranks, DeepSpeed's 500000000 on GPUs and at ZeRO-3",
+        "None: 5000000 at ZeRO 1-2 on CPU ranks; on GPUs a quarter of the model's parameters within "
+        "50000000-200000000; DeepSpeed's 500000000 at ZeRO-3",
     )
     overlap_comm: bool | None = Field(
         default=None,
         description="ZeRO 1-3: reduce gradient buckets on a side stream while backward runs (GPUs; CPU "
-        "ranks have no streams, it only costs there). None: off at ZeRO 1-2, on at ZeRO-3 (DeepSpeed's choice)",
+        "ranks have no streams, it only costs there). None: at ZeRO 1-2 on GPUs, on when the model spans more "
+        "than one bucket, off on CPU ranks; on at ZeRO-3 (DeepSpeed's choice)",
     )
     hpz_partition_size: int | Literal["node"] | None = Field(
         default=None,

@@ -87,6 +87,25 @@ def test_deepspeed_config_is_explicit(tmp_path, digits_root):
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
 
 
+@pytest.mark.parametrize(
+    "parameters, bucket, overlap",
+    [(22_000_000, 50_000_000, False), (730_000_000, 182_500_000, True), (10_180_000_000, 200_000_000, True)],
+)
+def test_gpu_buckets_follow_the_model_so_that_reduction_can_overlap_backward(parameters, bucket, overlap):
+    from mmpt.config import TrainConfig
+    from mmpt.engine.deepspeed_config import zero_optimization
+
+    train = TrainConfig(max_steps=10, grad_clip=1.0, zero_stage=2)
+    zero = zero_optimization(train, use_cuda=True, world_size=8, parameters=parameters)
+    assert (zero["reduce_bucket_size"], zero["overlap_comm"]) == (bucket, overlap)
+    # Set in the config, either wins; CPU ranks keep their measured bucket and no overlap.
+    chosen = train.model_copy(update={"reduce_bucket_size": 123, "overlap_comm": False})
+    zero = zero_optimization(chosen, use_cuda=True, world_size=8, parameters=parameters)
+    assert (zero["reduce_bucket_size"], zero["overlap_comm"]) == (123, False)
+    zero = zero_optimization(train, use_cuda=False, world_size=8, parameters=parameters)
+    assert (zero["reduce_bucket_size"], zero["overlap_comm"]) == (5_000_000, False)
+
+
 def test_offload_needs_a_zero_stage(tmp_path, digits_root):
     cfg = load_config(
         write_config(

@@ -159,3 +159,29 @@ def test_the_partitioned_model_starts_from_the_weights_one_process_builds(tmp_pa
 
 def test_no_rank_but_the_first_holds_the_whole_model_while_building_loading_and_writing(tmp_path):
     run_on_gloo_ranks(__name__, [("check_memory_while_building_loading_and_writing", (str(tmp_path),))], WORLD)
+
+
+def check_rank_0s_loading_error_is_raised_on_every_rank(rank, tmp):
+    _start(rank)
+    from mmpt.engine.deepspeed_config import deepspeed_config
+    from mmpt.engine.sharded_build import build_partitioned
+    from mmpt.methods import get_method
+    from mmpt.models.m2_official import CheckpointMismatch
+
+    method = get_method("m2_encoder")
+    small = {**ARCH, "width": 32, "heads": 2, "lower_layers": 1, "shared_layers": 1}
+    cfg = _config({"name": "m2_encoder", "model": "m2-encoder-demo", "arch": small, "tokenizer": "u.json"}, tmp)
+
+    def load(model):
+        raise CheckpointMismatch("release/model.safetensors does not fit this M2-Encoder config: missing [...]")
+
+    try:
+        build_partitioned(lambda: method.build_model(cfg, Path(tmp)), load, lambda m: (), deepspeed_config(cfg, WORLD))
+    except CheckpointMismatch as exc:  # the config error's exit code, on every rank, and nobody left waiting
+        assert "does not fit" in str(exc)
+    else:
+        raise AssertionError("no error")
+
+
+def test_an_error_loading_on_rank_0_stops_every_rank_with_it(tmp_path):
+    run_on_gloo_ranks(__name__, [("check_rank_0s_loading_error_is_raised_on_every_rank", (str(tmp_path),))], WORLD)

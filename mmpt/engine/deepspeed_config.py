@@ -12,11 +12,13 @@ from mmpt.config import Config, ConfigError, TrainConfig
 
 log = logging.getLogger(__name__)
 
-# DeepSpeed's own gradient bucket (elements), kept on GPUs: a 1 GB bf16 bucket that NCCL reduces at
-# full bandwidth. Tune it per cluster with train.reduce_bucket_size; with train.overlap_comm on, a
-# bucket of 5e7-2e8 elements is what lets reduction overlap backward (one bucket larger than the
-# model is reduced after backward ends), at two buckets of memory.
-GPU_REDUCE_BUCKET = 500_000_000
+# GPUs, ZeRO 1-2: gradients reduce in buckets while backward still runs (`overlap_comm`) only when
+# backward fills several of them: one bucket larger than the model is reduced after backward ends, at
+# two buckets of memory for nothing. So the bucket is a quarter of the model, held between 5e7 elements
+# (below it NCCL's calls run short of the link's bandwidth) and 2e8 (DeepSpeed's guidance for overlap);
+# overlap is on when the model spans more than one bucket. train.reduce_bucket_size and
+# train.overlap_comm override either.
+GPU_BUCKET_RANGE = (50_000_000, 200_000_000)
 # CPU ranks (gloo), ZeRO 1-2: 5M elements (20 MB fp32). DeepSpeed flattens each bucket into a new
 # tensor every step; one of the model's size (88 MB for the 22M-parameter benchmark model) is
 # fresh pages that the kernel faults in and zeroes each time (~70 ms to fill here against ~10 ms
@@ -48,12 +50,20 @@ def hpz_partition_size(setting: int | str, world_size: int) -> int:
     return size
 
 
-def zero_optimization(train: TrainConfig, use_cuda: bool, world_size: int = 1) -> dict[str, Any]:
+def gpu_reduction(train: TrainConfig, parameters: int) -> tuple[int, bool]:
+    """(reduce_bucket_size, overlap_comm) of ZeRO 1-2 on GPUs for a model of `parameters` elements."""
+    low, high = GPU_BUCKET_RANGE
+    bucket = train.reduce_bucket_size or min(high, max(low, parameters // 4))
+    overlap = train.overlap_comm if train.overlap_comm is not None else parameters > bucket
+    return bucket, overlap
+
+
+def zero_optimization(train: TrainConfig, use_cuda: bool, world_size: int = 1, parameters: int = 0) -> dict[str, Any]:
     """The `zero_optimization` section: the stage, offload, and how ZeRO 1-2 reduce gradients.
 
-    ZeRO 1-2 (DeepSpeed's stage_1_and_2 optimizer) on GPUs keep DeepSpeed's defaults, written out.
-    On CPU ranks (gloo), where there are no streams to overlap on and every copy is paid in CPU
-    time, they are set for the fewest copies:
+    ZeRO 1-2 (DeepSpeed's stage_1_and_2 optimizer) on GPUs keep DeepSpeed's defaults, written out, but for
+    the bucket and overlap, sized from the model (`gpu_reduction`). On CPU ranks (gloo), where there are no
+    streams to overlap on and every copy is paid in CPU time, they are set for the fewest copies:
 
     - `reduce_scatter: false`. Stages 1-2 never issue a reduce-scatter collective: with it on,
       each bucket is flattened into a new tensor, all-reduced whole, and each rank's slices are
@@ -84,12 +94,15 @@ def zero_optimization(train: TrainConfig, use_cuda: bool, world_size: int = 1) -
             )
     if stage in (1, 2):
         on_cpu = not use_cuda
+        bucket, overlap = gpu_reduction(train, parameters)
+        if on_cpu:
+            bucket, overlap = train.reduce_bucket_size or CPU_REDUCE_BUCKET, bool(train.overlap_comm)
         zero.update(
             {
                 "reduce_scatter": not on_cpu,
                 "contiguous_gradients": not on_cpu,
-                "overlap_comm": bool(train.overlap_comm),
-                "reduce_bucket_size": train.reduce_bucket_size or (CPU_REDUCE_BUCKET if on_cpu else GPU_REDUCE_BUCKET),
+                "overlap_comm": overlap,
+                "reduce_bucket_size": bucket,
                 # DeepSpeed's default; it only reads it where the backend lacks all_gather_into_tensor (gloo
                 # and NCCL have it: the updated partitions are gathered in one call whatever this says).
                 "allgather_bucket_size": 500_000_000,
@@ -139,7 +152,8 @@ def precision(train: TrainConfig) -> dict[str, Any]:
     return keys
 
 
-def deepspeed_config(cfg: Config, world_size: int, load_universal: bool = False) -> dict[str, Any]:
+def deepspeed_config(cfg: Config, world_size: int, load_universal: bool = False, parameters: int = 0) -> dict[str, Any]:
+    """`parameters`: the model's element count, which sizes the gradient buckets on GPUs (`gpu_reduction`)."""
     train = cfg.train
     micro = cfg.data.train.batch_size
     return {
@@ -148,7 +162,7 @@ def deepspeed_config(cfg: Config, world_size: int, load_universal: bool = False)
         "train_batch_size": micro * train.grad_accum * world_size,
         # DeepSpeed's own default is 1.0: always say what we mean (0 = no clipping).
         "gradient_clipping": train.grad_clip,
-        "zero_optimization": zero_optimization(train, torch.cuda.is_available(), world_size),
+        "zero_optimization": zero_optimization(train, torch.cuda.is_available(), world_size, parameters),
         **precision(train),
         # The engine passes a torch optimizer; with offload that is a deliberate choice.
         "zero_force_ds_cpu_optimizer": False,

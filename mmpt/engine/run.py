@@ -32,6 +32,7 @@ from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.hooks import StepHooks
 from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
+from mmpt.engine.pool_trace import PoolTrace
 from mmpt.engine.preflight import check_inputs
 from mmpt.engine.sequence_parallel import split_sequences
 from mmpt.engine.sharded_build import build_partitioned
@@ -54,6 +55,7 @@ class TrainingModule(nn.Module):
         super().__init__()
         self.method, self.model, self.loss, self.needs = method, model, loss, needs
         self.gradient_reduction: BucketedAllReduce | None = None  # set by `build_engine` where it replaces DeepSpeed's
+        self.pool_trace: PoolTrace | None = None  # set by `build_engine` for a method with a step pool
         self._replay: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # RNG states of the pool pass, by index
 
     def forward(self, batch: Any, pool: Any = None, index: int = 0, pool_pass: bool = False) -> Any:
@@ -354,7 +356,6 @@ def build_engine(
     import deepspeed
 
     check_compile(cfg)
-    settings = deepspeed_config(cfg, world_size, load_universal=load_universal)
 
     def build() -> nn.Module:
         seed_everything(cfg.train.seed)  # the same initial weights on every rank
@@ -366,7 +367,7 @@ def build_engine(
             build,
             lambda whole: method.load_initial_weights(whole, cfg),
             lambda built: method.engine_needs(built).momentum_copies,
-            settings,
+            deepspeed_config(cfg, world_size, load_universal=load_universal),
         )
     else:
         model = build()
@@ -390,12 +391,15 @@ def build_engine(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio, cfg.optim.decay)
     )
+    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         optimizer=optimizer,
         lr_scheduler=cast(Any, schedule),  # DeepSpeed's annotation names torch's older _LRScheduler
-        config=settings,
+        config=deepspeed_config(cfg, world_size, load_universal=load_universal, parameters=parameters),
     )
+    if needs.step_pool is not None:
+        module.pool_trace = PoolTrace(engine)
     if cfg.train.zero_stage == 0 and (world_size == 1 or isinstance(engine.optimizer, SkippingAdamW)):
         # Averaging over one rank: nothing to do. Over several, with the plain (fp32) optimizer: buckets that
         # reduce while backward runs, without DeepSpeed's flatten and copy back (see grad_buckets.py).

@@ -60,8 +60,7 @@ def build_partitioned(
     if failure is not None:
         raise failure
     if error is not None:
-        kind, message = error
-        raise kind(message)
+        raise _same_error(*error)
 
     # Initialisation is skipped (its values are replaced below, and some of it, HF's among it, would index
     # parameters that are already partitioned); mem_efficient_linear off: DeepSpeed would otherwise replace
@@ -106,8 +105,16 @@ def _copy_values(source: nn.Module | None, model: nn.Module, sharded: ShardedCop
             )
             if sharded is not None and sharded.is_partition(buffer):
                 sharded.fill(buffer, value)
-            else:
-                module._buffers[name.rpartition(".")[2]] = value.to(buffer.device)
+            else:  # in place of the data, so whatever holds the buffer keeps holding it
+                buffer.data = value.to(buffer.device)
+
+
+def _same_error(kind: type[Exception], message: str) -> Exception:
+    """Rank 0's error as this rank's: the same type where it takes a message alone (the exit code follows it)."""
+    try:
+        return kind(message)
+    except TypeError:
+        return RuntimeError(f"rank 0: {message}")
 
 
 def _init_partitioned():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import operator
@@ -165,7 +166,8 @@ def optimizer_step(
     pool = None
     if engine.module.needs.step_pool is not None and len(micro_batches) > 1:
         hooks.reached("forward", step)
-        with torch.no_grad():
+        trace = engine.module.pool_trace
+        with torch.no_grad(), trace.pool_pass() if trace is not None else contextlib.nullcontext():
             pool = engine(micro_batches, pool_pass=True)
     sums: dict[str, torch.Tensor] = {}
     reduction = engine.module.gradient_reduction

@@ -8,7 +8,7 @@ from typing import Any
 
 from mmpt.config import Config
 from mmpt.engine.adaptive_batch import largest_share
-from mmpt.engine.deepspeed_config import GPU_REDUCE_BUCKET
+from mmpt.engine.deepspeed_config import gpu_reduction
 from mmpt.losses import ContrastiveLoss
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.plan.comm import Traffic, feature_bytes, zero_bytes
@@ -105,6 +105,7 @@ def largest_micro_batch(profile: Profile, cfg: Config, cluster: Cluster, budget:
 def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptions) -> Plan:
     train = cfg.train
     hpz = train.hpz_partition_size
+    bucket, overlap = gpu_reduction(train, profile.counts.trainable + profile.counts.frozen)
     layout = Layout(
         world=cluster.gpus,
         precision=train.precision,
@@ -112,9 +113,9 @@ def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptio
         offload=train.offload_optimizer,
         hpz=cluster.gpus_per_node if hpz == "node" else int(hpz or 1),
         # DeepSpeed's gradient bucket as the engine configures it on GPUs (mmpt.engine.deepspeed_config)
-        reduce_bucket=train.reduce_bucket_size or (GPU_REDUCE_BUCKET if train.zero_stage in (1, 2) else 0),
+        reduce_bucket=bucket if train.zero_stage in (1, 2) else train.reduce_bucket_size or 0,
         contiguous_gradients=True,
-        overlap_comm=bool(train.overlap_comm),
+        overlap_comm=overlap,
     )
     states = model_states(profile.counts, layout)
     budget = cluster.memory_gib * 2**30 * assume.usable_share - states.gpu

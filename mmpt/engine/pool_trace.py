@@ -1,0 +1,72 @@
+"""ZeRO-3's prefetching kept through pooled accumulation: the pool pass gets a parameter trace of its own.
+
+DeepSpeed's ZeRO-3 (0.19) records the order in which one forward of the engine's module and its backward
+use the model's modules, then prefetches each module's parameters ahead of use, as long as every such
+period uses them in the recorded order. A step with a pool (GBA-ITC) runs a pool pass, one forward over
+all K micro-batches without backward, then K forward+backward periods: the pool's period breaks the
+recorded order twice a step, and the period after it runs without prefetching while the trace is recorded
+again. Here the pool pass runs with a second coordinator of DeepSpeed's kind, which records and prefetches
+the pool's own order; the training periods keep theirs. Both are built from the same settings and share
+the in-flight gather registry. `benchmarks/zero3_trace.py` counts invalidations with and without.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class PoolTrace:
+    """`with trace.pool_pass(): engine(..., pool_pass=True)`; nothing happens below ZeRO-3."""
+
+    def __init__(self, engine: Any):
+        self._offload = getattr(engine.optimizer, "parameter_offload", None)
+        self._coordinator: Any = None
+
+    @contextmanager
+    def pool_pass(self) -> Iterator[None]:
+        offload = self._offload
+        if offload is None:
+            yield
+            return
+        if self._coordinator is None:
+            self._coordinator = _second_coordinator(offload)
+            if self._coordinator is None:
+                self._offload = None
+                yield
+                return
+        training = offload.param_coordinator
+        offload.param_coordinator = self._coordinator
+        try:
+            yield
+        finally:
+            offload.param_coordinator = training
+
+
+def _second_coordinator(offload: Any) -> Any:
+    """A coordinator with the settings DeepSpeed gave its own (`DeepSpeedZeRoOffload.__init__`), or None
+    where this DeepSpeed keeps them elsewhere (the pool pass then shares the training trace)."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    try:
+        return PartitionedParameterCoordinator(
+            prefetch_bucket_sz=offload._prefetch_bucket_sz,
+            max_reuse_distance_in_numel=offload._max_reuse_distance_in_numel,
+            max_available_parameters_in_numel=offload._max_available_parameters_in_numel,
+            allgather_stream=offload._DeepSpeedZeRoOffload__allgather_stream,
+            inflight_param_registry=offload._DeepSpeedZeRoOffload__inflight_param_registry,
+            prefetch_nvme=offload.offload_device == OffloadDeviceEnum.nvme,
+            timers=offload.timers,
+            zero_quantized_weights=offload.zero_quantized_weights,
+            zero_quantized_nontrainable_weights=offload.zero_quantized_nontrainable_weights,
+            fast_sharding_for_leaf_module=offload.fast_sharding_for_leaf_module,
+            log_trace_cache_warnings=offload.log_trace_cache_warnings,
+        )
+    except (AttributeError, TypeError) as exc:
+        log.warning("ZeRO-3: the pool pass shares the training pass's prefetch trace (%s)", exc)
+        return None
