@@ -73,6 +73,7 @@ def check_the_partitioned_model_starts_where_one_process_does(rank, tmp):
     _start(rank)
     from mmpt import distributed as mdist
     from mmpt.engine.checkpoint import gathered_state_dict
+    from mmpt.engine.optim import param_groups
     from mmpt.engine.run import build_engine, seed_everything
     from mmpt.methods import get_method
 
@@ -84,7 +85,11 @@ def check_the_partitioned_model_starts_where_one_process_does(rank, tmp):
     weights = gathered_state_dict(engine.module.model)
     if rank == 0:
         seed_everything(cfg.train.seed)
-        reference = method.build_model(cfg, Path(tmp)).state_dict()
+        plain = method.build_model(cfg, Path(tmp))
+        reference = plain.state_dict()
+        # Weight decay falls on the same parameters, though a partition is flat.
+        groups = [len(g["params"]) for g in param_groups(engine.module.model, 0.1, [])]
+        assert groups == [len(g["params"]) for g in param_groups(plain, 0.1, [])] and len(groups) == 2
         assert weights is not None and weights.keys() == reference.keys()
         for name, tensor in reference.items():
             assert torch.equal(weights[name], tensor.float()), name

@@ -17,7 +17,8 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> 
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if param.ndim <= 1 or any(pattern in name.lower() for pattern in no_decay):
+        dims = len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 partition is flat: its full shape counts
+        if dims <= 1 or any(pattern in name.lower() for pattern in no_decay):
             plain.append(param)
         else:
             decay.append(param)
