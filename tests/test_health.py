@@ -188,19 +188,21 @@ def test_a_clean_run_names_nobody(tmp_path, digits_root):
 @pytest.mark.distributed
 def test_stop_on_an_unhealthy_rank_exits_with_its_code_and_the_rest_resume(tmp_path, digits_root):
     fault = "slow_collectives:rank=1:delay=0.05"
-    result, output = launch(tmp_path, digits_root, fault, on_unhealthy="stop", save_every=2)
+    result, output = launch(tmp_path, digits_root, fault, on_unhealthy="stop", save_every=0)
     assert result.returncode == stops.EXIT_UNHEALTHY, output[-3000:]
     lines = sorted(line for line in output.splitlines() if line.startswith("mmpt: "))
     assert len(lines) == 2 and lines[0] == "mmpt: rank 1: stopped on the unhealthy rank that rank 0 reports", lines
     assert lines[1].startswith("mmpt: unhealthy rank: slow collectives: rank 1 on node "), lines
     assert "Traceback" not in output
-    assert json.loads((tmp_path / "run/unhealthy.json").read_text())["action"] == "stop"
+    report = json.loads((tmp_path / "run/unhealthy.json").read_text())
+    assert report["action"] == "stop"
     # The scheduler restarts without the unhealthy rank's node: here, on the one rank left.
     command = deepspeed_command(tmp_path / "cfg.yaml", ranks=1)
     resumed = subprocess.run(command, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=900)
     output = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, output[-3000:]
     assert "saved by 2 ranks" in output, output[-3000:]
+    assert f"at step {report['step']}," in output, output[-3000:]  # from the step it stopped at: none lost
     steps = [r["step"] for r in read_metrics(tmp_path / "run") if "loss/total" in r]
     assert steps and steps[-1] == 7, steps
 

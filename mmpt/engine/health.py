@@ -210,6 +210,11 @@ class HealthMonitor:
                     self._pending.append((finding, self._streaks[key], rows[finding.rank].calls))
                 worst[finding.rank] = max(finding.ratio, worst.get(finding.rank, 0.0))
 
+    @property
+    def stops(self) -> bool:
+        """`act` will stop the run: a rank was named this window and `train.on_unhealthy` is `stop`."""
+        return self.action == "stop" and bool(self._pending)
+
     def act(self, step: int) -> None:
         """Say the ranks named this window (rank 0), write unhealthy.json, and stop if the run is set to."""
         if not self._pending:

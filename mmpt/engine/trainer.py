@@ -51,9 +51,12 @@ def train(cfg: Config) -> dict[str, Any]:
                     run.step, evaluate_while_training(run.method, run.engine.module.model, cfg, run.run_dir)
                 )
                 run.hooks.reached("eval", run.step)
-            if run.due(cfg.train.save_every):
+            # A stop on an unhealthy rank is planned: the step it stops at is saved, so the restart loses none.
+            if run.due(cfg.train.save_every) or (health is not None and health.stops):
                 run.hooks.reached("checkpoint", run.step)
                 run.checkpointer.save(run.engine, run.step)
+            if health is not None:
+                health.act(run.step)  # warns, or stops the run (every rank alike)
     except BaseException:
         run.metrics.close()
         raise
@@ -86,7 +89,7 @@ def train_step(run: runs.Run) -> dict[str, torch.Tensor]:
 
 
 def log_window(run: runs.Run, health: HealthMonitor | None = None) -> None:
-    """The logging window's metrics, reduced over ranks and written (a collective); unhealthy ranks named."""
+    """The logging window's metrics, reduced over ranks and written (a collective); unhealthy ranks judged."""
     run.hooks.reached("log", run.step)
     times = run.spans.take()  # waits for the window's work: the one host sync of a logging window
     per_rank = health.window(run.step) if health is not None else None  # one gather of collective timings
@@ -107,7 +110,6 @@ def log_window(run: runs.Run, health: HealthMonitor | None = None) -> None:
     )
     if health is not None:
         run.metrics.health_summary = health.summary()
-        health.act(run.step)  # warns, or stops the run (every rank alike)
     run.guard.check(run.step, {k.removeprefix("loss/"): v for k, v in record.items() if k.startswith("loss/")})
 
 
