@@ -400,6 +400,8 @@ def build_engine(
     )
     if needs.step_pool is not None:
         module.pool_trace = PoolTrace(engine)
+    if momentum is None and cfg.train.zero_stage == 3 and needs.momentum_copies:  # one rank: partitioned just now
+        momentum = ShardedCopies(needs.momentum_copies)
     if cfg.train.zero_stage == 0 and (world_size == 1 or isinstance(engine.optimizer, SkippingAdamW)):
         # Averaging over one rank: nothing to do. Over several, with the plain (fp32) optimizer: buckets that
         # reduce while backward runs, without DeepSpeed's flatten and copy back (see grad_buckets.py).
