@@ -227,4 +227,4 @@ def test_two_nodes_the_faulty_rank_and_its_node_are_named(tmp_path, digits_root,
     outputs = run_nodes(commands, env, tmp_path / "logs", timeout=600)
     report = json.loads((tmp_path / "run/unhealthy.json").read_text())
     assert [(r["kind"], r["rank"], r["node_rank"]) for r in report["ranks"]] == [(kind, 3, 1)], named("".join(outputs))
-    assert report["step"] <= 4
+    assert report["step"] <= 5  # four processes on two cores: start-up can fill the first two windows
