@@ -94,9 +94,10 @@ def zero_optimization(train: TrainConfig, use_cuda: bool, world_size: int = 1, p
             )
     if stage in (1, 2):
         on_cpu = not use_cuda
-        bucket, overlap = gpu_reduction(train, parameters)
         if on_cpu:
             bucket, overlap = train.reduce_bucket_size or CPU_REDUCE_BUCKET, bool(train.overlap_comm)
+        else:
+            bucket, overlap = gpu_reduction(train, parameters)
         zero.update(
             {
                 "reduce_scatter": not on_cpu,
