@@ -10,7 +10,7 @@ from mmpt.artifacts import ReleaseError
 from mmpt.config import ConfigError
 from mmpt.data.shards import DataError, MissingDataError
 from mmpt.engine import stops
-from mmpt.models.m2_official import CheckpointMismatch
+from mmpt.models.tensor_files import CheckpointMismatch
 
 # OSError's path errors: a file or folder named on the command line or in a config that is not there.
 USER_ERRORS: tuple[type[Exception], ...] = (

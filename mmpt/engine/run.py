@@ -366,6 +366,7 @@ def build_engine(
         model, loaded, momentum = build_partitioned(
             build,
             lambda whole: method.load_initial_weights(whole, cfg),
+            method.initial_tensors(cfg),
             lambda built: method.engine_needs(built).momentum_copies,
             deepspeed_config(cfg, world_size, load_universal=load_universal),
         )

@@ -28,7 +28,7 @@ from mmpt.data.shards import DataError, MissingDataError
 from mmpt.engine.checkpoint.protocol import CheckpointError
 from mmpt.engine.guards import NonFiniteError
 from mmpt.engine.health import UnhealthyRankError
-from mmpt.models.m2_official import CheckpointMismatch
+from mmpt.models.tensor_files import CheckpointMismatch
 
 EXIT_UNEXPECTED, EXIT_CONFIG, EXIT_DATA, EXIT_NON_FINITE, EXIT_CHECKPOINT, EXIT_HANG = 1, 2, 3, 4, 5, 75
 EXIT_UNHEALTHY = 76

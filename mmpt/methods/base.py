@@ -16,6 +16,7 @@ from torch import nn
 
 from mmpt.config import Section
 from mmpt.models.momentum import MomentumCopy
+from mmpt.models.tensor_files import TensorReader
 
 if TYPE_CHECKING:
     from mmpt.config import Config, EvalSetConfig
@@ -145,6 +146,14 @@ class Method(Generic[SectionT]):
     def load_initial_weights(self, model: nn.Module, cfg: Config) -> str | None:
         """Start training from existing weights (e.g. an official checkpoint); not used when loading a run.
         Returns one line saying what was loaded from where (logged at the start of training), or None."""
+
+    def initial_tensors(self, cfg: Config) -> Callable[[nn.Module], tuple[str, TensorReader]] | None:
+        """Where this config's initial weights give every tensor the model saves (a strict load): a function
+        that opens them for a model, returning (the line `load_initial_weights` would return, a reader of
+        whole tensors one at a time). With it the engine fills a model built partitioned (ZeRO-3) without
+        any process building the model whole. None (the default): the engine builds the model whole on
+        rank 0 and calls `load_initial_weights`. Deciding reads no file (the planner asks too)."""
+        return None
 
     def build_loss(self, cfg: Config) -> nn.Module:
         raise NotImplementedError

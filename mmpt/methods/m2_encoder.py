@@ -6,8 +6,9 @@ GBA-ITC (`losses/grouped_itc.py`). `init_from` starts from an official `.ckpt`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -15,6 +16,7 @@ from torch import nn
 from torchvision import transforms as T
 
 from mmpt import distributed as mdist
+from mmpt.artifacts import WEIGHTS
 from mmpt.config import Config, Section
 from mmpt.data.glm_tokenizer import GLMTokenizer
 from mmpt.data.tokenizer import TextTokenizer
@@ -30,8 +32,9 @@ from mmpt.methods.image_text import (
     model_images,
 )
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
-from mmpt.models.m2_official import load_official, load_release_weights
-from mmpt.pretrained import initial_weights
+from mmpt.models.m2_official import OfficialTensors, load_official, load_release_weights
+from mmpt.models.tensor_files import SafetensorsTensors, TensorReader
+from mmpt.pretrained import InitialWeights, initial_weights
 from mmpt.registry import NotRegistered
 
 OFFICIAL_MEAN, OFFICIAL_STD = M2Encoder.image_mean, M2Encoder.image_std  # the official inception_normalize
@@ -210,8 +213,22 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
             load_official(model, source.path)
         else:
             load_release_weights(model, source.path)
-        count = len(model.state_dict())
-        return f"initialised {count} of {count} tensors from {source.path} ({source.kind}, strict)"
+        return _loaded_line(len(model.state_dict()), source)
+
+    def initial_tensors(self, cfg: Config) -> Callable[[nn.Module], tuple[str, TensorReader]] | None:
+        init = self.settings(cfg).init_from
+        if not init:
+            return None
+
+        def open_for(model: nn.Module) -> tuple[str, TensorReader]:
+            source = initial_weights(init)
+            if source.kind == "official-m2":
+                reader: TensorReader = OfficialTensors(source.path, cast(M2Encoder, model).cfg.num_patches)
+            else:
+                reader = SafetensorsTensors(source.path / WEIGHTS)
+            return _loaded_line(len(reader.shapes()), source), reader
+
+        return open_for
 
     def build_loss(self, cfg: Config) -> nn.Module:
         spec = self.settings(cfg).loss
@@ -242,3 +259,7 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
 
 
 METHOD = register(M2EncoderMethod())
+
+
+def _loaded_line(count: int, source: InitialWeights) -> str:
+    return f"initialised {count} of {count} tensors from {source.path} ({source.kind}, strict)"

@@ -10,53 +10,92 @@ from __future__ import annotations
 import math
 import os
 import pickle
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mmpt.models.m2_encoder import FIRST_POSITION, M2Encoder
+from mmpt.models.tensor_files import CheckpointMismatch, MappedCheckpoint, check_covers
 
 DEEPSPEED_PREFIX = "_forward_module."
 VISION_POSITIONS = "backbone.encoder.embed_positions.A.weight"
 SCALARS = ("logit_scale", "logit_vl_scale")
 
 
-class CheckpointMismatch(RuntimeError):
-    """The checkpoint's keys or shapes do not match the configured model."""
-
-
 def read_official(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise CheckpointMismatch(
-            f"{path}: refusing to load, it holds pickled objects beyond tensors ({str(exc).splitlines()[0]}); "
-            "re-save its state dict alone (torch.save(ckpt['state_dict'], ...)) from a trusted environment"
-        ) from None
+        raise _refused(path, exc) from None
+    return unwrap_official(obj, path)
+
+
+def unwrap_official(obj: object, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The state dict inside what an official file saved, under this model's key names (the DeepSpeed prefix
+    taken off, the training-only visual-tokenizer weights left out)."""
     if not isinstance(obj, dict):
         raise CheckpointMismatch(f"{path}: expected a dict of tensors, found {type(obj).__name__}")
+    state: dict = obj
     for key in ("state_dict", "module", "model"):
         if isinstance(obj.get(key), dict):
-            obj = obj[key]
+            state = obj[key]
             break
     return {
         (k[len(DEEPSPEED_PREFIX) :] if k.startswith(DEEPSPEED_PREFIX) else k): v
-        for k, v in obj.items()
-        if isinstance(v, torch.Tensor)
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and "visual_tokenizer" not in k
     }
 
 
+def _refused(path: str | os.PathLike, exc: Exception) -> CheckpointMismatch:
+    return CheckpointMismatch(
+        f"{path}: refusing to load, it holds pickled objects beyond tensors ({str(exc).splitlines()[0]}); "
+        "re-save its state dict alone (torch.save(ckpt['state_dict'], ...)) from a trusted environment"
+    )
+
+
 def convert_official(state: dict[str, torch.Tensor], model: M2Encoder) -> dict[str, torch.Tensor]:
-    """Official keys -> this model's: drop training-only visual-tokenizer weights, 0-D scales -> [1],
-    and fit the vision position table to the configured patch grid."""
-    state = {k: v for k, v in state.items() if "visual_tokenizer" not in k}
-    for key in SCALARS:
-        if key in state and state[key].dim() == 0:
-            state[key] = state[key].reshape(1)
-    if VISION_POSITIONS in state:
-        state[VISION_POSITIONS] = fit_positions(state[VISION_POSITIONS], model.cfg.num_patches)
-    return state
+    """Official keys -> this model's, tensor by tensor (`convert_tensor`)."""
+    return {k: convert_tensor(k, v, model.cfg.num_patches) for k, v in state.items()}
+
+
+def convert_tensor(name: str, tensor: torch.Tensor, num_patches: int) -> torch.Tensor:
+    """One official tensor as this model holds it: 0-D scales -> [1], the vision position table fitted to the
+    configured patch grid; the rest as it is."""
+    if name in SCALARS and tensor.dim() == 0:
+        return tensor.reshape(1)
+    if name == VISION_POSITIONS:
+        return fit_positions(tensor, num_patches)
+    return tensor
+
+
+def converted_shape(name: str, shape: tuple[int, ...], num_patches: int) -> tuple[int, ...]:
+    """The shape `convert_tensor` gives a tensor of `shape`, known before reading it."""
+    if name in SCALARS and shape == ():
+        return (1,)
+    if name == VISION_POSITIONS and len(shape) == 2:
+        return (FIRST_POSITION + 1 + num_patches, shape[1])
+    return shape
+
+
+class OfficialTensors:
+    """An official checkpoint read tensor by tensor (a `TensorReader`), converted as `load_official` converts
+    it whole: for a model built partitioned, which no process holds whole."""
+
+    def __init__(self, path: str | os.PathLike, num_patches: int):
+        try:
+            self._file = MappedCheckpoint(Path(path), lambda obj: unwrap_official(obj, path))
+        except pickle.UnpicklingError as exc:
+            raise _refused(path, exc) from None
+        self._patches, self.name = num_patches, str(path)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: converted_shape(k, shape, self._patches) for k, shape in self._file.shapes().items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        return convert_tensor(name, self._file.read(name), self._patches)
 
 
 def fit_positions(table: torch.Tensor, num_patches: int) -> torch.Tensor:
@@ -78,20 +117,8 @@ def fit_positions(table: torch.Tensor, num_patches: int) -> torch.Tensor:
 def load_official(model: M2Encoder, path: str | os.PathLike) -> M2Encoder:
     """Load an official checkpoint strictly; a mismatch names every missing/unexpected/mis-shaped key."""
     state = convert_official(read_official(path), model)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shapes = [
-        f"{k}: checkpoint {list(state[k].shape)} vs model {list(expected[k].shape)}"
-        for k in sorted(set(state) & set(expected))
-        if state[k].shape != expected[k].shape
-    ]
-    if missing or unexpected or shapes:
-        parts = []
-        for title, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
-            if items:
-                parts.append(f"{title} ({len(items)}): {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}")
-        raise CheckpointMismatch(f"{path} does not fit this M2-Encoder config: " + "; ".join(parts))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    check_covers(str(path), {k: tuple(v.shape) for k, v in state.items()}, expected, "this M2-Encoder config")
     model.load_state_dict(state, strict=True)
     return model
 

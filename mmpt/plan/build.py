@@ -48,6 +48,10 @@ def built(cfg: Config, device: str | torch.device = "meta") -> Iterator[Built]:
     """Build `cfg`'s model and loss through its method on `device`, with the method's files in a scratch run
     directory that is removed afterwards. A missing input the build reads is a ConfigError naming its key."""
     method = get_method(cfg.method_name)
+    if cfg.data.prepare:  # a demo config's tokenizer comes with its corpus, built on first use as training does
+        from mmpt import demo
+
+        demo.build(cfg.data.prepare, cfg.data.root)
     with tempfile.TemporaryDirectory(prefix="mmpt-plan-") as scratch:
         run_dir = Path(scratch)
         try:

@@ -11,6 +11,7 @@ from mmpt.engine.adaptive_batch import largest_share
 from mmpt.engine.deepspeed_config import gpu_reduction
 from mmpt.losses import ContrastiveLoss
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
+from mmpt.methods import get_method
 from mmpt.plan.comm import Traffic, feature_bytes, zero_bytes
 from mmpt.plan.hardware import Assumptions, Gpu
 from mmpt.plan.logits import Gathering, extra_logits_bytes
@@ -140,8 +141,10 @@ def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptio
     loader = cfg.data.train
     host = states.host + batch * (assume.pinned_batches + loader.num_workers * 4)
     whole = 4 * (params + profile.counts.momentum)  # the model as built, in fp32
-    # ZeRO-3 on several ranks builds partitioned: rank 0 alone holds a whole copy (see engine/sharded_build.py).
+    # ZeRO-3 on several ranks builds partitioned (see engine/sharded_build.py): rank 0 alone holds a whole copy,
+    # unless the initial weights cover the model and are read tensor by tensor.
     partitioned = layout.stage == 3 and cluster.gpus > 1
+    streamed = partitioned and get_method(cfg.method_name).initial_tensors(cfg) is not None
     return Plan(
         cluster=cluster,
         layout=layout,
@@ -153,7 +156,7 @@ def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptio
         logits=logits,
         batch=batch,
         host_per_rank=host,
-        build_host=(whole, 0 if partitioned else whole),
+        build_host=(0 if streamed else whole, 0 if partitioned else whole),
         largest_micro_batch=largest,
         flops_per_sample=flops,
         traffic=traffic,

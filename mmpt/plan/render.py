@@ -77,7 +77,7 @@ def to_text(config: str, profile: Profile, plan: Plan, assume: Assumptions) -> s
         f"  total                 {gb(plan.gpu_bytes)} of {gb(cl.memory_gib * 2**30 * assume.usable_share)} usable",
         f"host per rank: {gb(plan.host_per_rank)} (offloaded states, loader buffers)",
         f"host while the model is built: rank 0 {gb(plan.build_host[0])}, other ranks {gb(plan.build_host[1])}"
-        + (" (ZeRO-3 builds partitioned)" if plan.build_host[1] == 0 else " (each builds the whole model in fp32)"),
+        + _how_built(plan.build_host),
         f"micro-batch {plan.micro_batch}: {'fits' if plan.fits else 'does NOT fit'}; "
         f"largest that fits: {plan.largest_micro_batch}",
         f"FLOPs per sample (forward + backward): {plan.flops_per_sample / 1e12:.3f} TFLOP",
@@ -89,3 +89,11 @@ def to_text(config: str, profile: Profile, plan: Plan, assume: Assumptions) -> s
         + "; ".join(f"{g.name} {g.bf16_tflops:g} TFLOPS, {g.hbm_tb_s:g} TB/s" for g in GPUS.values()),
     ]
     return "\n".join(lines)
+
+
+def _how_built(build_host: tuple[int, int]) -> str:
+    if build_host == (0, 0):
+        return " (ZeRO-3 builds partitioned from initial weights read tensor by tensor)"
+    if build_host[1] == 0:
+        return " (ZeRO-3 builds partitioned; rank 0 builds one whole copy in fp32 to start from)"
+    return " (each builds the whole model in fp32)"
