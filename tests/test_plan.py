@@ -223,3 +223,18 @@ def test_planning_page_is_fresh():
     assert f"fingerprint `{fingerprint()}`" in PAGE.read_text(), (
         "docs/planning.md is stale: python -m mmpt.plan.docs_table"
     )
+
+
+def test_rank_0_holds_a_whole_copy_while_building_only_without_weights_covering_the_model():
+    """ZeRO-3 on several ranks: rank 0 builds the model whole to start from, unless `init_from` gives every
+    tensor (read tensor by tensor); other ranks never hold it whole. Without ZeRO-3 every rank builds it."""
+    held = {}
+    for name, extra in (("random", []), ("init_from", ["method.init_from=/nowhere/m2_encoder.ckpt"])):
+        for stage in ("2", "3"):
+            done = run_plan("--gpus", "8", "--json", f"train.zero_stage={stage}", *extra)
+            assert done.returncode == 0, done.stderr
+            host = json.loads(done.stdout)["host_bytes_while_building"]
+            held[name, stage] = (host["rank 0"], host["other ranks"])
+    whole = held["random", "2"][0]
+    assert whole > 0 and held["random", "2"] == held["init_from", "2"] == (whole, whole)
+    assert held["random", "3"] == (whole, 0) and held["init_from", "3"] == (0, 0)
