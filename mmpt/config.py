@@ -203,7 +203,11 @@ class TrainConfig(Section):
     grad_clip: float = Field(
         ge=0, description="global grad-norm clip; 0 disables. Always explicit: no DeepSpeed default"
     )
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32",
+        description="fp16, and bf16 at ZeRO 1-3: DeepSpeed's 16-bit model with fp32 master weights; bf16 at ZeRO-0: "
+        "an fp32 model under autocast (docs/engine.md); fp16 needs a GPU",
+    )
     zero_stage: int = Field(default=0, ge=0, le=3)
     offload_optimizer: bool = False
     reduce_bucket_size: int | None = Field(

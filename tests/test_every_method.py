@@ -156,3 +156,48 @@ def test_a_run_with_nothing_to_evaluate_builds_no_evaluation_model(corpora, one_
     assert train(cfg) == {}
     assert (tmp_path / "run/model.safetensors").is_file()
     assert len(builds) == 1, f"the model was built {len(builds)} times: once for training only"
+
+
+@pytest.mark.parametrize("name", list_methods())
+def test_bf16_at_zero_0_is_autocast_over_an_fp32_model(name, corpora, one_process, tmp_path):  # noqa: F811
+    """bf16 without ZeRO keeps the model, its gradients and their sums over micro-batches in fp32 and runs the
+    plain fused AdamW, while every linear layer of the forward (the momentum copies' included) computes in bf16:
+    not DeepSpeed's bf16 mode, whose ZeRO-0 steps parameter by parameter and sums micro-batches in bf16."""
+    import torch
+    from torch import nn
+
+    from mmpt import distributed as mdist
+    from mmpt.config_loader import load_config
+    from mmpt.data import StatefulLoader
+    from mmpt.engine.optim import SkippingAdamW
+    from mmpt.engine.run import build_engine, prepare_run_dir, start_process_group
+    from mmpt.engine.trainer import optimizer_step, to_device
+    from mmpt.methods import get_method
+
+    config, run_dir = demo_config(name), tmp_path / "run"
+    overrides = [f"run.output_dir={run_dir}", "train.zero_stage=0", "train.precision=bf16", "train.grad_accum=2"]
+    cfg = load_config(config, [*shrink(config, corpora), *overrides])
+    method = get_method(name)
+    start_process_group(cfg.train.watchdog_timeout)  # the session's world of one, started here if not yet
+    prepare_run_dir(cfg, method, run_dir)
+    engine, _, _ = build_engine(cfg, method, mdist.layout(), 1)
+    try:
+        assert isinstance(engine.optimizer, SkippingAdamW), type(engine.optimizer).__name__
+        assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
+        computed: list[torch.dtype] = []
+        for module in engine.module.modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(lambda m, args, out: computed.append(out.dtype))
+        gradients: list[torch.dtype] = []
+        for param in engine.module.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(lambda p: gradients.append(p.grad.dtype))
+        batches = iter(StatefulLoader(method.train_data(cfg, run_dir, rank=0, world_size=1)))
+        micro_batches = [to_device(next(batches), engine.device, torch.float32) for _ in range(2)]
+        losses = optimizer_step(engine, micro_batches)
+        assert computed and set(computed) == {torch.bfloat16}, set(computed)
+        assert gradients and set(gradients) == {torch.float32}, set(gradients)
+        assert all(torch.isfinite(v).all() for v in losses.values()), losses
+        assert engine.was_step_applied()
+    finally:
+        engine.destroy()

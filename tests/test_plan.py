@@ -80,8 +80,11 @@ def test_model_states_match_deepspeeds_estimators(nodes):
 def test_stages_partition_what_they_say():
     counts = Counts(trainable=1000, frozen=0, largest_layer=100, momentum=50, buffers=0, loss_buffers=0)
     by_stage = [model_states(counts, Layout(world=4, precision="bf16", stage=s)) for s in range(4)]
-    assert [s.optimizer for s in by_stage] == [12000, 3000, 3000, 3000]
-    assert [s.parameters for s in by_stage] == [2000, 2000, 2000, 500]
+    # bf16 at ZeRO-0 is autocast over fp32 states: 4-byte weights, moments only; ZeRO 1-3 keep 2-byte weights and
+    # fp32 master weights beside the moments (12 bytes), partitioned.
+    assert [s.optimizer for s in by_stage] == [8000, 3000, 3000, 3000]
+    assert [s.parameters for s in by_stage] == [4000, 2000, 2000, 500]
+    assert [s.gradients for s in by_stage] == [4000, 6000, 1000, 1000]
     assert by_stage[3].momentum == 50  # fp32 copies sharded like the parameters under ZeRO-3
     assert by_stage[2].momentum == 200
     hpz = model_states(counts, Layout(world=4, precision="bf16", stage=3, hpz=2))

@@ -9,6 +9,7 @@ import torch
 
 from mmpt import distributed as mdist
 from mmpt.config import Config, ConfigError, TrainConfig
+from mmpt.engine.precision import policy
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +137,11 @@ def precision(train: TrainConfig) -> dict[str, Any]:
     - `data_types.grad_accum_dtype: fp32` at ZeRO 1-3: ZeRO-1 then runs DeepSpeed's BF16_Optimizer (fp32
       gradients beside the fp32 master weights; with offload, its ZeRO optimizer's fp32 `grad_accum`),
       ZeRO-2 accumulates the reduced partitions in fp32, ZeRO-3 its fp32 gradient partitions. ZeRO-0 refuses
-      it (bf16 parameters with fp32 accumulation and no ZeRO is "unsupported"): there autograd sums the
-      micro-batches in the bf16 `.grad` of each parameter, and DeepSpeed's per-parameter
-      FP16_UnfusedOptimizer does the step.
+      it (bf16 parameters with fp32 accumulation and no ZeRO is "unsupported"), so bf16 at ZeRO-0 does not
+      use DeepSpeed's bf16 mode: the model stays fp32 and its forward runs under autocast
+      (`precision.policy`), gradients are fp32 throughout and the plain optimizer steps.
     """
-    bf16 = train.precision == "bf16"
+    bf16 = train.precision == "bf16" and policy(train.precision, train.zero_stage).deepspeed_casts
     keys: dict[str, Any] = {
         # Non-finite gradients skip the step (ZeRO 1-3 check the global norm; on by default for fp32 only).
         "bf16": {"enabled": bf16, "check_grad_overflow": True},

@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a run's precision means for its tensors: `model` is the dtype of parameters, floating buffers and
+    batches; `autocast`, when set, the dtype the forward computes in under `torch.autocast`."""
+
+    model: torch.dtype
+    autocast: torch.dtype | None = None
+
+    @property
+    def deepspeed_casts(self) -> bool:
+        """Whether DeepSpeed holds the model in 16 bits (its bf16/fp16 modes, with fp32 master weights)."""
+        return self.model != torch.float32
+
+
+def policy(precision: str, zero_stage: int) -> Policy:
+    """bf16 at ZeRO-0 is autocast over an fp32 model (torch AMP): fp32 gradients then take mmpt's bucketed
+    all-reduce and the plain fused AdamW, where DeepSpeed's bf16 mode would step through its per-parameter
+    FP16_UnfusedOptimizer and accumulate micro-batches in bf16 (it refuses fp32 accumulation without ZeRO).
+    At ZeRO 1-3, and for fp16, DeepSpeed casts the model and keeps fp32 master weights."""
+    if precision == "bf16" and zero_stage == 0:
+        return Policy(torch.float32, torch.bfloat16)
+    return Policy(DTYPES[precision])
 
 
 def match_buffer_precision(module: nn.Module, dtype: torch.dtype, fp32_modules: Sequence[nn.Module] = ()) -> None:

@@ -56,9 +56,17 @@ class TrainingModule(nn.Module):
         self.method, self.model, self.loss, self.needs = method, model, loss, needs
         self.gradient_reduction: BucketedAllReduce | None = None  # set by `build_engine` where it replaces DeepSpeed's
         self.pool_trace: PoolTrace | None = None  # set by `build_engine` for a method with a step pool
+        self.autocast: tuple[str, torch.dtype] | None = None  # (device type, dtype): bf16 at ZeRO-0 (`precision`)
         self._replay: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # RNG states of the pool pass, by index
 
     def forward(self, batch: Any, pool: Any = None, index: int = 0, pool_pass: bool = False) -> Any:
+        if self.autocast is None:
+            return self._forward(batch, pool, index, pool_pass)
+        device_type, dtype = self.autocast
+        with torch.autocast(device_type, dtype=dtype):
+            return self._forward(batch, pool, index, pool_pass)
+
+    def _forward(self, batch: Any, pool: Any, index: int, pool_pass: bool) -> Any:
         if pool_pass:  # `batch` is then the step's list of micro-batches (the engine asks only with a pool)
             return self._pool(batch)
         if pool is not None:
@@ -199,7 +207,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     engine, initial_weights, momentum = build_engine(
         cfg, method, layout, world_size, load_universal=universal is not None
     )
-    float_dtype = precision.DTYPES[cfg.train.precision]
+    float_dtype = precision.policy(cfg.train.precision, cfg.train.zero_stage).model
     needs = engine.module.needs
     kept_fp32 = needs.fp32_modules + needs.momentum_copies
     precision.match_buffer_precision(engine.module, float_dtype, kept_fp32)
@@ -401,6 +409,9 @@ def build_engine(
     )
     if needs.step_pool is not None:
         module.pool_trace = PoolTrace(engine)
+    autocast = precision.policy(cfg.train.precision, cfg.train.zero_stage).autocast
+    if autocast is not None:
+        module.autocast = (engine.device.type, autocast)
     if momentum is None and cfg.train.zero_stage == 3 and needs.momentum_copies:  # one rank: partitioned just now
         momentum = ShardedCopies(needs.momentum_copies)
     if cfg.train.zero_stage == 0 and (world_size == 1 or isinstance(engine.optimizer, SkippingAdamW)):

@@ -149,7 +149,7 @@ def held_after_backward(engine: Any, cfg: Any, batch_size: int = 2) -> Held:
     """One full optimizer step, then the next one's micro-batches through the engine's own loop
     (`mmpt.engine.trainer.optimizer_step`): what the rank holds after the last backward, before that step."""
     from mmpt.engine.hooks import StepHooks
-    from mmpt.engine.precision import DTYPES
+    from mmpt.engine.precision import policy
     from mmpt.engine.trainer import optimizer_step, to_device
     from mmpt.plan.batches import micro_batch
     from mmpt.plan.build import Built
@@ -157,7 +157,8 @@ def held_after_backward(engine: Any, cfg: Any, batch_size: int = 2) -> Held:
     wrapped = engine.module
     b = Built(cfg, wrapped.method, wrapped.model, wrapped.loss, wrapped.needs)
     accum = cfg.train.grad_accum
-    batches = [to_device(micro_batch(b, batch_size), engine.device, DTYPES[cfg.train.precision]) for _ in range(accum)]
+    dtype = policy(cfg.train.precision, cfg.train.zero_stage).model
+    batches = [to_device(micro_batch(b, batch_size), engine.device, dtype) for _ in range(accum)]
     optimizer_step(engine, batches)
     before: list[Held] = []
     inside: list[Held] = []

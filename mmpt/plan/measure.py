@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mmpt.engine.precision import DTYPES
+from mmpt.engine.precision import policy
 from mmpt.plan.batches import micro_batch
 from mmpt.plan.build import Built
 
@@ -100,7 +100,7 @@ def materialize(b: Built, device: str = "cpu") -> None:
     """Give `b`'s meta-built model and loss storage on `device` (fake storage inside FakeTensorMode), in the
     training precision as the engine sets it: floating parameters and buffers in it, declared fp32 modules
     and momentum copies fp32. Tied parameters stay tied."""
-    dtype = DTYPES[b.cfg.train.precision]
+    dtype = policy(b.cfg.train.precision, b.cfg.train.zero_stage).model
     kept = {id(t) for m in (*b.needs.fp32_modules, *b.needs.momentum_copies) for t in (*m.parameters(), *m.buffers())}
     done: dict[int, torch.Tensor] = {}
 
@@ -126,11 +126,13 @@ def materialize(b: Built, device: str = "cpu") -> None:
 def run_step(b: Built, batch: dict[str, Any]) -> None:
     """What the engine runs for one micro-batch: the method's step pool (no gradient) when it declares one,
     the training step, the backward pass."""
-    pool = None
-    if b.needs.step_pool is not None:
-        with torch.no_grad():
-            pool = b.needs.pool(b.model, b.loss, [batch])
-    terms = b.method.training_step(b.model, b.loss, batch, pool, 0)
+    autocast = policy(b.cfg.train.precision, b.cfg.train.zero_stage).autocast
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        pool = None
+        if b.needs.step_pool is not None:
+            with torch.no_grad():
+                pool = b.needs.pool(b.model, b.loss, [batch])
+        terms = b.method.training_step(b.model, b.loss, batch, pool, 0)
     torch.stack([t.float() for t in terms.values()]).sum().backward()
 
 

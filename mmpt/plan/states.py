@@ -2,10 +2,12 @@
 DeepSpeed config (`mmpt.engine.deepspeed_config`: bf16 gradients accumulated in fp32 at ZeRO 1-3).
 
 Mixed precision (bf16/fp16) keeps, per trainable parameter: 16-bit weights (2 bytes), fp32 master weights (4)
-and two fp32 moments (8), and its gradients by stage: ZeRO-0 the 16-bit `.grad` (2) plus the fp32 copy of
-each that DeepSpeed's unfused optimizer makes for the step (4); ZeRO-1 the 16-bit `.grad` (2) plus a
+and two fp32 moments (8), and its gradients by stage: ZeRO-1 the 16-bit `.grad` (2) plus a
 full-size fp32 accumulator (4, not partitioned: ZeRO-1 reduces once per step); ZeRO-2 and 3 only the fp32
-partition (4 / n) that each bucket is reduced into. fp32 training keeps 4-byte weights and gradients, and
+partition (4 / n) that each bucket is reduced into. bf16 at ZeRO-0 is autocast over an fp32 model
+(`mmpt.engine.precision.policy`): its states are fp32 training's. fp16 at ZeRO-0 keeps the 16-bit `.grad`
+(2) plus the fp32 copy of each that DeepSpeed's unfused optimizer makes for the step (4). fp32 training
+keeps 4-byte weights and gradients, and
 ZeRO 1-3 still keep an fp32 partition of the weights beside the moments. ZeRO-1 partitions the optimizer
 state, ZeRO-2 also the gradients, ZeRO-3 also the weights, except the parameters of at most
 `PERSISTENCE_THRESHOLD` elements, which every rank keeps whole; plus the largest layer gathered whole (4 bytes
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from mmpt.engine.precision import policy
 from mmpt.plan.build import Counts
 
 ZERO3_REDUCE_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default, which ZeRO-3 keeps unless set
@@ -68,7 +71,7 @@ class States:
 
 def model_states(counts: Counts, layout: Layout) -> States:
     p, n, stage = counts.trainable, layout.world, layout.stage
-    mixed = layout.precision != "fp32"
+    mixed = policy(layout.precision, stage).deepspeed_casts  # bf16 at ZeRO-0 is autocast over fp32 states
     width = 2 if mixed else 4
     params = (p + counts.frozen) * width
     grad16 = p * 2 if mixed else 0  # mixed precision's 16-bit gradients; fp32 training has only the fp32 ones
