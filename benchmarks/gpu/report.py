@@ -97,8 +97,9 @@ def clip_section(r: dict) -> list[str]:
     matmul = r["matmul"]
     lines = [
         f"Batch {r['batch']}, {r['steps']} steps of which the first {r['warmup_steps']} are not timed (medians), "
-        f"{r['loader_workers']} loader workers, model `{r['model']}`. mmpt: DeepSpeed bf16 (bf16 weights, fp32 "
-        f"master copy); open_clip_train: `--precision {r['open_clip_precision']}` (autocast). Step times are "
+        f"{r['loader_workers']} loader workers, model `{r['model']}`. mmpt ZeRO-0: autocast over fp32 weights "
+        "(open_clip's amp_bf16); mmpt ZeRO-2: DeepSpeed bf16 (bf16 weights, fp32 master copy); open_clip_train: "
+        f"`--precision {r['open_clip_precision']}` (autocast). Step times are "
         "what each trainer logs, timed on the host: mmpt's forward time has no device synchronisation, so "
         "kernels still running when it returns count in backward + optimizer; open_clip logs data and whole-step "
         'time only. Sync warnings: `torch.cuda.set_sync_debug_mode("warn")` was on in every run; counted while '
