@@ -156,6 +156,12 @@ def test_every_config_trains_resumes_and_exports_at_zero3_with_accumulation_in_b
     run_cells(cells, tmp_path)
 
 
+def test_bf16_at_zero_1_trains_resumes_and_exports_its_fp32_weights(corpora, tmp_path):
+    """DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1) writes optimizer files its own zero_to_fp32 refuses: the
+    export consolidates them to exactly the weights the run wrote."""
+    run_cells([cell(REPO / "configs/clip/demo.yaml", corpora, tmp_path / "runs", "zero1", 2, "bf16")], tmp_path)
+
+
 @pytest.mark.matrix
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: str(c.relative_to(REPO / "configs").with_suffix("")))
 def test_full_matrix(config, corpora, tmp_path):

@@ -15,8 +15,9 @@ one-line error (exit 2), found before any weight is read.
 
 Without --checkpoint, the run's final model.safetensors is exported when it exists (a release's weights,
 sharded or not, likewise), else the newest complete checkpoint. A checkpoint of any ZeRO stage and any
-number of ranks is consolidated to fp32 (ZeRO 1-3 through DeepSpeed's zero_to_fp32, with a momentum
-copy's per-rank partitions put back together; ZeRO 0 from its single model file). Checkpoints
+number of ranks is consolidated to fp32 (ZeRO 1-3 through DeepSpeed's zero_to_fp32, and bf16 at ZeRO-1, whose
+files it refuses, through `deepspeed_io.fp32_weights`; a momentum copy's per-rank partitions put back
+together; ZeRO 0 from its single model file). Checkpoints
 are the run's own DeepSpeed files, read with DeepSpeed's loader; the release is safetensors only.
 """
 
@@ -41,11 +42,9 @@ def consolidated_weights(run_dir: Path, tag: str) -> dict:
             raise FileNotFoundError(f"{root / tag}: no DeepSpeed model states file")
         state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]  # the run's own file
     else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from mmpt.engine.checkpoint.deepspeed_io import fp32_weights, saved_buffers
 
-        from mmpt.engine.checkpoint.deepspeed_io import saved_buffers
-
-        state: dict[str, torch.Tensor] = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)  # pyright: ignore[reportAssignmentType]
+        state = fp32_weights(root / tag)
         # zero_to_fp32 takes buffers from rank 0's file as they are: partitioned ones are put back together
         buffers, partitioned = saved_buffers(root / tag)
         state.update({name: buffers[name] for name in partitioned})

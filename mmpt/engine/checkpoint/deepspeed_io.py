@@ -7,6 +7,8 @@ release it was written against: 0.19.8).
   buffers are read back from the original checkpoint (`load_buffers`).
 - DeepSpeed 0.19.8's ZeRO-3 universal loader shares one Adam `step` tensor between sub-groups
   (`unshare_step_counters`).
+- DeepSpeed 0.19.8's `zero_to_fp32` refuses the optimizer files of bf16 at ZeRO-1 (its BF16_Optimizer):
+  `fp32_weights` consolidates them.
 """
 
 from __future__ import annotations
@@ -136,14 +138,43 @@ def saved_buffers(checkpoint: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
     return state, set(shapes)
 
 
+def fp32_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a ZeRO 1-3 checkpoint, whole, by parameter name (the module's names).
+
+    DeepSpeed's `zero_to_fp32` reads them, except from the files of bf16 at ZeRO-1 (DeepSpeed's
+    BF16_Optimizer, `bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt`), which carry no `zero_stage` and which
+    0.19.8 refuses as "not a zero checkpoint". Their layout is ZeRO-1/2's: per parameter group one flat fp32
+    tensor, padded and cut into one equal partition per rank, parameters packed in the order the model-states
+    file lists their shapes; `zero_to_fp32`'s own ZeRO-2 merge reads them once they are gathered here.
+    """
+    from deepspeed.utils import zero_to_fp32
+
+    bf16_files = sorted(checkpoint.glob("bf16_zero_pp_rank_*_optim_states.pt"), key=_saving_rank)
+    if not bf16_files:
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+    groups, ranks = [], 0
+    for path in bf16_files:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+        groups.append(state["single_partition_of_fp32_groups"])
+        counts = state["partition_count"]
+        ranks = max(counts) if isinstance(counts, list) else int(counts)
+    if ranks != len(bf16_files):
+        raise FileNotFoundError(f"checkpoint {checkpoint}: {len(bf16_files)} optimizer files for {ranks} ranks")
+    model_states = zero_to_fp32.parse_model_states([str(f) for f in model_state_files(checkpoint)])
+    return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(ranks, groups, model_states, False, None)
+
+
+def _saving_rank(path: Path) -> int:
+    """The rank in a per-rank file name (`[bf16_]zero_pp_rank_<r>_...`); 0 for the one shared file."""
+    parts = path.name.split("_")
+    return int(parts[parts.index("rank") + 1]) if "zero_pp" in path.name else 0
+
+
 def model_state_files(checkpoint: Path) -> list[Path]:
     """DeepSpeed's model-states files of a checkpoint in the order of the ranks that wrote them (under ZeRO-3
     each rank writes `zero_pp_rank_<r>_mp_rank_00_model_states.pt`; otherwise there is one file)."""
 
-    def saving_rank(path: Path) -> int:
-        return int(path.name.split("_")[3]) if path.name.startswith("zero_pp_rank_") else 0
-
-    files = sorted(checkpoint.glob("*model_states.pt"), key=saving_rank)
+    files = sorted(checkpoint.glob("*model_states.pt"), key=_saving_rank)
     if not files:
         raise FileNotFoundError(f"checkpoint {checkpoint} has no model states file")
     return files
