@@ -411,7 +411,7 @@ def build_engine(
         module.pool_trace = PoolTrace(engine)
     autocast = precision.policy(cfg.train.precision, cfg.train.zero_stage).autocast
     if autocast is not None:
-        module.autocast = (engine.device.type, autocast)
+        module.autocast = (cast(torch.device, engine.device).type, autocast)
     if momentum is None and cfg.train.zero_stage == 3 and needs.momentum_copies:  # one rank: partitioned just now
         momentum = ShardedCopies(needs.momentum_copies)
     if cfg.train.zero_stage == 0 and (world_size == 1 or isinstance(engine.optimizer, SkippingAdamW)):

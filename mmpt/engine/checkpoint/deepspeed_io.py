@@ -151,7 +151,9 @@ def fp32_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
     bf16_files = sorted(checkpoint.glob("bf16_zero_pp_rank_*_optim_states.pt"), key=_saving_rank)
     if not bf16_files:
-        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+        state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+        assert state is not None  # None only with lazy_mode, not asked for here
+        return dict(state)
     groups, ranks = [], 0
     for path in bf16_files:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
