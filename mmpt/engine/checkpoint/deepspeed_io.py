@@ -142,26 +142,24 @@ def fp32_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The fp32 master weights of a ZeRO 1-3 checkpoint, whole, by parameter name (the module's names).
 
     DeepSpeed's `zero_to_fp32` reads them, except from the files of bf16 at ZeRO-1 (DeepSpeed's
-    BF16_Optimizer, `bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt`), which carry no `zero_stage` and which
-    0.19.8 refuses as "not a zero checkpoint". Their layout is ZeRO-1/2's: per parameter group one flat fp32
-    tensor, padded and cut into one equal partition per rank, parameters packed in the order the model-states
-    file lists their shapes; `zero_to_fp32`'s own ZeRO-2 merge reads them once they are gathered here.
+    BF16_Optimizer), which carry no `zero_stage` and which 0.19.8 refuses as "not a zero checkpoint". Their
+    layout is ZeRO-1/2's: per parameter group one flat fp32 tensor, padded and cut into one equal partition
+    per rank, parameters packed in the order the model-states file lists their shapes; `zero_to_fp32`'s own
+    ZeRO-2 merge reads them once they are gathered here.
     """
     from deepspeed.utils import zero_to_fp32
 
-    bf16_files = sorted(checkpoint.glob("bf16_zero_pp_rank_*_optim_states.pt"), key=_saving_rank)
-    if not bf16_files:
+    files = sorted(checkpoint.glob("*_optim_states.pt"), key=_saving_rank)
+    states = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"] for f in files]
+    if not states or "zero_stage" in states[0]:  # a ZeRO optimizer's files (or none: DeepSpeed says so)
         state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
         assert state is not None  # None only with lazy_mode, not asked for here
         return dict(state)
-    groups, ranks = [], 0
-    for path in bf16_files:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
-        groups.append(state["single_partition_of_fp32_groups"])
-        counts = state["partition_count"]
-        ranks = max(counts) if isinstance(counts, list) else int(counts)
-    if ranks != len(bf16_files):
-        raise FileNotFoundError(f"checkpoint {checkpoint}: {len(bf16_files)} optimizer files for {ranks} ranks")
+    counts = states[0]["partition_count"]
+    ranks = max(counts) if isinstance(counts, list) else int(counts)
+    if ranks != len(files):
+        raise FileNotFoundError(f"checkpoint {checkpoint}: {len(files)} optimizer files for {ranks} ranks")
+    groups = [state["single_partition_of_fp32_groups"] for state in states]
     model_states = zero_to_fp32.parse_model_states([str(f) for f in model_state_files(checkpoint)])
     return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(ranks, groups, model_states, False, None)
 
