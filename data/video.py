@@ -87,11 +87,16 @@ def _check_data(data: bytes) -> bytes:
     return data
 
 
-def _decode_decord(data: bytes, indices_fn: Callable[[int], list[int]], num_threads: int) -> np.ndarray:
+def _decode_decord(
+    data: bytes, indices_fn: Callable[[int], list[int]], num_threads: int, size: tuple[int, int] | None
+) -> np.ndarray:
     import decord
 
+    width, height = size or (-1, -1)
     try:
-        reader = decord.VideoReader(io.BytesIO(data), ctx=decord.cpu(0), num_threads=num_threads)
+        reader = decord.VideoReader(
+            io.BytesIO(data), ctx=decord.cpu(0), width=width, height=height, num_threads=num_threads
+        )
         count = len(reader)
     except Exception as exc:  # decord raises RuntimeError / DECORDError with long C++ traces
         raise ValueError(f"undecodable video ({len(data)} bytes, decord): {_short(exc)}") from exc
@@ -120,7 +125,9 @@ def _pyav_packet_count(data: bytes) -> int:
         return sum(1 for packet in container.demux(stream) if packet.size)
 
 
-def _pyav_frames(data: bytes, wanted: set[int], num_threads: int) -> tuple[dict[int, np.ndarray], int]:
+def _pyav_frames(
+    data: bytes, wanted: set[int], num_threads: int, size: tuple[int, int] | None
+) -> tuple[dict[int, np.ndarray], int]:
     """The wanted frames (by decode order) and how many frames were decoded; stops after the last wanted one."""
     container, stream = _open_pyav(data)
     stream.codec_context.thread_count = num_threads
@@ -130,14 +137,17 @@ def _pyav_frames(data: bytes, wanted: set[int], num_threads: int) -> tuple[dict[
     with container:
         for index, frame in enumerate(container.decode(stream)):
             decoded = index + 1
-            if index in wanted:
-                frames[index] = frame.to_ndarray(format="rgb24")
+            if index in wanted:  # scaled while converted to RGB (swscale, area averaging)
+                scaled = {"width": size[0], "height": size[1], "interpolation": "AREA"} if size else {}
+                frames[index] = frame.to_ndarray(format="rgb24", **scaled)
             if index >= last:
                 break
     return frames, decoded
 
 
-def _decode_pyav(data: bytes, indices_fn: Callable[[int], list[int]], num_threads: int) -> np.ndarray:
+def _decode_pyav(
+    data: bytes, indices_fn: Callable[[int], list[int]], num_threads: int, size: tuple[int, int] | None
+) -> np.ndarray:
     from av.error import FFmpegError
 
     try:
@@ -147,12 +157,12 @@ def _decode_pyav(data: bytes, indices_fn: Callable[[int], list[int]], num_thread
         if count <= 0:
             count = _pyav_packet_count(data)
         indices = indices_fn(count)
-        frames, decoded = _pyav_frames(data, set(indices), num_threads)
+        frames, decoded = _pyav_frames(data, set(indices), num_threads, size)
         if decoded <= max(indices):  # the index promised more frames than the stream holds: sample again
             if decoded == 0:
                 raise ValueError("no frame could be decoded")
             indices = indices_fn(decoded)
-            frames, decoded = _pyav_frames(data, set(indices), num_threads)
+            frames, decoded = _pyav_frames(data, set(indices), num_threads, size)
     except (FFmpegError, EOFError, OSError, IndexError) as exc:
         raise ValueError(f"undecodable video ({len(data)} bytes, pyav): {_short(exc)}") from exc
     return np.stack([frames[i] for i in indices]).astype(np.uint8, copy=False)
@@ -164,20 +174,44 @@ def _short(exc: Exception, limit: int = 300) -> str:
 
 
 def decode_frames(
-    data: bytes, indices_fn: Callable[[int], list[int]], backend: str | None = None, num_threads: int = 1
+    data: bytes,
+    indices_fn: Callable[[int], list[int]],
+    backend: str | None = None,
+    num_threads: int = 1,
+    short_side: int | None = None,
 ) -> np.ndarray:
     """Decode the frames `indices_fn(frame_count)` picks: uint8 array [T, H, W, 3] (RGB), in the picked order.
 
     decord seeks and decodes the picked frames only; PyAV decodes sequentially up to the last picked
-    frame. ValueError for empty, undecodable or too short data (and whatever `indices_fn` raises).
+    frame. `short_side`: frames come out with their shorter side scaled down to it (the longer side as
+    torchvision's `resize` computes it), scaled by FFmpeg as each frame is converted to RGB, so no
+    full-size RGB frame is made; a video already that small is left as it is. ValueError for empty,
+    undecodable or too short data (and whatever `indices_fn` raises).
     """
     data = _check_data(data)
     backend = backend or default_backend()
+    size = _scaled_size(data, short_side) if short_side is not None else None
     if backend == "decord":
-        return _decode_decord(data, indices_fn, num_threads)
+        return _decode_decord(data, indices_fn, num_threads, size)
     if backend == "pyav":
-        return _decode_pyav(data, indices_fn, num_threads)
+        return _decode_pyav(data, indices_fn, num_threads, size)
     raise ValueError(f"unknown video backend {backend!r}; use one of {', '.join(BACKENDS)}")
+
+
+def _scaled_size(data: bytes, short_side: int) -> tuple[int, int] | None:
+    """(width, height) with the shorter side `short_side`, from the stream's header; None when the video is
+    no larger (or its header gives no size: it is decoded as it is, and the transform resizes it)."""
+    try:
+        container, stream = _open_pyav(data)
+        with container:
+            width, height = stream.codec_context.width, stream.codec_context.height
+    except Exception:  # an unreadable header: the decoder says what is wrong with the video
+        return None
+    if not width or not height or min(width, height) <= short_side:
+        return None
+    if width <= height:  # torchvision's rule for the longer side: truncated, not rounded
+        return short_side, int(short_side * height / width)
+    return int(short_side * width / height), short_side
 
 
 def parse_sentences(data: bytes | str, field: str) -> list[str]:
@@ -204,12 +238,16 @@ class ResizeCenterCrop:
     """Decoded frames uint8 [T, H, W, 3] -> uint8 tensor [T, 3, size, size]: the shorter side resized to `size`
     (bilinear, antialiased), then the centre crop; all frames in one call.
 
+    `decode_short_side`: the decoder may scale frames to it while decoding (`decode_frames(short_side=)`),
+    leaving only the crop here: the same crop of the same geometry, resampled by FFmpeg instead.
+
     The frames stay uint8: normalisation belongs on the accelerator (`models.victor.FrameEncoder` does it),
     so the loader copies and ships a quarter of the bytes of float frames, and copies them once (when batching).
     """
 
     def __init__(self, size: int):
         self.size = size
+        self.decode_short_side = size
 
     def __call__(self, frames: np.ndarray) -> torch.Tensor:
         from torchvision.transforms.v2 import functional as TF
@@ -228,7 +266,8 @@ class VideoTextDecoder:
     Picklable for loader workers. `frame_transform` maps one PIL frame to a [C, H, W] tensor; its random
     draws are replayed for every frame of a clip (`same_transform_per_clip`), so a random crop or flip is
     the same across the clip. `clip_transform`, when given instead, maps all decoded frames (uint8
-    [T, H, W, 3]) at once, e.g. `ResizeCenterCrop`. `tokenize(list[str])` returns [n, L] tensors
+    [T, H, W, 3]) at once, e.g. `ResizeCenterCrop`; one with a `decode_short_side` gets frames that decord
+    decoded at that size (`decode_frames(short_side=)`). `tokenize(list[str])` returns [n, L] tensors
     (`data.tokenizer.TextTokenizer`).
     When `features_field` (default `npy`) is present, its [N, D] array is sampled with the same rule and no
     video is decoded. `min_frames`: shorter videos fail (and are skipped by the loader).
@@ -293,7 +332,12 @@ class VideoTextDecoder:
 
     def decode_video(self, data: bytes, rng: random.Random | None = None) -> torch.Tensor:
         """Video bytes -> the T sampled, transformed frames [T, C, H, W] (ValueError if it cannot be read)."""
-        frames = decode_frames(data, lambda count: self._indices(count, rng), self.backend, self.num_threads)
+        # Scaled while decoding where that pays (benchmarks/results/video_at_size.md): decord's scaling beats a
+        # full decode and a resize on large frames (1.24x at 720p, 0.94x at 360p), PyAV's never does.
+        short_side = getattr(self.clip_transform, "decode_short_side", None) if self.backend == "decord" else None
+        frames = decode_frames(
+            data, lambda count: self._indices(count, rng), self.backend, self.num_threads, short_side
+        )
         return self._transform(frames)
 
     def __call__(self, sample: dict) -> dict[str, torch.Tensor]:

@@ -429,3 +429,44 @@ def test_make_video_shards_packs_a_folder_and_its_captions_as_documented(tmp_pat
     )
     no_folder = pack("--videos", "nowhere", "--captions", "captions.json", "--out", "shards/x/train")
     assert no_folder.returncode == EXIT_CONFIG and "mmpt: --videos nowhere: no such folder" in no_folder.stderr
+
+
+def _photo_clip(width, height, frames=12):
+    """A clip panning across a photograph (texture a decoder pays for), `width` x `height`."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    photo = Image.fromarray(load_sample_images().images[1]).resize((width + 4 * frames, height + 2 * frames))
+    pixels = np.asarray(photo)
+    return np.stack([pixels[2 * i : 2 * i + height, 4 * i : 4 * i + width] for i in range(frames)])
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_frames_decoded_at_the_models_size_are_the_crop_a_full_decode_gives(backend):
+    """Scaled while decoding (`short_side`): the shorter side as asked and the longer one as torchvision's
+    resize makes it, so `ResizeCenterCrop` cuts the same crop, resampled by FFmpeg instead of torch."""
+    from mmpt.data.video import ResizeCenterCrop
+
+    pick = lambda n: frame_indices(n, 4, False, None)
+    for width, height in ((320, 192), (192, 320)):
+        data = encode_mp4(_photo_clip(width, height))
+        scaled = decode_frames(data, pick, backend, short_side=64)
+        assert scaled.shape == ((4, 64, 106, 3) if width > height else (4, 106, 64, 3))
+        full = ResizeCenterCrop(64)(decode_frames(data, pick, backend)).float()
+        difference = (ResizeCenterCrop(64)(scaled).float() - full).abs()
+        assert difference.mean() < 4 and torch.quantile(difference.flatten(), 0.99) < 24, (backend, difference.mean())
+    small = encode_mp4(_photo_clip(96, 48))  # no larger than asked: decoded as it is
+    assert decode_frames(small, pick, backend, short_side=64).shape == (4, 48, 96, 3)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_the_video_decoder_decodes_at_the_size_its_transform_resizes_to_where_that_pays(backend, corpus):
+    """decord scales while decoding (faster on large frames); PyAV's scaling is slower than a full decode and a
+    resize, so PyAV decodes at full size (benchmarks/results/video_at_size.md)."""
+    from mmpt.data.video import ResizeCenterCrop
+
+    data = encode_mp4(_photo_clip(320, 192))
+    pick = lambda n: frame_indices(n, 4, False, None)
+    video = decoder(corpus, backend=backend, train=False, clip_transform=ResizeCenterCrop(64)).decode_video(data)
+    short_side = 64 if backend == "decord" else None
+    assert torch.equal(video, ResizeCenterCrop(64)(decode_frames(data, pick, backend, short_side=short_side)))
