@@ -150,6 +150,7 @@ def start_world_of_one() -> int:
     return mdist.get_world_size()
 
 
+@pytest.mark.slow  # inductor's compilations, ~35 s for every method: the default run, not the quick tier
 @pytest.mark.parametrize("name", list_methods())
 def test_compiled_step_matches_eager_at_zero0(name, corpora, one_process, tmp_path):  # noqa: F811
     assert start_world_of_one() == 1
@@ -172,6 +173,7 @@ def test_every_method_compiled_at_zero2_on_two_ranks(name, corpora, tmp_path):  
     zero2_on_two_ranks(name, corpora, tmp_path)
 
 
+@pytest.mark.slow
 def test_resumed_compiled_run_continues_as_the_uninterrupted_one(corpora, one_process, tmp_path):  # noqa: F811
     """Compiled clip: 3 steps in one go; then a new run resumed from that run's step-2 checkpoint: the same third
     step (loss, then weights). Resuming from the uninterrupted run's own checkpoint starts both third steps from

@@ -82,6 +82,7 @@ def test_every_method_with_towers_has_an_onnx_case():
     assert {name for name, _ in ONNX_CASES.values()} == set(TOWER_NAMES)
 
 
+@pytest.mark.slow  # ~70 s for every tower: the default run, not the quick tier
 @pytest.mark.parametrize("case", sorted(ONNX_CASES))
 def test_onnx_towers_give_mmpts_features(case, corpora, glm_sp_model, tmp_path, monkeypatch):  # noqa: F811
     """Each tower under onnxruntime against mmpt's encoder on batches of 1 and 5 (and two lengths where the length
