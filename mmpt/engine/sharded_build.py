@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from mmpt import distributed as mdist
+from mmpt.engine.checkpoint.weights import full_shapes
 from mmpt.engine.sharded_copies import ShardedCopies
 from mmpt.models.momentum import MomentumCopy
 from mmpt.models.tensor_files import TensorReader, check_covers
@@ -104,7 +105,7 @@ def _rank_0_values(
         whole = build()
         return _WholeModel(whole), load(whole)
     said, reader = tensors(model)
-    check_covers(reader.name, reader.shapes(), _saved_shapes(model, sharded), "this config's model")
+    check_covers(reader.name, reader.shapes(), full_shapes(model, sharded), "this config's model")
     return _ReadTensors(reader, model, sharded), said
 
 
@@ -140,17 +141,6 @@ class _ReadTensors:
 
     def buffer_layouts(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         return self._layouts
-
-
-def _saved_shapes(model: nn.Module, sharded: ShardedCopies | None) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model saves, with its whole shape (a parameter partitioned by ZeRO-3 knows it)."""
-    shapes = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if sharded is not None and sharded.is_partition(tensor):
-            shapes[name] = tuple(sharded.full_shape(tensor))
-        else:
-            shapes[name] = tuple(getattr(tensor, "ds_shape", tensor.shape))
-    return shapes
 
 
 @torch.no_grad()
