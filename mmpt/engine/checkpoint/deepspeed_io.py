@@ -149,12 +149,15 @@ def fp32_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """
     from deepspeed.utils import zero_to_fp32
 
+    def optimizer_state(path: Path) -> dict:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+
     files = sorted(checkpoint.glob("*_optim_states.pt"), key=_saving_rank)
-    states = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"] for f in files]
-    if not states or "zero_stage" in states[0]:  # a ZeRO optimizer's files (or none: DeepSpeed says so)
+    if not files or "zero_stage" in optimizer_state(files[0]):  # a ZeRO optimizer's (or none: DeepSpeed says so)
         state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
         assert state is not None  # None only with lazy_mode, not asked for here
         return dict(state)
+    states = [optimizer_state(f) for f in files]
     counts = states[0]["partition_count"]
     ranks = max(counts) if isinstance(counts, list) else int(counts)
     if ranks != len(files):
