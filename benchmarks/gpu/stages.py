@@ -55,6 +55,7 @@ class Profile:
     m2_batch: int
     m2_batch_cap: int
     m2_tile: int
+    m2_settings: tuple[tuple[int, int], ...]  # (ZeRO stage, grad_accum) of each M²-Encoder setting, in order
     loss_batch: int
     loss_batch_cap: int
     victor_batch: int | None  # None: the config's
@@ -84,6 +85,8 @@ GPU = Profile(
     m2_batch=256,
     m2_batch_cap=4096,
     m2_tile=1024,
+    # Both ZeRO stages at the shipped config's accumulation: what one command's time holds at the 0.4B size.
+    m2_settings=((2, 4), (3, 4)),
     loss_batch=4096,
     loss_batch_cap=2**22,
     victor_batch=None,
@@ -111,6 +114,7 @@ DRY = Profile(
     m2_batch=2,
     m2_batch_cap=4,
     m2_tile=6,
+    m2_settings=((2, 1), (2, 4), (3, 1), (3, 4)),
     loss_batch=64,
     loss_batch_cap=128,
     victor_batch=2,
@@ -430,11 +434,11 @@ def open_clip_args(p: Profile, digits: Path) -> list[str]:
 
 
 def m2_encoder(ctx: Context) -> dict[str, Any]:
-    """M²-Encoder 0.4B with tiled GBA-ITC at ZeRO-2 and ZeRO-3, grad_accum 1 and 4: samples/s and peak memory at
+    """M²-Encoder 0.4B with tiled GBA-ITC at each (ZeRO stage, grad_accum) of the profile: samples/s and peak memory at
     a fixed micro-batch, then the largest micro-batch that fits (doubling until out of memory, within the time)."""
     p = ctx.profile
     digits = corpora.digits(ctx.data, p.dry_run)
-    settings = [(zero, accum) for zero in (2, 3) for accum in (1, 4)]
+    settings = list(p.m2_settings)
     results: list[dict] = ctx.partial.setdefault("settings", [])
     errors: list[str] = []
     for index, (zero, accum) in enumerate(settings):
@@ -531,8 +535,7 @@ def training_configs(p: Profile, data: Path) -> dict[str, dict]:
             f"m2 ZeRO-{zero} accum{accum}{' search' if search else ''}": m2_config(
                 p, digits, p.m2_batch, zero, accum, search
             )
-            for zero in (2, 3)
-            for accum in (1, 4)
+            for zero, accum in p.m2_settings
             for search in (False, True)
         }
     )
@@ -1069,10 +1072,10 @@ def nccl_version() -> str | None:
 STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {  # in the order of plan.py's commands
     "clip_vitb16": clip_vitb16,
     "loss_memory": loss_memory,
-    "nccl": nccl,
     "m2_encoder": m2_encoder,
-    "clip_compile": clip_compile,
-    "data_loader": data_loader,
-    "victor": victor,
     "space2": space2,
+    "victor": victor,
+    "clip_compile": clip_compile,
+    "nccl": nccl,
+    "data_loader": data_loader,
 }
