@@ -45,8 +45,8 @@ def soft_supcon(
     logits = rows @ cols.transpose(1, 2) / temperature  # [K, 2n, 2N]
     local = torch.arange(n, device=anchors.device)
     self_col = torch.cat([local + row_offset, local + row_offset + total])  # where each anchor sits among columns
-    is_self = torch.zeros(2 * n, 2 * total, dtype=torch.bool, device=anchors.device)
-    is_self[torch.arange(2 * n, device=anchors.device), self_col] = True
+    # A comparison, not an indexed write of True (that copies the scalar to the GPU and waits for the device).
+    is_self = torch.arange(2 * total, device=anchors.device)[None, :] == self_col[:, None]  # [2n, 2N]
     logits = logits.masked_fill(is_self, float("-inf"))
     log_prob = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
     tiled = weights.float().repeat(1, 2, 2).masked_fill(is_self, 0.0)

@@ -397,9 +397,9 @@ def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
 
 def all_gather_floats(values: list[float]) -> list[list[float]]:
     """Each rank's list of floats (same length everywhere), for per-rank logging."""
-    local = torch.tensor(values, dtype=torch.float64, device=_comm_device())
     if not is_initialized() or dist.get_world_size() == 1:
-        return [local.tolist()]
+        return [[float(v) for v in values]]  # nothing to gather: no round trip through the device
+    local = torch.tensor(values, dtype=torch.float64, device=_comm_device())
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local)
     return [p.cpu().tolist() for p in parts]

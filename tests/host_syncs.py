@@ -13,8 +13,10 @@ value back to the host before they can return:
   which runs `nonzero` inside the kernel);
 - a tensor made from a Python sequence inside the block (`lift_fresh` of one or more dimensions:
   `torch.tensor([...])`, a tensor indexed with a list), a copy from pageable host memory that CUDA makes
-  synchronously. Scalars are left out: on CPU, `x[i] = 0.5` lifts its value the same way, where CUDA
-  fills on the device.
+  synchronously. A lifted scalar is left out where it fills (`x[i] = 0.5`, `x[:, 0] = 0.5`: CUDA fills
+  on the device), but not where it is written through tensor indices (`x[rows, cols] = 1.0`: `index_put_`
+  wants its values on the device, so CUDA copies the scalar there from pageable memory, synchronously; an
+  H100's sync debug mode caught SPACE-2's losses doing this).
 
 Calls of `tolist()`, `cpu()` and `numpy()` are caught where they are made (a CPU tensor's dispatches nothing).
 Not seen: reads inside a kernel (below the dispatcher), and copies to the host spelled `.to("cpu")`, which
@@ -53,14 +55,16 @@ INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_, 
 REPEATS = {aten.repeat_interleave}
 
 
-def syncs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether the op `func(*args, **kwargs)` would read a device value back to the host on a GPU."""
+def syncs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], lifted: torch.Tensor | None = None) -> bool:
+    """Whether the op `func(*args, **kwargs)` would read a device value back to the host on a GPU, or copy one
+    from pageable host memory. `lifted`: the last 0-dim tensor lifted from a Python scalar."""
     packet = func.overloadpacket
     if packet in ALWAYS:
         return True
     if packet in INDEXING:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(
+        values = args[2] if len(args) > 2 else kwargs.get("values")
+        return (lifted is not None and values is lifted) or any(
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices if i is not None
         )
     if packet is aten.lift_fresh:
@@ -131,11 +135,15 @@ class _Dispatched(TorchDispatchMode):
     def __init__(self, found: Counter[str]) -> None:
         super().__init__()
         self.found = found
+        self.lifted: torch.Tensor | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if syncs(func, args, kwargs):
+        if syncs(func, args, kwargs, self.lifted):
             node = torch._C._current_autograd_node()  # in the backward: the forward op's gradient that asked
             during = f" in {node.name()}" if node is not None else ""
             self.found[f"{func.overloadpacket.__name__}{during} at {where(traceback.extract_stack())}"] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func.overloadpacket is aten.lift_fresh and out.ndim == 0:
+            self.lifted = out  # a scalar is lifted right before the op it is for
+        return out
