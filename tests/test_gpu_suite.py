@@ -26,7 +26,7 @@ import results
 import stages
 import suite
 from probe import SYNC_MESSAGE, SyncWarnings
-from stages import STAGES, search_batch
+from stages import PROFILED_STEPS, STAGES, search_batch
 from training import benchmark_settings, deep_update
 
 SECTION_HEADERS = {
@@ -37,6 +37,7 @@ SECTION_HEADERS = {
     "space2": "| batch | samples/s | step s |",
     "nccl": "| collective | result | seconds |",
     "clip_compile": "| mode | samples/s | step s | first step s |",
+    "clip_profile": "| run | status | wall s/step | device busy s/step |",
     "data_loader": "| workers | samples/s | per worker |",
 }
 
@@ -141,6 +142,14 @@ def test_dry_run_records_every_figure(dry_run):
         assert run["samples_per_s"] > 0 and run["step_s"] > 0 and run["data_s"] >= 0
         assert run["mfu_measured_peak"] > 0 and "peak_allocated_mib" in run
     assert all(r["backward_optimizer_s"] is not None for r in clip["runs"][:2])  # mmpt logs its forward time
+    profiled = stages["clip_profile"]
+    assert [r["name"] for r in profiled["runs"]] == ["profile ZeRO-0", "profile ZeRO-2"]
+    for run in profiled["runs"]:
+        summary = run["profile"]
+        assert summary["steps"] == PROFILED_STEPS and summary["wall_s_per_step"] > 0
+        assert summary["top_ops"] and all(op["ms_per_step"] > 0 for op in summary["top_ops"]), summary
+        assert any(op["name"] == "aten::mm" for op in summary["top_ops"])  # the towers' matmuls, on CPU too
+        assert any(dry_run[3].parent.glob(f"gpu-work*/logs/{summary['trace']}")), summary["trace"]  # the trace kept
     m2 = stages["m2_encoder"]["settings"]
     assert [(s["zero_stage"], s["grad_accum"]) for s in m2] == [(2, 1), (2, 4), (3, 1), (3, 4)]
     for setting in m2:
@@ -189,6 +198,47 @@ def test_every_config_the_suite_trains_is_valid(profile, tmp_path):
         path.write_text(yaml.safe_dump(deep_update(config, benchmark_settings(tmp_path / "run", profile.steps))))
         cfg = load_config(path)
         assert cfg.train.precision == "bf16" and cfg.train.save_every == 0, name
+
+
+def test_peak_by_phase_folds_every_phase_into_the_run_peak(monkeypatch):
+    """The probe resets the allocator's peak at each step point: the run's peak is the highest phase's."""
+    import torch
+    from probe import PeakByPhase
+
+    peaks = iter([100, 700, 300, 50])  # setup, data, forward, backward (read at the end)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks) * 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 800 * 2**20)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    phases = PeakByPhase()
+    for point in ("data", "forward", "backward"):
+        phases.reached(point, 1)
+    record = phases.record({"peak_allocated_mib": 50.0, "peak_reserved_mib": 800.0})  # read after the last reset
+    assert record["peak_allocated_mib_by_phase"] == {"setup": 100, "data": 700, "forward": 300, "backward": 50}
+    assert record["peak_allocated_mib"] == 700 and record["peak_reserved_mib"] == 800
+    assert report.peak(record) == "0.68 (data)"
+
+
+def test_a_run_stopped_at_its_time_keeps_the_steps_it_logged(tmp_path, monkeypatch):
+    """A run cut off by its share of the time still has its logged steps summarised, marked partial."""
+    from training import Runner, mmpt_run
+
+    run = mmpt_run("m2 ZeRO-3", tmp_path, {"train": {}}, 15, 1024)
+    runner = Runner(tmp_path, isolate=True)
+
+    def stopped(run, timeout):  # the trainer wrote 6 steps before it was killed
+        run.log_dir.mkdir(parents=True)
+        lines = [{"step_time_per_rank": [2.0], "data_time_per_rank": [0.0], "forward_time_per_rank": [0.5]}] * 6
+        (run.log_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return {"status": "timeout", "wall_s": timeout, "error": "stopped"}
+
+    monkeypatch.setattr(runner, "_in_own_process", stopped)
+    record = runner.run(run, 60.0, warmup=5)
+    assert record["status"] == "timeout" and record["partial"] is True
+    assert (record["steps_logged"], record["steps_timed"], record["samples_per_s"]) == (6, 1, 512.0)
+    few = runner.run(run, 60.0, warmup=6)  # no step after the warm-up: nothing to report
+    assert "partial" not in few and "samples_per_s" not in few
 
 
 def test_batch_search_doubles_until_out_of_memory_and_halves_from_a_batch_that_does_not_fit():
@@ -288,7 +338,7 @@ def test_every_command_of_the_plan_fits_a_remote_call():
 
 def test_a_group_counts_its_budget_from_the_command_start(monkeypatch):
     args = suite.parse_args(["--group", "2"])
-    assert args.only == ["victor", "clip_compile"]
+    assert args.only == ["clip_profile", "victor", "clip_compile"]
     monkeypatch.setenv(suite.COMMAND_START_VARIABLE, str(time.time() - 100))
     end = suite.budget_end(args, args.only, started=1000.0)
     assert end == pytest.approx(1000.0 + plan.COMMAND_S - 100 - plan.END_MARGIN_S, abs=2)

@@ -30,6 +30,7 @@ CAPS: dict[str, float] = {
     "space2": 60,
     "victor": 70,
     "clip_compile": 110,
+    "clip_profile": 80,
     "nccl": 20,
     "data_loader": 70,
 }
@@ -53,11 +54,11 @@ class Command:
         return f"bash benchmarks/gpu/run.sh --group {self.group}"
 
 
-# In this order: the comparison with open_clip, the loss, the M²-Encoder and a SPACE-2 step first; then VICTOR and
-# compilation; the one-GPU collectives and the CPU loader last.
+# In this order: the comparison with open_clip, the loss, the M²-Encoder and a SPACE-2 step first; then the profile
+# of the ViT-B/16 step, VICTOR and compilation; the one-GPU collectives and the CPU loader last.
 COMMANDS = (
     Command("1", ("clip_vitb16", "loss_memory", "m2_encoder", "space2")),
-    Command("2", ("victor", "clip_compile")),
+    Command("2", ("clip_profile", "victor", "clip_compile")),
     Command("3", ("nccl", "data_loader")),
 )
 

@@ -15,6 +15,7 @@ TITLES = {
     "space2": "SPACE-2 base, bf16",
     "nccl": "NCCL collectives",
     "clip_compile": "torch.compile on and off: a ViT-B/16 CLIP training step",
+    "clip_profile": "Where a ViT-B/16 step's time goes: mmpt's trainer under torch.profiler",
     "data_loader": "mmpt's loader on the machine's CPU cores: generated JPEG shards",
 }
 STATUS_NOTES = {
@@ -38,6 +39,13 @@ def sig(value: float | None) -> str:
 
 def gib(mib: float | None) -> str:
     return fmt(None if mib is None else mib / 1024, 2)
+
+
+def peak(run: dict) -> str:
+    """Peak allocated GiB, with the phase of the step it came in where the probe recorded phases."""
+    phases = run.get("peak_allocated_mib_by_phase")
+    where = f" ({max(phases, key=phases.__getitem__)})" if phases else ""
+    return gib(run.get("peak_allocated_mib")) + where
 
 
 def pct(value: float | None) -> str:
@@ -125,7 +133,7 @@ def clip_section(r: dict) -> list[str]:
                 fmt(run["compute_s"], 3),
                 fmt(run["forward_s"], 3),
                 fmt(run["backward_optimizer_s"], 3),
-                gib(run.get("peak_allocated_mib")),
+                peak(run),
                 gib(run.get("peak_reserved_mib")),
                 sig(run.get("achieved_tflops")),
                 pct(run.get("mfu_measured_peak")),
@@ -174,10 +182,11 @@ def m2_section(r: dict) -> list[str]:
                 str(s["zero_stage"]),
                 str(s["grad_accum"]),
                 fmt(t.get("batch")),
-                fmt(t.get("samples_per_s")),
+                fmt(t.get("samples_per_s"))
+                + (f" (stopped after {t['steps_logged']} steps)" if t.get("partial") else ""),
                 fmt(t.get("step_s"), 3),
                 fmt(t.get("data_s"), 3),
-                gib(t.get("peak_allocated_mib")),
+                peak(t),
                 fmt(s["largest_fit"]),
                 fmt(s["first_oom"]),
                 s["stopped_by"],
@@ -254,7 +263,7 @@ def method_section(r: dict) -> list[str]:
         fmt(run.get("step_s"), 3),
         fmt(run.get("data_s"), 3),
         fmt(run.get("forward_s"), 3),
-        gib(run.get("peak_allocated_mib")),
+        peak(run),
         gib(run.get("peak_reserved_mib")),
         syncs(run),
     ]
@@ -296,6 +305,52 @@ def compile_section(r: dict) -> list[str]:
     return [*lines, *table(header, rows)]
 
 
+def profile_section(r: dict) -> list[str]:
+    lines = [
+        f"`{r['model']}`, batch {r['batch']}, {r['precision']}: steps {r['profiled_steps']} of mmpt's trainer under "
+        "torch.profiler, logging only after them. Device busy: the sum of kernel times per step; idle: the "
+        "share of the wall step the device ran no kernel.",
+        "",
+    ]
+    rows, tops = [], []
+    for run in r["runs"]:
+        prof = run.get("profile") or {}
+        copies = prof.get("memcpy_per_step") or {}
+        rows.append(
+            [
+                run["name"],
+                run["status"],
+                fmt(prof.get("wall_s_per_step"), 4),
+                fmt(prof.get("device_busy_s_per_step"), 4),
+                pct(prof.get("device_idle_share")),
+                fmt(prof.get("kernels_per_step"), 0),
+                " / ".join(f"{fmt(copies.get(kind), 0)}" for kind in ("HtoD", "DtoH", "DtoD")) if copies else "n/a",
+                run.get("error") or "",
+            ]
+        )
+        for op in prof.get("top_ops", [])[:10]:
+            tops.append([run["name"], f"`{op['name']}`", fmt(op["calls_per_step"], 0), fmt(op["ms_per_step"], 2)])
+    header = [
+        "run",
+        "status",
+        "wall s/step",
+        "device busy s/step",
+        "device idle",
+        "kernels/step",
+        "copies/step HtoD / DtoH / DtoD",
+        "error",
+    ]
+    measure = next((op["measure"] for run in r["runs"] for op in (run.get("profile") or {}).get("top_ops", [])), "")
+    return [
+        *lines,
+        *table(header, rows),
+        "",
+        f"Operators with the most {measure or 'time'} per step:",
+        "",
+        *table(["run", "operator", "calls/step", "ms/step"], tops),
+    ]
+
+
 def loader_section(r: dict) -> list[str]:
     lines = [
         f"The open_clip method's training loader for `{r['model']}` (StatefulLoader over BatchStream: JPEG decode, "
@@ -326,6 +381,7 @@ SECTIONS = {
     "space2": method_section,
     "nccl": nccl_section,
     "clip_compile": compile_section,
+    "clip_profile": profile_section,
     "data_loader": loader_section,
 }
 

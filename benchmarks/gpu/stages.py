@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ SKIPPED_ON_GLOO = "skipped: NCCL only"
 # VICTOR base names bert-base-chinese's tokenizer; the suite tokenizes with the corpus' own WordPiece
 # (ids below 1000) but keeps the text tower at bert-base-chinese's vocabulary size.
 BERT_BASE_CHINESE_VOCAB = 21128
+PROFILED_STEPS = 2  # of the clip_profile stage, after the warm-up steps
 
 
 @dataclass(frozen=True)
@@ -362,6 +363,30 @@ def clip_vitb16(ctx: Context) -> dict[str, Any]:
     }
 
 
+def clip_profile(ctx: Context) -> dict[str, Any]:
+    """The ViT-B/16 step of `clip_vitb16` under torch.profiler, at ZeRO-0 and ZeRO-2: where the step's time goes
+    (device busy against wall time, kernels and copies per step, the operators with the most device time).
+    Logging only after the profiled steps, as training logs every few dozen steps rather than every step."""
+    p = ctx.profile
+    digits = corpora.digits(ctx.data, p.dry_run)
+    first, count = p.warmup + 1, PROFILED_STEPS
+    steps = first + count  # the profiler stops where the step after the profiled ones starts
+    records = ctx.partial.setdefault("runs", [])
+    for index, zero in enumerate((0, 2)):
+        config = clip_config(p, digits, zero)
+        logged_once = {"train": {"log_every": steps}}
+        run = mmpt_run(f"profile ZeRO-{zero}", ctx.work, config, steps, p.clip_batch, logged_once, zero_stage=zero)
+        records.append(ctx.runner.run(replace(run, profile=(first, count)), run_share(ctx, 2 - index), 0))
+    return {
+        "model": Path(p.clip_model).stem,
+        "batch": p.clip_batch,
+        "precision": p.precision,
+        "profiled_steps": f"{first}-{first + count - 1}",
+        "runs": records,
+        "errors": failures(records),
+    }
+
+
 def clip_config(p: Profile, digits: Path, zero: int) -> dict:
     """mmpt's `open_clip` method with benchmarks/train_throughput.py's recipe (no clipping, its AdamW settings)."""
     from benchmarks.train_throughput import LR, WARMUP_LR_STEPS, WD
@@ -435,36 +460,37 @@ def open_clip_args(p: Profile, digits: Path) -> list[str]:
 
 def m2_encoder(ctx: Context) -> dict[str, Any]:
     """M²-Encoder 0.4B with tiled GBA-ITC at each (ZeRO stage, grad_accum) of the profile: samples/s and peak memory at
-    a fixed micro-batch, then the largest micro-batch that fits (doubling until out of memory, within the time)."""
+    a fixed micro-batch for every setting first, then, with the time left, the largest micro-batch that fits
+    (doubling until out of memory, within the time)."""
     p = ctx.profile
     digits = corpora.digits(ctx.data, p.dry_run)
     settings = list(p.m2_settings)
     results: list[dict] = ctx.partial.setdefault("settings", [])
     errors: list[str] = []
-    for index, (zero, accum) in enumerate(settings):
-        share_end = time.monotonic() + ctx.left() / (len(settings) - index)
 
-        def trial(batch: int, search: bool, zero: int = zero, accum: int = accum) -> dict:
-            steps = p.search_steps if search else p.steps
-            config = m2_config(p, digits, batch, zero, accum, search)
-            run = mmpt_run(
-                f"m2 ZeRO-{zero} accum{accum} b{batch}{' search' if search else ''}",
-                ctx.work,
-                config,
-                steps,
-                batch * accum,
-                zero_stage=zero,
-                grad_accum=accum,
-            )
-            return ctx.runner.run(run, max(1.0, share_end - time.monotonic()), p.warmup)
+    def trial(zero: int, accum: int, batch: int, search: bool, share_end: float) -> dict:
+        steps = p.search_steps if search else p.steps
+        config = m2_config(p, digits, batch, zero, accum, search)
+        run = mmpt_run(
+            f"m2 ZeRO-{zero} accum{accum} b{batch}{' search' if search else ''}",
+            ctx.work,
+            config,
+            steps,
+            batch * accum,
+            zero_stage=zero,
+            grad_accum=accum,
+        )
+        return ctx.runner.run(run, max(1.0, share_end - time.monotonic()), p.warmup)
 
-        measured = search_batch(lambda b: trial(b, search=False), p.m2_batch, p.m2_batch, share_end)
+    for index, (zero, accum) in enumerate(settings):  # throughput: an equal share each, one share kept for searches
+        share_end = time.monotonic() + ctx.left() / (len(settings) - index + 1)
+        measured = search_batch(
+            lambda b, z=zero, a=accum, end=share_end: trial(z, a, b, False, end), p.m2_batch, p.m2_batch, share_end
+        )
         fit = measured["largest_fit"]
-        throughput = next((t for t in measured["trials"] if t["batch"] == fit), None)
-        search = (
-            search_batch(lambda b: trial(b, search=True), 2 * fit, p.m2_batch_cap, share_end, known_fit=fit)
-            if fit
-            else {"largest_fit": None, "first_oom": None, "stopped_by": "nothing fits", "trials": []}
+        throughput = next((t for t in measured["trials"] if t["batch"] == fit), None) or next(
+            (t for t in measured["trials"] if t.get("partial")),
+            None,  # stopped early: the steps it logged
         )
         results.append(
             {
@@ -472,19 +498,37 @@ def m2_encoder(ctx: Context) -> dict[str, Any]:
                 "grad_accum": accum,
                 "throughput": throughput,
                 "throughput_trials": measured["trials"],
-                "largest_fit": search["largest_fit"],
-                "first_oom": search["first_oom"] or measured["first_oom"],
-                "stopped_by": search["stopped_by"] if fit else measured["stopped_by"],
-                "search_trials": search["trials"],
+                "largest_fit": fit,
+                "first_oom": measured["first_oom"],
+                "stopped_by": measured["stopped_by"] if not fit else "not searched",
+                "search_trials": [],
             }
         )
-        errors += [
-            f"ZeRO-{zero} accum {accum}: {t['status']}: {t.get('error')}"
-            for t in measured["trials"] + search["trials"]
-            if t["status"] == "error"
-        ]
-        if throughput is None:
+        if throughput is None or throughput.get("partial"):
             errors.append(f"ZeRO-{zero} accum {accum}: no throughput run completed ({measured['stopped_by']})")
+    searched = [r for r in results if r["largest_fit"]]
+    for index, result in enumerate(searched):  # the largest micro-batch, with what is left
+        share_end = time.monotonic() + ctx.left() / (len(searched) - index)
+        zero, accum, fit = result["zero_stage"], result["grad_accum"], result["largest_fit"]
+        search = search_batch(
+            lambda b, z=zero, a=accum, end=share_end: trial(z, a, b, True, end),
+            2 * fit,
+            p.m2_batch_cap,
+            share_end,
+            known_fit=fit,
+        )
+        result.update(
+            largest_fit=search["largest_fit"],
+            first_oom=search["first_oom"] or result["first_oom"],
+            stopped_by=search["stopped_by"],
+            search_trials=search["trials"],
+        )
+    errors += [
+        f"ZeRO-{r['zero_stage']} accum {r['grad_accum']}: {t['status']}: {t.get('error')}"
+        for r in results
+        for t in r["throughput_trials"] + r["search_trials"]
+        if t["status"] == "error"
+    ]
     return {
         "config": "configs/m2_encoder/0.4b.yaml",
         "precision": p.precision,
@@ -1074,6 +1118,7 @@ STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {  # in the order of pl
     "loss_memory": loss_memory,
     "m2_encoder": m2_encoder,
     "space2": space2,
+    "clip_profile": clip_profile,
     "victor": victor,
     "clip_compile": clip_compile,
     "nccl": nccl,

@@ -44,6 +44,7 @@ class Run:
     mmpt: bool
     global_batch: int
     facts: dict[str, Any] = field(default_factory=dict)  # settings reported beside the figures
+    profile: tuple[int, int] | None = None  # (first step, steps) under torch.profiler: mmpt runs only
 
 
 def benchmark_settings(run_dir: Path, steps: int) -> dict[str, Any]:
@@ -63,10 +64,13 @@ def deep_update(base: dict, top: dict) -> dict:
     return base
 
 
-def mmpt_run(name: str, work: Path, config: dict, steps: int, global_batch: int, **facts: Any) -> Run:
-    """A run of `config` (a config mapping; `extends` may name a shipped config) for `steps` steps."""
+def mmpt_run(
+    name: str, work: Path, config: dict, steps: int, global_batch: int, overrides: dict | None = None, **facts: Any
+) -> Run:
+    """A run of `config` (a config mapping; `extends` may name a shipped config) for `steps` steps; `overrides`
+    go over the benchmark's own settings (`benchmark_settings`)."""
     run_dir = work / "runs" / slug(name)
-    config = deep_update(copy.deepcopy(config), benchmark_settings(run_dir, steps))
+    config = deep_update(deep_update(copy.deepcopy(config), benchmark_settings(run_dir, steps)), overrides or {})
     path = work / "configs" / f"{slug(name)}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, allow_unicode=True, sort_keys=False))
@@ -104,9 +108,11 @@ class Runner:
         if self.isolate or not run.mmpt:
             record = self._in_own_process(run, timeout)
         else:
-            from probe import run_entry
+            from probe import StepProfiler, run_entry
 
-            record = run_entry(str(run.script), run.args, mmpt=True)
+            trace = self.logs / f"{slug(run.name)}.trace.json.gz"
+            profile = StepProfiler(*run.profile, trace) if run.profile else None
+            record = run_entry(str(run.script), run.args, mmpt=True, profile=profile)
         record = {"name": run.name, "global_batch": run.global_batch, **run.facts, **record}
         if record["status"] == "ok":
             try:
@@ -118,6 +124,13 @@ class Runner:
                 record["error"] = record["error"] or f"no step was logged (see {self.logs})"
             else:
                 record.update(summarise_steps(steps, warmup, run.global_batch))
+        elif record["status"] == "timeout":  # stopped at its share of the time: the steps it logged still count
+            try:
+                steps = mmpt_steps(run.log_dir) if run.mmpt else open_clip_steps(run.log_dir)
+            except FileNotFoundError:
+                steps = []
+            if len(steps) > warmup:
+                record.update(summarise_steps(steps, warmup, run.global_batch), partial=True)
         return record
 
     def _in_own_process(self, run: Run, timeout: float) -> dict[str, Any]:
@@ -129,6 +142,7 @@ class Runner:
             str(PROBE),
             str(result),
             *(["--mmpt"] if run.mmpt else []),
+            *(["--profile", ",".join(map(str, run.profile))] if run.profile else []),
             "--",
             str(run.script),
             *run.args,
