@@ -201,3 +201,46 @@ def test_bf16_at_zero_0_is_autocast_over_an_fp32_model(name, corpora, one_proces
         assert engine.was_step_applied()
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_engine_never_synchronizes_the_device_in_a_step(stage, corpora, one_process, tmp_path, monkeypatch):  # noqa: F811
+    """DeepSpeed's throughput timer, on unless a config turns it off, waits for the whole device at every forward
+    and every step (invisible to CUDA's sync debug mode, which sees single reads): mmpt times its own spans and
+    keeps it off. Counted here at the accelerator's `synchronize` that the timer calls, over steps past the
+    timer's start."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from mmpt import distributed as mdist
+    from mmpt.config_loader import load_config
+    from mmpt.data import StatefulLoader
+    from mmpt.engine import precision
+    from mmpt.engine.run import build_engine, prepare_run_dir, start_process_group
+    from mmpt.engine.trainer import optimizer_step, to_device
+    from mmpt.methods import get_method
+
+    config, run_dir = demo_config("clip"), tmp_path / "run"
+    overrides = [f"run.output_dir={run_dir}", f"train.zero_stage={stage}", "train.precision=bf16", "train.grad_accum=2"]
+    cfg = load_config(config, [*shrink(config, corpora), *overrides])
+    method = get_method("clip")
+    start_process_group(cfg.train.watchdog_timeout)
+    prepare_run_dir(cfg, method, run_dir)
+    engine, _, _ = build_engine(cfg, method, mdist.layout(), 1)
+    floats = precision.policy("bf16", stage).model  # autocast over fp32 at ZeRO-0, DeepSpeed's bf16 above
+    kept_fp32 = engine.module.needs.fp32_modules + engine.module.needs.momentum_copies  # as the run sets them
+    precision.match_buffer_precision(engine.module, floats, kept_fp32)
+    precision.compute_in(kept_fp32, floats, engine.device.type)
+    accelerator = get_accelerator()
+    calls: list[str] = []
+    monkeypatch.setattr(type(accelerator), "synchronize", lambda self, device_index=None: calls.append("accelerator"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("torch.cuda"))
+    try:
+        batches = iter(StatefulLoader(method.train_data(cfg, run_dir, rank=0, world_size=1)))
+        for _ in range(4):  # the timer synchronizes from its third step on
+            micro_batches = [to_device(next(batches), engine.device, floats) for _ in range(2)]
+            optimizer_step(engine, micro_batches)
+        assert engine.global_steps == 4
+        assert not calls, f"ZeRO-{stage}: {len(calls)} device-wide synchronizations in 4 steps ({set(calls)})"
+    finally:
+        engine.destroy()

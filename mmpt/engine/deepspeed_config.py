@@ -172,4 +172,7 @@ def deepspeed_config(cfg: Config, world_size: int, load_universal: bool = False,
         "checkpoint": {"load_universal": load_universal},
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer waits for the whole device at every forward and step by default; mmpt
+        # times its own spans (mmpt.engine.timing) and never reads it.
+        "timers": {"throughput": {"enabled": False}},
     }
