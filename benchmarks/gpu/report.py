@@ -110,7 +110,9 @@ def clip_section(r: dict) -> list[str]:
         f"`--precision {r['open_clip_precision']}` (autocast). Step times are "
         "what each trainer logs, timed on the host: mmpt's forward time has no device synchronisation, so "
         "kernels still running when it returns count in backward + optimizer; open_clip logs data and whole-step "
-        'time only. Sync warnings: `torch.cuda.set_sync_debug_mode("warn")` was on in every run; counted while '
+        "time only, and its log reads the loss after its step timer stops, so its data time holds the wait for "
+        "the previous step's kernels (compare whole steps). "
+        'Sync warnings: `torch.cuda.set_sync_debug_mode("warn")` was on in every run; counted while '
         "the steps ran / in all (setup included).",
         f"FLOPs per step (FlopCounterMode, forward + backward): {sig(r['flops_per_step'] / 1e12)} TFLOP. "
         f"Measured dense bf16 matmul ({matmul['size']}³): **{sig(matmul['tflops'])} TFLOP/s**. "
