@@ -599,7 +599,7 @@ def loss_memory(ctx: Context) -> dict[str, Any]:
     losses = variants(1, p.loss_batch)
     results = []
     for index, (name, _, loss) in enumerate(losses):
-        loss_trial(loss, 8, p.device)  # warm the kernels once
+        loss_trial(loss, p.loss_batch, p.device)  # warm the kernels once, at the first trial's shapes
         share_end = time.monotonic() + ctx.left() / (len(losses) - index)
         found = search_batch(
             lambda rows, loss=loss: loss_trial(loss, rows, p.device),
@@ -1115,10 +1115,10 @@ def nccl_version() -> str | None:
 
 STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {  # in the order of plan.py's commands
     "clip_vitb16": clip_vitb16,
-    "loss_memory": loss_memory,
-    "m2_encoder": m2_encoder,
-    "space2": space2,
     "clip_profile": clip_profile,
+    "m2_encoder": m2_encoder,
+    "loss_memory": loss_memory,
+    "space2": space2,
     "victor": victor,
     "clip_compile": clip_compile,
     "nccl": nccl,
