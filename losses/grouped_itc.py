@@ -21,7 +21,7 @@ training code; see docs/gba_itc.md):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -91,9 +91,10 @@ def contrastive_cross_entropy(
     return F.cross_entropy(scaled_logits(queries, keys, scale), targets)
 
 
-@dataclass
-class FeaturePool:
-    """One optimizer step's features, without gradient: local rows and the group's columns."""
+class FeaturePool(NamedTuple):
+    """One optimizer step's features, without gradient: local rows and the group's columns. A named tuple, so
+    that ZeRO-3's module hooks, which look for tensors in every module's inputs, find these (and leave them be:
+    they take no part in backward) instead of warning about an unknown input type."""
 
     images: torch.Tensor  # [K*b, D] fp32, this rank's micro-batches in order
     texts: torch.Tensor

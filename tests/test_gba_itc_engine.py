@@ -69,6 +69,7 @@ def split(batch, parts):
 
 def train_and_record(rank, run_dir, stage, accum, group_size, tile):
     """Per step: the full gradient at the accumulation boundary; at the end, on rank 0: how far each weight moved."""
+    from deepspeed.runtime.zero import utils as zero_utils
     from deepspeed.utils import safe_get_full_grad
 
     from mmpt import distributed as mdist
@@ -91,8 +92,11 @@ def train_and_record(rank, run_dir, stage, accum, group_size, tile):
         apply_step()
 
     engine.step = step_capturing_the_gradient
+    zero_utils.warned = False  # DeepSpeed warns once per process, on rank 0, of module inputs it cannot look into
     for step in range(STEPS):
         optimizer_step(engine, split(step_batch(rank, step, ROWS * 4), accum))
+    # The pool (a named tuple of tensors without gradient) is an input ZeRO-3's hooks can read.
+    assert not zero_utils.warned, "ZeRO-3's module hooks met an input type they cannot look into"
     final = gathered_state_dict(engine.module.model)
     engine.destroy()
     return gradients, final and {n: final[n] - initial[n] for n in final}
