@@ -47,6 +47,14 @@ def start_wandb(settings: WandbConfig, run_dir: Path, config: dict):
 log = logging.getLogger(__name__)
 
 
+def device_memory_gib() -> tuple[float, float] | None:
+    """(peak allocated, peak reserved) GiB of this rank's GPU since the run started, None without one. Read from
+    the caching allocator's counters on the host: nothing waits for the device."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+
+
 class MetricLogger:
     def __init__(
         self,
@@ -141,12 +149,18 @@ class MetricLogger:
         means = mdist.all_reduce_mean(local).tolist()
         elapsed = time.perf_counter() - self._window_start
         forward = times.get("forward", 0.0) - times.get("gather", 0.0)
-        per_rank = mdist.all_gather_floats([elapsed / count, times.get("data", 0.0) / count, forward / count])
+        memory = device_memory_gib()
+        per_rank = mdist.all_gather_floats(
+            [elapsed / count, times.get("data", 0.0) / count, forward / count, *(memory or ())]
+        )
         record: dict = {"step": step, "lr": lr, **{f"loss/{n}": v for n, v in zip(names, means)}}
         record["samples_per_s"] = self._count * self.global_batch / max(elapsed, 1e-9)
-        record["step_time_per_rank"] = [round(t, 5) for t, _, _ in per_rank]
-        record["data_time_per_rank"] = [round(d, 5) for _, d, _ in per_rank]
-        record["forward_time_per_rank"] = [round(f, 5) for _, _, f in per_rank]
+        record["step_time_per_rank"] = [round(r[0], 5) for r in per_rank]
+        record["data_time_per_rank"] = [round(r[1], 5) for r in per_rank]
+        record["forward_time_per_rank"] = [round(r[2], 5) for r in per_rank]
+        if memory is not None:
+            record["gpu_peak_allocated_gib_per_rank"] = [round(r[3], 2) for r in per_rank]
+            record["gpu_peak_reserved_gib_per_rank"] = [round(r[4], 2) for r in per_rank]
         record.update(extra or {})
         self._sums.clear()
         self._count = 0
@@ -177,6 +191,8 @@ class MetricLogger:
             self._writer.flush()
         losses = " ".join(f"{k.removeprefix('loss/')}={v:.4f}" for k, v in record.items() if k.startswith("loss/"))
         message = f"step {step} {losses} lr={record['lr']:.2e} samples/s={record['samples_per_s']:.1f}"
+        if "gpu_peak_allocated_gib_per_rank" in record:  # the fullest rank's
+            message += f" gpu_peak={max(record['gpu_peak_allocated_gib_per_rank']):.1f}GiB"
         if self._bar is not None:
             self._bar.set_postfix_str(losses, refresh=False)
             self._bar.write(message)
