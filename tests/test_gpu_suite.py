@@ -200,6 +200,13 @@ def test_every_config_the_suite_trains_is_valid(profile, tmp_path):
         assert cfg.train.precision == "bf16" and cfg.train.save_every == 0, name
 
 
+def test_busy_time_counts_overlapping_kernels_once():
+    from probe import busy_us
+
+    assert busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # two streams overlapping, then a gap
+    assert busy_us([]) == 0
+
+
 def test_peak_by_phase_folds_every_phase_into_the_run_peak(monkeypatch):
     """The probe resets the allocator's peak at each step point: the run's peak is the highest phase's."""
     import torch
@@ -361,9 +368,12 @@ def test_merge_joins_the_folders_of_several_commands(tmp_path):
     first, second, merged = tmp_path / "1", tmp_path / "2", tmp_path / "merged"
     results.record_stage([first], "nccl", stage_record("nccl"), list(STAGES))
     results.record_stage([second], "victor", stage_record("victor", "timed_out"), list(STAGES))
+    (second / "logs.tar.gz").write_bytes(b"the second command's logs")
     record = suite.merge([first, second], merged, list(STAGES))
     assert list(record["stages"]) == [name for name in STAGES if name in ("nccl", "victor")]  # the suite's order
     assert report_rows(merged) == {"nccl": "ok", "victor": "timed_out"}
+    assert sorted(p.name for p in merged.glob("logs-*")) == ["logs-2.tar.gz"]  # each command's logs, numbered
+    assert (merged / "logs-2.tar.gz").read_bytes() == b"the second command's logs"
     results.record_stage([second], "space2", stage_record("space2", gpu="NVIDIA H200"), list(STAGES))
     with pytest.raises(SystemExit, match="different machines"):
         suite.merge([first, second], tmp_path / "again", list(STAGES))

@@ -98,7 +98,8 @@ class PeakByPhase:
     """The peak allocated device memory of each phase of the steps (from one step point to the next: data,
     forward, backward, step, log; `setup` before the first), the highest over the run: where a run's peak is,
     which the planner's parts (states, activations, logits) can be held against. The allocator's statistics
-    live on the host: reading and resetting them waits for nothing on the device."""
+    live on the host: reading and resetting them waits for nothing on the device. The resets reach the run's
+    own metrics too: under the probe its logged GPU peaks are those since the last step point."""
 
     def __init__(self) -> None:
         self.phase = "setup"
@@ -152,6 +153,12 @@ class StepProfiler:
         elif step == self.first + self.count and self.profiler is not None:
             self._stop()
 
+    def close(self) -> None:
+        """Stop a profiler the run left running: it ended (failed) inside the profiled steps."""
+        if self.profiler is not None and self.summary is None:
+            self.profiler.stop()
+            self.summary = {"error": "the run ended inside the profiled steps"}
+
     def _start(self) -> None:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -188,20 +195,30 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """Microseconds covered by at least one of the (start, end) spans: kernels on several streams overlap."""
+    total, covered_to = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > covered_to:
+            total += end - max(start, covered_to)
+            covered_to = end
+    return total
+
+
 def summarise_profile(profiler: Any, wall_s: float, steps: int, top: int = 15) -> dict[str, Any]:
-    """Per step: device busy time (the sum of kernel times), kernels, memcpy and memset counts; the operators with
-    the most self device time (self CPU time on a CPU run)."""
+    """Per step: device busy time (the time some kernel ran, on any stream), kernels, memcpy and memset counts;
+    the operators with the most self device time (self CPU time on a CPU run)."""
     events = profiler.events()
     device = [e for e in events if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA"]
     kernels = [e for e in device if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    busy_us = sum(e.device_time_total for e in kernels) if device else None
+    busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) if device else None
     key = "self_device_time_total" if device else "self_cpu_time_total"
     averages = sorted(profiler.key_averages(), key=lambda a: getattr(a, key), reverse=True)
     return {
         "steps": steps,
         "wall_s_per_step": wall_s / steps,
-        "device_busy_s_per_step": None if busy_us is None else busy_us / 1e6 / steps,
-        "device_idle_share": None if busy_us is None else max(0.0, 1 - busy_us / 1e6 / wall_s),
+        "device_busy_s_per_step": None if busy is None else busy / 1e6 / steps,
+        "device_idle_share": None if busy is None else max(0.0, 1 - busy / 1e6 / wall_s),
         "kernels_per_step": len(kernels) / steps if device else None,
         "memcpy_per_step": {
             kind: sum(1 for e in device if kind.lower() in e.name.lower()) / steps for kind in ("HtoD", "DtoH", "DtoD")
@@ -305,6 +322,8 @@ def run_entry(script: str, args: list[str], mmpt: bool = False, profile: StepPro
         record.update(status=status, error=" ".join(f"{type(exc).__name__}: {exc}".split())[:600])
     finally:
         sys.argv = argv
+        if profile is not None:
+            profile.close()
     record["wall_s"] = time.perf_counter() - started
     record.update(syncs.record())
     if record.get("peak_allocated_mib") is None:

@@ -57,6 +57,7 @@ class Profile:
     m2_batch_cap: int
     m2_tile: int
     m2_settings: tuple[tuple[int, int], ...]  # (ZeRO stage, grad_accum) of each M²-Encoder setting, in order
+    m2_search_min_s: float  # a batch-size search starts only with this much of the stage left
     loss_batch: int
     loss_batch_cap: int
     victor_batch: int | None  # None: the config's
@@ -88,6 +89,7 @@ GPU = Profile(
     m2_tile=1024,
     # Both ZeRO stages at the shipped config's accumulation: what one command's time holds at the 0.4B size.
     m2_settings=((2, 4), (3, 4)),
+    m2_search_min_s=45.0,  # a 0.4B run took ~30 s to reach its first step on an H100
     loss_batch=4096,
     loss_batch_cap=2**22,
     victor_batch=None,
@@ -116,6 +118,7 @@ DRY = Profile(
     m2_batch_cap=4,
     m2_tile=6,
     m2_settings=((2, 1), (2, 4), (3, 1), (3, 4)),
+    m2_search_min_s=0.0,
     loss_batch=64,
     loss_batch_cap=128,
     victor_batch=2,
@@ -376,7 +379,7 @@ def clip_profile(ctx: Context) -> dict[str, Any]:
         config = clip_config(p, digits, zero)
         logged_once = {"train": {"log_every": steps}}
         run = mmpt_run(f"profile ZeRO-{zero}", ctx.work, config, steps, p.clip_batch, logged_once, zero_stage=zero)
-        records.append(ctx.runner.run(replace(run, profile=(first, count)), run_share(ctx, 2 - index), 0))
+        records.append(ctx.runner.run(replace(run, profile=(first, count)), run_share(ctx, 2 - index), None))
     return {
         "model": Path(p.clip_model).stem,
         "batch": p.clip_batch,
@@ -483,7 +486,7 @@ def m2_encoder(ctx: Context) -> dict[str, Any]:
         return ctx.runner.run(run, max(1.0, share_end - time.monotonic()), p.warmup)
 
     # Throughput first: an equal share each, half a share kept for the batch searches (a ZeRO-3 run of the 0.4B at
-    # grad_accum 4 took over 80 s on an H100, half of it starting).
+    # grad_accum 4 was stopped at 83 s on an H100 after 10 of its 15 steps, 31 s of it starting).
     for index, (zero, accum) in enumerate(settings):
         share_end = time.monotonic() + ctx.left() / (len(settings) - index + 0.5)
         measured = search_batch(
@@ -510,6 +513,9 @@ def m2_encoder(ctx: Context) -> dict[str, Any]:
             errors.append(f"ZeRO-{zero} accum {accum}: no throughput run completed ({measured['stopped_by']})")
     searched = [r for r in results if r["largest_fit"]]
     for index, result in enumerate(searched):  # the largest micro-batch, with what is left
+        if ctx.left() < p.m2_search_min_s:
+            result["stopped_by"] = "time"
+            continue
         share_end = time.monotonic() + ctx.left() / (len(searched) - index)
         zero, accum, fit = result["zero_stage"], result["grad_accum"], result["largest_fit"]
         search = search_batch(

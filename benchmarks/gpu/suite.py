@@ -408,7 +408,7 @@ def output_dirs(requested: Path | None, dry_run: bool) -> list[Path]:
 
 def merge(paths: list[Path], into: Path, order: list[str]) -> dict:
     """One folder of stage files (a later path's stage replaces an earlier one's) and its report, from the
-    folders the commands brought back (or their gpu.json files)."""
+    folders the commands brought back (or their gpu.json files), with each folder's logs as logs-N.tar.gz."""
     stages: dict[str, dict] = {}
     for path in paths:
         if path.is_dir():
@@ -425,6 +425,9 @@ def merge(paths: list[Path], into: Path, order: list[str]) -> dict:
     into.mkdir(parents=True, exist_ok=True)
     for name, stage in stages.items():
         results.write_atomic(results.stage_file(into, name), json.dumps(stage, indent=1, default=str) + "\n")
+    for index, path in enumerate(paths, 1):  # each command's run logs and configs, beside the figures they back
+        if (path / "logs.tar.gz").is_file():
+            results.write_atomic(into / f"logs-{index}.tar.gz", (path / "logs.tar.gz").read_bytes())
     record = results.rebuild(into, order)
     print(f"wrote {into / 'gpu.md'} and gpu.json from {len(stages)} stage files", flush=True)
     return record

@@ -102,7 +102,9 @@ class Runner:
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
 
-    def run(self, run: Run, timeout: float, warmup: int) -> dict[str, Any]:
+    def run(self, run: Run, timeout: float, warmup: int | None) -> dict[str, Any]:
+        """`run` under the probe within `timeout` seconds; its logged steps after `warmup` summarised (None: a
+        profiled run, whose one logged window holds its warm-up too, is not summarised)."""
         if run.log_dir.exists():
             shutil.rmtree(run.log_dir)  # open_clip refuses an existing experiment; mmpt would resume
         if self.isolate or not run.mmpt:
@@ -114,6 +116,8 @@ class Runner:
             profile = StepProfiler(*run.profile, trace) if run.profile else None
             record = run_entry(str(run.script), run.args, mmpt=True, profile=profile)
         record = {"name": run.name, "global_batch": run.global_batch, **run.facts, **record}
+        if warmup is None:
+            return record
         if record["status"] == "ok":
             try:
                 steps = mmpt_steps(run.log_dir) if run.mmpt else open_clip_steps(run.log_dir)
@@ -211,8 +215,14 @@ def tail(log: Path, lines: int = 6) -> str:
 def mmpt_steps(run_dir: Path) -> list[dict[str, float]]:
     """Per logged step (logged every step): step, data and forward seconds of rank 0, as the trainer reports them."""
     steps = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    for index, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if index == len(lines) - 1:  # a run killed while writing its last line
+                break
+            raise
         if "step_time_per_rank" in record:
             steps.append(
                 {

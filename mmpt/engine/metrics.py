@@ -47,11 +47,9 @@ def start_wandb(settings: WandbConfig, run_dir: Path, config: dict):
 log = logging.getLogger(__name__)
 
 
-def device_memory_gib() -> tuple[float, float] | None:
-    """(peak allocated, peak reserved) GiB of this rank's GPU since the run started, None without one. Read from
-    the caching allocator's counters on the host: nothing waits for the device."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
+def device_memory_gib() -> tuple[float, float]:
+    """(peak allocated, peak reserved) GiB of this rank's GPU since the run started, read from the caching
+    allocator's counters on the host: nothing waits for the device."""
     return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
 
 
@@ -69,7 +67,9 @@ class MetricLogger:
         straggler_windows: int = 3,
         wandb: WandbConfig | None = None,
         config: dict | None = None,
+        gpu: bool = False,
     ):
+        """`gpu`: the run trains on GPUs (every rank alike): each window then gathers each rank's peak memory."""
         self.rank = mdist.get_rank()
         self.run_dir = run_dir
         # Unhealthy ranks are judged by `mmpt.engine.health` from the collective timings; these thresholds
@@ -77,6 +77,7 @@ class MetricLogger:
         del straggler_factor, straggler_windows
         self.health_summary: dict[str, dict[str, float]] = {"stragglers": {}}  # the ranks the health monitor named
         self.global_batch = global_batch
+        self.gpu = gpu
         self.data_counts: dict[str, dict[str, int]] = {}  # the latest reduced sample counts, for the summary
         self._sums: dict[str, torch.Tensor] = {}
         self._count = 0
@@ -149,7 +150,7 @@ class MetricLogger:
         means = mdist.all_reduce_mean(local).tolist()
         elapsed = time.perf_counter() - self._window_start
         forward = times.get("forward", 0.0) - times.get("gather", 0.0)
-        memory = device_memory_gib()
+        memory = device_memory_gib() if self.gpu else None
         per_rank = mdist.all_gather_floats(
             [elapsed / count, times.get("data", 0.0) / count, forward / count, *(memory or ())]
         )

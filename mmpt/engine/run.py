@@ -273,6 +273,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         straggler_windows=cfg.train.straggler_windows,
         wandb=cfg.run.wandb,
         config=cfg.to_dict(),
+        gpu=engine.device.type == "cuda",
     )
     return Run(
         cfg,

@@ -27,14 +27,15 @@ GPUS = {
 class Assumptions:
     """What the plan assumes beyond the measured model; each is a command-line option."""
 
-    # Model FLOPs utilisation of the GPU's bf16 peak. Measured on one H100 (benchmarks/results/gpu/planner.md):
-    # 11-19% for ViT-B/16, M²-Encoder 0.4B and VICTOR in eager bf16 steps; 15% is their middle.
+    # Model FLOPs utilisation of the GPU's bf16 peak. On one H100 (benchmarks/results/gpu/planner.md) the eager
+    # bf16 steps of ViT-B/16, M²-Encoder 0.4B and VICTOR imply 11-19%; 15% is their middle.
     mfu: float = 0.15
     intra_node_gb_s: float = 150.0  # bytes a rank sends per second inside a node (NVLink, achieved)
     inter_node_gb_s: float = 25.0  # bytes a rank sends per second across nodes (one 200 Gb/s NIC per GPU, achieved)
     # Of GPU memory left for what the planner counts: the rest holds the CUDA context, NCCL buffers, fragmentation
-    # and what it does not count (on one H100 the measured peaks were 7-18% above its prediction).
-    usable_share: float = 0.8
+    # and what it does not count (on one H100 the measured peaks were up to 22% above its prediction: 1/0.75 leaves
+    # 33% for that).
+    usable_share: float = 0.75
     pinned_batches: int = 2  # micro-batches the loader keeps in pinned host memory per rank
 
     def lines(self) -> list[str]:
