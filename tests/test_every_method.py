@@ -215,8 +215,7 @@ def test_the_engine_never_synchronizes_the_device_in_a_step(stage, corpora, one_
     from mmpt import distributed as mdist
     from mmpt.config_loader import load_config
     from mmpt.data import StatefulLoader
-    from mmpt.engine import precision
-    from mmpt.engine.run import build_engine, prepare_run_dir, start_process_group
+    from mmpt.engine.run import build_engine, prepare_run_dir, set_training_precision, start_process_group
     from mmpt.engine.trainer import optimizer_step, to_device
     from mmpt.methods import get_method
 
@@ -227,10 +226,7 @@ def test_the_engine_never_synchronizes_the_device_in_a_step(stage, corpora, one_
     start_process_group(cfg.train.watchdog_timeout)
     prepare_run_dir(cfg, method, run_dir)
     engine, _, _ = build_engine(cfg, method, mdist.layout(), 1)
-    floats = precision.policy("bf16", stage).model  # autocast over fp32 at ZeRO-0, DeepSpeed's bf16 above
-    kept_fp32 = engine.module.needs.fp32_modules + engine.module.needs.momentum_copies  # as the run sets them
-    precision.match_buffer_precision(engine.module, floats, kept_fp32)
-    precision.compute_in(kept_fp32, floats, engine.device.type)
+    floats = set_training_precision(engine, cfg)  # autocast over fp32 at ZeRO-0, DeepSpeed's bf16 above
     accelerator = get_accelerator()
     calls: list[str] = []
     monkeypatch.setattr(type(accelerator), "synchronize", lambda self, device_index=None: calls.append("accelerator"))

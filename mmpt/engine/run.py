@@ -207,11 +207,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     engine, initial_weights, momentum = build_engine(
         cfg, method, layout, world_size, load_universal=universal is not None
     )
-    float_dtype = precision.policy(cfg.train.precision, cfg.train.zero_stage).model
-    needs = engine.module.needs
-    kept_fp32 = needs.fp32_modules + needs.momentum_copies
-    precision.match_buffer_precision(engine.module, float_dtype, kept_fp32)
-    precision.compute_in(kept_fp32, float_dtype, engine.device.type)
+    float_dtype = set_training_precision(engine, cfg)
 
     seed_everything(cfg.train.seed + layout.data_rank)  # ranks splitting one batch draw the same masks
     loader = StatefulLoader(
@@ -355,6 +351,17 @@ def check_pooled_accumulation(method: Method, model: nn.Module, grad_accum: int)
                 f"runs each micro-batch twice, but model module '{name}' has batch norm in training mode (its "
                 "statistics would count each batch twice): put it in evaluation mode or set train.grad_accum=1"
             )
+
+
+def set_training_precision(engine: Any, cfg: Config) -> torch.dtype:
+    """The engine's module in the run's precision: buffers in the model's float type, the modules a method keeps
+    in fp32 (and the momentum copies) computing in fp32. Returns the float type the batches take."""
+    float_dtype = precision.policy(cfg.train.precision, cfg.train.zero_stage).model
+    needs = engine.module.needs
+    kept_fp32 = needs.fp32_modules + needs.momentum_copies
+    precision.match_buffer_precision(engine.module, float_dtype, kept_fp32)
+    precision.compute_in(kept_fp32, float_dtype, engine.device.type)
+    return float_dtype
 
 
 def build_engine(
