@@ -63,8 +63,6 @@ class MetricLogger:
         global_batch: int,
         tensorboard: bool,
         progress_bar: bool,
-        straggler_factor: float = 1.5,
-        straggler_windows: int = 3,
         wandb: WandbConfig | None = None,
         config: dict | None = None,
         gpu: bool = False,
@@ -72,9 +70,6 @@ class MetricLogger:
         """`gpu`: the run trains on GPUs (every rank alike): each window then gathers each rank's peak memory."""
         self.rank = mdist.get_rank()
         self.run_dir = run_dir
-        # Unhealthy ranks are judged by `mmpt.engine.health` from the collective timings; these thresholds
-        # are the same config keys it reads, accepted here for callers that pass them.
-        del straggler_factor, straggler_windows
         self.health_summary: dict[str, dict[str, float]] = {"stragglers": {}}  # the ranks the health monitor named
         self.global_batch = global_batch
         self.gpu = gpu

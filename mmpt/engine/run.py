@@ -265,8 +265,6 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         global_batch=global_batch,
         tensorboard=cfg.run.tensorboard,
         progress_bar=cfg.run.progress_bar,
-        straggler_factor=cfg.train.straggler_factor,
-        straggler_windows=cfg.train.straggler_windows,
         wandb=cfg.run.wandb,
         config=cfg.to_dict(),
         gpu=engine.device.type == "cuda",
