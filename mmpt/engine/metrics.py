@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from mmpt import distributed as mdist
 from mmpt.config import WandbConfig
 from mmpt.data import counts as data_counts
 from mmpt.data.counts import describe
+from mmpt.engine.timing import Clock
 
 WANDB_ID_FILE = "wandb_run_id"  # a resumed run continues the W&B run it started
 
@@ -76,7 +76,8 @@ class MetricLogger:
         self.data_counts: dict[str, dict[str, int]] = {}  # the latest reduced sample counts, for the summary
         self._sums: dict[str, torch.Tensor] = {}
         self._count = 0
-        self._window_start = time.perf_counter()
+        self._clock = Clock(cuda=False)  # the window's wall time, read after its work has finished
+        self._window_start = self._clock.mark()
         self._jsonl = self._writer = self._bar = self._wandb = None
         if self.rank == 0:
             if wandb is not None:
@@ -143,7 +144,7 @@ class MetricLogger:
         count = max(1, self._count)
         local = torch.stack([self._sums[n] for n in names]) / count if names else torch.zeros(0, dtype=torch.float64)
         means = mdist.all_reduce_mean(local).tolist()
-        elapsed = time.perf_counter() - self._window_start
+        elapsed = self._clock.seconds(self._window_start, self._clock.mark())
         forward = times.get("forward", 0.0) - times.get("gather", 0.0)
         memory = device_memory_gib() if self.gpu else None
         per_rank = mdist.all_gather_floats(
@@ -160,7 +161,7 @@ class MetricLogger:
         record.update(extra or {})
         self._sums.clear()
         self._count = 0
-        self._window_start = time.perf_counter()
+        self._window_start = self._clock.mark()
         return record
 
     def write(self, step: int, record: dict) -> None:

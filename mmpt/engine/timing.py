@@ -14,40 +14,64 @@ from collections import defaultdict
 
 import torch
 
+Mark = float | torch.cuda.Event
 
-class Spans:
-    """Seconds spent in named spans since the last `take()`; `start(name)`/`stop(name)` pairs may repeat."""
+
+class Clock:
+    """The one device-or-host clock: `mark()` is a CUDA event recorded on the current stream on a GPU, the
+    host's `time.perf_counter()` on CPU; `seconds(start, end)` is the time between two marks (on a GPU only
+    once the later event has completed: `wait(end)`)."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
-        self._open: dict[str, float | torch.cuda.Event] = {}
-        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self._totals: dict[str, float] = defaultdict(float)
 
-    def _mark(self) -> float | torch.cuda.Event:
+    def mark(self) -> Mark:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
+    @staticmethod
+    def wait(mark: Mark) -> None:
+        """Until the work before `mark` has finished (nothing to wait for on the host clock)."""
+        if isinstance(mark, torch.cuda.Event):
+            mark.synchronize()
+
+    @staticmethod
+    def seconds(start: Mark, end: Mark) -> float:
+        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
+            return start.elapsed_time(end) / 1000.0
+        if isinstance(start, float) and isinstance(end, float):
+            return end - start
+        raise TypeError("two marks of one clock")
+
+
+class Spans:
+    """Seconds spent in named spans since the last `take()`; `start(name)`/`stop(name)` pairs may repeat."""
+
+    def __init__(self, cuda: bool):
+        self.clock = Clock(cuda)
+        self._open: dict[str, Mark] = {}
+        self._marks: list[tuple[str, Mark, Mark]] = []
+
+    @property
+    def cuda(self) -> bool:
+        return self.clock.cuda
+
     def start(self, name: str) -> None:
-        self._open[name] = self._mark()
+        self._open[name] = self.clock.mark()
 
     def stop(self, name: str) -> None:
-        started, ended = self._open.pop(name), self._mark()
-        if isinstance(started, torch.cuda.Event) and isinstance(ended, torch.cuda.Event):
-            self._events.append((name, started, ended))
-        elif isinstance(started, float) and isinstance(ended, float):
-            self._totals[name] += ended - started
+        started = self._open.pop(name)
+        self._marks.append((name, started, self.clock.mark()))
 
     def take(self) -> dict[str, float]:
         """The totals so far, then start over. On a GPU this waits for the recorded work to finish."""
-        if self._events:
-            self._events[-1][2].synchronize()  # events complete in stream order: the last one is the latest
-            for name, started, ended in self._events:
-                self._totals[name] += started.elapsed_time(ended) / 1000.0
-        totals = dict(self._totals)
-        self._events.clear()
-        self._totals.clear()
-        return totals
+        totals: dict[str, float] = defaultdict(float)
+        if self._marks:
+            self.clock.wait(self._marks[-1][2])  # marks complete in stream order: the last one is the latest
+        for name, started, ended in self._marks:
+            totals[name] += self.clock.seconds(started, ended)
+        self._marks.clear()
+        return dict(totals)
