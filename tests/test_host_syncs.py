@@ -17,7 +17,7 @@ import operator
 import pytest
 import torch
 from host_syncs import HostSyncs
-from test_config_matrix import corpora, shrink  # noqa: F401 (corpora is a fixture)
+from test_config_matrix import shrink
 from test_every_method import demo_config
 
 from mmpt.methods import list_methods
@@ -46,7 +46,7 @@ def one_step(method, model, loss, micro_batches: list[dict]) -> dict[str, torch.
 
 
 @pytest.mark.parametrize("name", list_methods())
-def test_training_step_has_no_host_sync(name, corpora, tmp_path):  # noqa: F811
+def test_training_step_has_no_host_sync(name, corpora, tmp_path):
     from mmpt.config_loader import load_config
     from mmpt.methods import get_method
 

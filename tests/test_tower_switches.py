@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from test_config_matrix import corpora, shrink  # noqa: F401 (corpora is a fixture)
+from test_config_matrix import shrink
 from test_every_method import demo_config
 from timm.layers.patch_dropout import PatchDropout
 
@@ -34,7 +34,7 @@ VIT_TOWERS = {  # what makes each method's tiny tower a ViT (the demos' clip and
 SWITCHED = [name for name in list_methods() if get_method(name).tower_switches]
 
 
-def tiny(name: str, corpora: dict, *extra: str):  # noqa: F811
+def tiny(name: str, corpora: dict, *extra: str):
     path = demo_config(name)
     return load_config(path, [*shrink(path, corpora), *VIT_TOWERS[name], *extra])
 
@@ -79,7 +79,7 @@ def tower_peak_bytes(b) -> int:
 
 
 @pytest.mark.parametrize("name", SWITCHED)
-def test_checkpointing_gives_the_same_gradients_with_fewer_live_bytes(name, corpora):  # noqa: F811
+def test_checkpointing_gives_the_same_gradients_with_fewer_live_bytes(name, corpora):
     key = get_method(name).tower_switches
     grads, peaks = {}, {}
     for on in (False, True):
@@ -97,7 +97,7 @@ def test_checkpointing_gives_the_same_gradients_with_fewer_live_bytes(name, corp
 
 
 @pytest.mark.parametrize("name", SWITCHED)
-def test_patch_dropout_keeps_the_class_token_and_1_minus_p_of_patches_in_training_only(name, corpora):  # noqa: F811
+def test_patch_dropout_keeps_the_class_token_and_1_minus_p_of_patches_in_training_only(name, corpora):
     key = get_method(name).tower_switches
     features = {}
     for p in (0.0, 0.5):
@@ -128,7 +128,7 @@ def test_patch_dropout_keeps_the_class_token_and_1_minus_p_of_patches_in_trainin
 
 
 @pytest.mark.parametrize(("name", "section"), [("clip", "method.image"), ("victor", "method.video")])
-def test_patch_dropout_on_a_tower_without_patches_names_the_key(name, section, corpora):  # noqa: F811
+def test_patch_dropout_on_a_tower_without_patches_names_the_key(name, section, corpora):
     path = demo_config(name)
     cfg = load_config(path, [*shrink(path, corpora), f"{section}.patch_dropout=0.5"])  # the demos' ResNets
     expected = rf"config key '{section}\.patch_dropout': timm model 'resnet10t' has no"

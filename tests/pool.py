@@ -1,0 +1,94 @@
+"""The shared pool of ranks: every 2-rank scenario of the selected tests trains in one launcher start.
+
+A launcher start costs 30-75 s on 2 cores, more than most scenarios' training. So a test that needs a 2-rank
+run registers it (`@scenario("name")` on a function building its config) and marks itself
+`@pytest.mark.pool("name", ...)`; the session's first such test starts `tests/pool_runner.py` once, on
+every scenario the selected tests name, and each test then asserts on its scenario's run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, free_port, launcher_env
+
+# name -> builder(corpora, run_dir) -> (config file, overrides, kind)
+Builder = Callable[[dict, Path], tuple[Path, list[str], str]]
+SCENARIOS: dict[str, Builder] = {}
+
+
+def scenario(name: str) -> Callable[[Builder], Builder]:
+    def register(build: Builder) -> Builder:
+        assert name not in SCENARIOS, f"scenario {name} registered twice"
+        SCENARIOS[name] = build
+        return build
+
+    return register
+
+
+@dataclass
+class RankPool:
+    done: dict[str, dict]
+    failure: str | None  # the scenario that ended the pool run, with its output
+
+    def run_dir(self, name: str) -> Path:
+        if name not in self.done:
+            pytest.fail(f"pool scenario {name} did not finish: {self.failure}")
+        return Path(self.done[name]["run_dir"])
+
+    def record(self, name: str) -> dict:
+        self.run_dir(name)
+        return self.done[name]
+
+
+def wanted(items) -> list[str]:
+    names: list[str] = []
+    for item in items:
+        for marker in item.iter_markers("pool"):
+            names += [n for n in marker.args if n not in names]
+    return names
+
+
+def build_scenarios(names: list[str], corpora: dict, root: Path) -> list[dict]:
+    scenarios = []
+    for name in names:
+        run_dir = root / name
+        config, overrides, kind = SCENARIOS[name](corpora, run_dir)
+        scenarios.append(
+            {"name": name, "config": str(config), "overrides": overrides, "kind": kind, "run_dir": str(run_dir)}
+        )
+    return scenarios
+
+
+def run_pool(scenarios: list[dict], root: Path) -> RankPool:
+    """Train `scenarios` (dicts: name, config, overrides, kind, run_dir) in one launcher start."""
+    listed, results = root / "scenarios.json", root / "results.jsonl"
+    listed.write_text(json.dumps(scenarios))
+    command = [
+        str(Path(sys.executable).with_name("deepspeed")),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "tests/pool_runner.py"),
+        str(listed),
+        str(results),
+    ]
+    result = subprocess.run(command, cwd=root, env=launcher_env(), capture_output=True, text=True, timeout=2400)
+    done = {}
+    if results.exists():
+        done = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())}
+    failure = None
+    if result.returncode:
+        started = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if line.startswith("pool scenario: ")]
+        failure = f"{started[-1] if started else 'the start'} failed\n{result.stdout[-3000:]}{result.stderr[-5000:]}"
+    for record in done.values():
+        print(f"pool: {record['name']} in {record['seconds']} s")
+    return RankPool(done, failure)
