@@ -3,7 +3,8 @@ stages reduce gradients once per step and which once per micro-batch.
 
 Each variant trains the M²-Encoder demo (configs/m2_encoder/demo.yaml: GBA-ITC with pooled accumulation, fp32)
 on 2 CPU ranks under the deepspeed launcher for 3 steps, logging every step. The engine's own collective
-accounting (`mmpt.engine.collective_timing`, written to metrics.jsonl as `collectives/<kind>/mib_per_rank`)
+accounting (`mmpt.engine.resilience.collective_timing`, on with train.rank_health, written to metrics.jsonl as
+`collectives/<kind>/mib_per_rank`)
 gives rank 0's MiB per collective kind; steps 2-3 are averaged (step 1 includes start-up traffic). The model's
 gradient (its trainable parameters x 4 bytes) is the unit: a stage that reduces once per step moves about
 2 x it through all-reduce (ring: twice the buffer), whatever K is; one that reduces per micro-batch, K times
@@ -50,6 +51,7 @@ def run(stage: int, accum: int, work: Path) -> dict[str, float]:
         "method.loss.accumulation_steps=null",  # follows train.grad_accum
         "train.max_steps=3",
         "train.log_every=1",
+        "train.rank_health=true",
         "train.save_every=0",
         "train.eval_every=0",
         "data.train.batch_size=8",

@@ -214,14 +214,14 @@ class TrainConfig(Section):
         default=None,
         gt=0,
         description="gradient elements per DeepSpeed reduction bucket (ZeRO 1-3), e.g. 50000000; "
-        "None: 5000000 at ZeRO 1-2 on CPU ranks; on GPUs a quarter of the model's parameters within "
-        "50000000-200000000; DeepSpeed's 500000000 at ZeRO-3",
+        "None: on GPUs at ZeRO 1-2 a quarter of the model's parameters within 50000000-200000000; elsewhere "
+        "DeepSpeed's 500000000",
     )
     overlap_comm: bool | None = Field(
         default=None,
         description="ZeRO 1-3: reduce gradient buckets on a side stream while backward runs (GPUs; CPU "
         "ranks have no streams, it only costs there). None: at ZeRO 1-2 on GPUs, on when the model spans more "
-        "than one bucket, off on CPU ranks; on at ZeRO-3 (DeepSpeed's choice)",
+        "than one bucket; elsewhere DeepSpeed's choice (off at ZeRO 1-2, on at ZeRO-3)",
     )
     hpz_partition_size: int | Literal["node"] | None = Field(
         default=None,
@@ -279,6 +279,12 @@ class TrainConfig(Section):
         default=1800.0,
         ge=0,
         description="seconds without progress (a step, a checkpoint) before the run exits; 0 = off",
+    )
+    rank_health: bool = Field(
+        default=False,
+        description="time every collective and name a rank that arrives late or whose collectives are slow "
+        "(docs/fault_tolerance.md); train.adaptive_batch turns it on too. Off: nothing wraps torch.distributed "
+        "or DeepSpeed's collectives",
     )
     straggler_factor: float = Field(
         default=1.5,

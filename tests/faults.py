@@ -1,4 +1,6 @@
-"""Fault injection, for the tests that prove mmpt survives faults. Installed only when MMPT_INJECT_FAULT is set.
+"""Fault injection for the tests that prove mmpt survives faults: ranks load this module with
+`launch/train.py ... --import faults` (`ARGS`, with `environment(fault)` putting tests/ on their path), and it
+registers with the engine's step hooks (`mmpt.engine.hooks.observe`) when MMPT_INJECT_FAULT is set.
 
     MMPT_INJECT_FAULT="kill@save:after_engine,step=4,rank=1"     SIGKILL this rank at that point
     MMPT_INJECT_FAULT="sleep=30@forward,step=3,rank=1"           sleep there (a hung or slow rank)
@@ -11,13 +13,14 @@ Several faults are separated by `;`. A fault without `step`/`rank` fires at ever
 `once=PATH` makes it fire only while PATH does not exist (it is created first), so a restarted run
 gets past it. The points are those `mmpt.engine.hooks` is told of.
 
-The two slowdowns last the whole run and are what rank health (`mmpt.engine.health`) must tell apart.
-`slow_compute` sleeps, at each point of the loop and before each collective starts, `factor - 1` times the
-time since the previous point or collective, less the time spent in collectives in between (which
-`mmpt.engine.collective_timing` counts): the rank works slower and reaches every collective late, those
-inside backward (bucketed gradient reductions) too, as a slower accelerator would. `slow_collectives`
-sleeps after each synchronous collective returns, inside the time the collective is timed for: the rank's
-collectives end after its peers', as when the data it waits for crosses a slow link.
+The two slowdowns last the whole run and are what rank health (`mmpt.engine.resilience.health`, on with
+`train.rank_health`) must tell apart. `slow_compute` sleeps, at each point of the loop and before each
+collective starts, `factor - 1` times the time since the previous point or collective, less the time spent in
+collectives in between (which `mmpt.engine.resilience.collective_timing` counts): the rank works slower and
+reaches every collective late, those inside backward (bucketed gradient reductions) too, as a slower
+accelerator would. `slow_collectives` sleeps after each synchronous collective returns, inside the time the
+collective is timed for: the rank's collectives end after its peers', as when the data it waits for crosses
+a slow link.
 """
 
 from __future__ import annotations
@@ -26,12 +29,22 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from mmpt.engine import collective_timing
+from mmpt.engine import hooks
+from mmpt.engine.resilience import collective_timing
 
 ENV = "MMPT_INJECT_FAULT"
+ARGS = ["--import", "faults"]  # after the config and any overrides
+TESTS = Path(__file__).resolve().parent
+
+
+def environment(fault: str) -> dict[str, str]:
+    """What the launcher's environment adds for ranks that carry out `fault`: the fault, and tests/ on the path."""
+    path = [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {ENV: fault, "PYTHONPATH": os.pathsep.join(path)}
 
 
 @dataclass(frozen=True)
@@ -164,3 +177,13 @@ class FaultInjector:
             return total
         self._poison_next_loss = False
         return total * float("nan")
+
+
+def install_from_environment() -> None:
+    """Register the faults MMPT_INJECT_FAULT asks for with the step hooks of every run this process starts."""
+    injector = FaultInjector.from_environment(int(os.environ.get("RANK", "0")))
+    if injector is not None:
+        hooks.observe(injector.reached, injector.loss)
+
+
+install_from_environment()

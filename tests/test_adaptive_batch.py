@@ -13,7 +13,7 @@ from test_data import decode, write_set
 from conftest import REPO, deepspeed_command, launcher_env, read_metrics, tiny_config, write_config
 from mmpt.config_loader import load_config
 from mmpt.data.loader import BatchStream, Source, StatefulLoader, StreamSpec
-from mmpt.engine.adaptive_batch import (
+from mmpt.engine.resilience.adaptive_batch import (
     WINDOWS_PER_DECISION,
     BatchShares,
     check_adaptive_batch,

@@ -98,12 +98,11 @@ def test_gpu_buckets_follow_the_model_so_that_reduction_can_overlap_backward(par
     train = TrainConfig(max_steps=10, grad_clip=1.0, zero_stage=2)
     zero = zero_optimization(train, use_cuda=True, world_size=8, parameters=parameters)
     assert (zero["reduce_bucket_size"], zero["overlap_comm"]) == (bucket, overlap)
-    # Set in the config, either wins; CPU ranks keep their measured bucket and no overlap.
+    # Set in the config, either wins; CPU ranks keep DeepSpeed's defaults.
     chosen = train.model_copy(update={"reduce_bucket_size": 123, "overlap_comm": False})
     zero = zero_optimization(chosen, use_cuda=True, world_size=8, parameters=parameters)
     assert (zero["reduce_bucket_size"], zero["overlap_comm"]) == (123, False)
-    zero = zero_optimization(train, use_cuda=False, world_size=8, parameters=parameters)
-    assert (zero["reduce_bucket_size"], zero["overlap_comm"]) == (5_000_000, False)
+    assert zero_optimization(train, use_cuda=False, world_size=8, parameters=parameters) == {"stage": 2}
 
 
 def test_offload_needs_a_zero_stage(tmp_path, digits_root):

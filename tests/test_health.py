@@ -4,13 +4,17 @@ injected slowdowns, and 2-rank runs (deepspeed launcher, CPU) in which each faul
 import json
 import subprocess
 import time
+from pathlib import Path
 
+import faults
 import pytest
 import torch
 
 from conftest import REPO, deepspeed_command, launcher_env, read_metrics, tiny_config, write_config
-from mmpt.engine import collective_timing, faults, health, stops
-from mmpt.engine.health import HealthMonitor, RankRow, Thresholds, judge
+from mmpt.config import TrainConfig
+from mmpt.engine import stops
+from mmpt.engine.resilience import collective_timing, health
+from mmpt.engine.resilience.health import HealthMonitor, RankRow, Thresholds, judge
 
 REST = [0.0] * 3 * len(collective_timing.KINDS)  # per kind: seconds, calls, MiB
 THRESHOLDS = Thresholds(busy_factor=1.5, collective_factor=2.0, min_share=0.05, windows=3)
@@ -144,15 +148,50 @@ def test_slow_compute_stretches_the_work_between_points_and_up_to_each_collectiv
     assert faults.parse("slow_compute:rank=1;kill@forward,rank=0") == [faults.Fault("kill", "forward", None, 0)]
 
 
+def test_collectives_are_replaced_only_when_the_config_asks_for_rank_health(monkeypatch, process_group_of_one):
+    """Default config: torch.distributed's and DeepSpeed's collectives are the originals and no monitor joins
+    the step. `train.rank_health` (or `train.adaptive_batch`) on several ranks wraps both."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from mmpt.engine import deepspeed_private
+    from mmpt.engine.run import start_process_group
+
+    start_process_group(watchdog_timeout=0)
+    backend = deepspeed_private.comm_backend()
+    monkeypatch.setattr(health.mdist, "get_world_size", lambda group=None: 2)  # as on two ranks
+    monkeypatch.setattr(health.mdist, "all_gather_objects", lambda value: [value, value])
+
+    def replaced() -> list[str]:
+        names = ("all_reduce", "all_gather_into_tensor")
+        return [f"torch.distributed.{n}" for n in names if getattr(dist, n) is not getattr(distributed_c10d, n)] + [
+            f"cdb.{n}"
+            for n in names
+            if n in vars(backend)  # DeepSpeed's own are its class's methods
+        ]
+
+    default = TrainConfig(max_steps=1, grad_clip=0)
+    assert HealthMonitor.start(default, Path("unused"), cuda=False) is None
+    assert replaced() == []
+    for asked in ({"rank_health": True}, {"adaptive_batch": True}):
+        try:
+            assert HealthMonitor.start(default.model_copy(update=asked), Path("unused"), cuda=False) is not None
+            assert len(replaced()) == 4, (asked, replaced())
+        finally:
+            collective_timing.uninstall()
+        assert replaced() == []
+
+
 # -- 2-rank runs ------------------------------------------------------------------------------------------
 
 
 def launch(tmp_path, digits_root, fault: str, **train) -> tuple[subprocess.CompletedProcess, str]:
     run_dir = tmp_path / "run"
-    settings = {**dict(zero_stage=2, max_steps=7, save_every=0, log_every=1), **train}
+    settings = {**dict(zero_stage=2, max_steps=7, save_every=0, log_every=1, rank_health=True), **train}
     config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=settings))
-    env = dict(launcher_env(), MMPT_INJECT_FAULT=fault)
-    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    env = dict(launcher_env(), **faults.environment(fault))
+    command = deepspeed_command(config) + faults.ARGS
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     return result, result.stdout + result.stderr
 
 
@@ -216,14 +255,15 @@ def test_two_nodes_the_faulty_rank_and_its_node_are_named(tmp_path, digits_root,
     """2 nodes x 2 ranks on this machine (each node its own torchrun, as tests/test_multinode.py starts them)."""
     from test_multinode import STALE_LAUNCHER_VARIABLES, node_commands, run_nodes
 
-    settings = dict(zero_stage=2, max_steps=6, save_every=0, log_every=1)
+    settings = dict(zero_stage=2, max_steps=6, save_every=0, log_every=1, rank_health=True)
     config = write_config(
         tmp_path / "cfg.yaml",
         tiny_config(digits_root, tmp_path / "run", train=settings, data={"train": {"batch_size": 8}}),
     )
     env = {k: v for k, v in launcher_env().items() if k not in STALE_LAUNCHER_VARIABLES}
-    env["MMPT_INJECT_FAULT"] = fault
-    commands = node_commands("torchrun", 2, 2, tmp_path, [str(REPO / "launch/train.py"), "--config", str(config)])
+    env.update(faults.environment(fault))
+    script = [str(REPO / "launch/train.py"), "--config", str(config), *faults.ARGS]
+    commands = node_commands("torchrun", 2, 2, tmp_path, script)
     outputs = run_nodes(commands, env, tmp_path / "logs", timeout=600)
     report = json.loads((tmp_path / "run/unhealthy.json").read_text())
     assert [(r["kind"], r["rank"], r["node_rank"]) for r in report["ranks"]] == [(kind, 3, 1)], named("".join(outputs))

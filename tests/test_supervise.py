@@ -15,7 +15,7 @@ attempts = run_dir / "attempts"
 with attempts.open("a") as out:
     out.write(json.dumps({"argv": sys.argv[3:], "excluded": os.environ.get("MMPT_EXCLUDED_NODES")}) + "\\n")
 code = int(codes[len(attempts.read_text().splitlines()) - 1])
-if code == 76:  # a stop on an unhealthy rank names its node, as mmpt.engine.health writes it
+if code == 76:  # a stop on an unhealthy rank names its node, as mmpt.engine.resilience.health writes it
     node = "gpu0" + str(len(attempts.read_text().splitlines()))
     report = {"step": 5, "action": "stop", "nodes": [node], "ranks": [{"line": "slow collectives: rank 3 on " + node}]}
     (run_dir / "unhealthy.json").write_text(json.dumps(report))

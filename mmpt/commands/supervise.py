@@ -25,7 +25,7 @@ from pathlib import Path
 
 CONFIG_ERROR = 2
 EXCLUDED_ENV = "MMPT_EXCLUDED_NODES"
-UNHEALTHY_FILE = "unhealthy.json"  # as mmpt.engine.health writes it
+UNHEALTHY_FILE = "unhealthy.json"  # as mmpt.engine.resilience.health writes it
 
 
 def say(line: str) -> None:

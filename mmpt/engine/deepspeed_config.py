@@ -20,13 +20,6 @@ log = logging.getLogger(__name__)
 # overlap is on when the model spans more than one bucket. train.reduce_bucket_size and
 # train.overlap_comm override either.
 GPU_BUCKET_RANGE = (50_000_000, 200_000_000)
-# CPU ranks (gloo), ZeRO 1-2: 5M elements (20 MB fp32). DeepSpeed flattens each bucket into a new
-# tensor every step; one of the model's size (88 MB for the 22M-parameter benchmark model) is
-# fresh pages that the kernel faults in and zeroes each time (~70 ms to fill here against ~10 ms
-# for memory already mapped), while a 20 MB one stays below glibc's mmap threshold and is mostly
-# reused. Measured on 2 CPU ranks (benchmarks/train_throughput.py): 5M costs less CPU per step than
-# one model-sized bucket and than 2M, whose extra collectives cost more than they save.
-CPU_REDUCE_BUCKET = 5_000_000
 
 
 def check_precision(cfg: Config) -> None:
@@ -62,25 +55,10 @@ def gpu_reduction(train: TrainConfig, parameters: int) -> tuple[int, bool]:
 def zero_optimization(train: TrainConfig, use_cuda: bool, world_size: int = 1, parameters: int = 0) -> dict[str, Any]:
     """The `zero_optimization` section: the stage, offload, and how ZeRO 1-2 reduce gradients.
 
-    ZeRO 1-2 (DeepSpeed's stage_1_and_2 optimizer) on GPUs keep DeepSpeed's defaults, written out, but for
-    the bucket and overlap, sized from the model (`gpu_reduction`). On CPU ranks (gloo), where there are no
-    streams to overlap on and every copy is paid in CPU time, they are set for the fewest copies:
-
-    - `reduce_scatter: false`. Stages 1-2 never issue a reduce-scatter collective: with it on,
-      each bucket is flattened into a new tensor, all-reduced whole, and each rank's slices are
-      copied back (or reduced to their owner, one `reduce` per owner, slower than one all-reduce
-      on gloo). Off, the bucket is all-reduced in place: one flatten copy and the copy back fewer.
-    - `contiguous_gradients: false`. On, every gradient is first copied into the bucket buffer
-      and then, for the rank's own partition, into a partition buffer allocated anew every step:
-      two copies whose purpose is avoiding fragmentation in a GPU's caching allocator. Off, the
-      gradients are reduced where autograd put them (in buckets of `reduce_bucket_size`).
-    - `overlap_comm: false`: on CPU it overlaps nothing (DeepSpeed's CPU accelerator has no
-      streams) and only adds a second bucket buffer; measured ~7% slower per step.
-
-    Measured on 2 CPU ranks, fp32 (22M parameters, batch 32 per rank): ZeRO-2's CPU time per step
-    went from ~0.98 s to ~0.84 s, ZeRO-0's being ~0.82 s, with losses unchanged. ZeRO-3 keeps
-    DeepSpeed's defaults (its own reduction path) unless the two keys are set, and takes ZeRO++'s
-    hierarchical partitioning (`zero_hpz_partition_size`) from `train.hpz_partition_size`.
+    ZeRO 1-2 on GPUs keep DeepSpeed's defaults, written out, but for the bucket and overlap, sized from the
+    model (`gpu_reduction`). CPU ranks and ZeRO-3 keep DeepSpeed's defaults unless `train.reduce_bucket_size`
+    or `train.overlap_comm` is set; ZeRO-3 takes ZeRO++'s hierarchical partitioning
+    (`zero_hpz_partition_size`) from `train.hpz_partition_size`.
     """
     stage = train.zero_stage
     zero: dict[str, Any] = {"stage": stage}
@@ -89,20 +67,19 @@ def zero_optimization(train: TrainConfig, use_cuda: bool, world_size: int = 1, p
             raise ConfigError("config key 'train.offload_optimizer' needs train.zero_stage >= 1")
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_cuda}
     for key in ("reduce_bucket_size", "overlap_comm"):
-        if stage == 0 and getattr(train, key) is not None:
+        if getattr(train, key) is None:
+            continue
+        if stage == 0:
             raise ConfigError(
                 f"config key 'train.{key}' needs train.zero_stage >= 1 (ZeRO-0 all-reduces every gradient at once)"
             )
-    if stage in (1, 2):
-        on_cpu = not use_cuda
-        if on_cpu:
-            bucket, overlap = train.reduce_bucket_size or CPU_REDUCE_BUCKET, bool(train.overlap_comm)
-        else:
-            bucket, overlap = gpu_reduction(train, parameters)
+        zero[key] = getattr(train, key)
+    if stage in (1, 2) and use_cuda:
+        bucket, overlap = gpu_reduction(train, parameters)
         zero.update(
             {
-                "reduce_scatter": not on_cpu,
-                "contiguous_gradients": not on_cpu,
+                "reduce_scatter": True,
+                "contiguous_gradients": True,
                 "overlap_comm": overlap,
                 "reduce_bucket_size": bucket,
                 # DeepSpeed's default; it only reads it where the backend lacks all_gather_into_tensor (gloo
@@ -115,13 +92,8 @@ def zero_optimization(train: TrainConfig, use_cuda: bool, world_size: int = 1, p
             "config key 'train.hpz_partition_size' needs train.zero_stage = 3 (ZeRO++ partitions "
             "parameters, which only ZeRO-3 does)"
         )
-    if stage == 3:
-        if train.hpz_partition_size is not None:
-            zero["zero_hpz_partition_size"] = hpz_partition_size(train.hpz_partition_size, world_size)
-        if train.overlap_comm is not None:
-            zero["overlap_comm"] = train.overlap_comm
-        if train.reduce_bucket_size is not None:
-            zero["reduce_bucket_size"] = train.reduce_bucket_size
+    if stage == 3 and train.hpz_partition_size is not None:
+        zero["zero_hpz_partition_size"] = hpz_partition_size(train.hpz_partition_size, world_size)
     return zero
 
 

@@ -8,10 +8,6 @@ the bucket's all-reduce starts (asynchronously) while backward goes on. Buckets 
 so every rank issues the same collectives in the same order even when a parameter gets no gradient in a
 step (its bucket then starts when the step's backward is done, with zeros there).
 
-CPU ranks that all run on one host (gloo) reduce instead through DeepSpeed's shared-memory kernel
-(`shm_collectives.py`) once backward is done: 19 ms for 90 MB on 2 ranks against gloo's 93 ms, which
-overlapping cannot win back on cores that also run backward. Other runs take the overlapped path.
-
 Only for the engine's plain optimizer path (fp32 ZeRO-0): DeepSpeed's bf16/fp16 wrappers keep gradients
 of their own.
 """
@@ -24,8 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmpt.engine import shm_collectives
-
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
@@ -35,7 +29,6 @@ class BucketedAllReduce:
 
     def __init__(self, parameters: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES):
         self.world = dist.get_world_size()
-        self.shared_memory = shm_collectives.available()
         params = [p for p in parameters if p.requires_grad]
         self.buckets: list[torch.Tensor] = []
         self.members: list[list[nn.Parameter]] = []
@@ -90,7 +83,7 @@ class BucketedAllReduce:
         self.reducing = reduce
 
     def _gradient_ready(self, param: nn.Parameter) -> None:
-        if not self.reducing or self.shared_memory:
+        if not self.reducing:
             return
         if param.grad is not self.views[param]:
             raise RuntimeError(
@@ -113,14 +106,10 @@ class BucketedAllReduce:
     def finish(self) -> torch.Tensor:
         """After the step's last backward: reduce what is left, wait for all, average. Returns whether some
         averaged gradient is not finite (a device tensor, 1.0 or 0.0), found in the same pass as the average."""
-        if self.shared_memory:
-            for flat in self.buckets:
-                shm_collectives.all_reduce_sum_(flat)
-        else:
-            self._launch(until_incomplete=False)
-            for handle in self.handles:
-                handle.wait()
-            self.handles = []
+        self._launch(until_incomplete=False)
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
         self.reducing = False
         found_inf = torch.zeros(1, device=self.inverse.device)  # fresh each step: the optimizer keeps it
         # GradScaler's unscale kernel: multiplies by 1/ranks and flags non-finite values in one pass per bucket

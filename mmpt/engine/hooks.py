@@ -1,6 +1,7 @@
-"""Who is told where a step is: the hang watchdog, observers a caller adds (`observing`), and, only when a run
-asks for it (`MMPT_INJECT_FAULT`), the fault injector. The loop says where it is, once per point; it never
-asks who listens."""
+"""Who is told where a step is: the hang watchdog, and observers added from outside the engine (a profiler, a
+test's counter or fault injector), for the runs started inside a block (`observing`) or for every run of the
+process (`observe`, e.g. from a module loaded with `launch/train.py --import`). The loop says where it is, once
+per point; it never asks who listens."""
 
 from __future__ import annotations
 
@@ -9,34 +10,39 @@ from contextlib import contextmanager
 
 import torch
 
-from mmpt.engine.faults import FaultInjector
-
 Observer = Callable[[str, int], None]  # (point, step): data, forward, backward, step, log, eval, checkpoint, save:*
+LossHook = Callable[[torch.Tensor], torch.Tensor]  # the loss about to be backpropagated -> the one to use
 
-_OBSERVERS: list[Observer] = []
+_ADDED: list[tuple[Observer, LossHook | None]] = []
+
+
+def observe(observer: Observer, loss: LossHook | None = None) -> None:
+    """Tell `observer` every point the runs started from now on in this process reach; `loss`, if given,
+    sees each loss about to be backpropagated and returns the one to backpropagate."""
+    _ADDED.append((observer, loss))
 
 
 @contextmanager
 def observing(observer: Observer) -> Iterator[None]:
-    """Tell `observer` every point the runs started inside this block reach (a profiler, a test's counter)."""
-    _OBSERVERS.append(observer)
+    """Tell `observer` every point the runs started inside this block reach."""
+    observe(observer)
     try:
         yield
     finally:
-        _OBSERVERS.remove(observer)
+        _ADDED.remove((observer, None))
 
 
 class StepHooks:
-    def __init__(self, observers: list[Observer], faults: FaultInjector | None = None):
-        self.observers = [*observers, *_OBSERVERS]
-        self.faults = faults
+    def __init__(self, observers: list[Observer]):
+        self.observers = [*observers, *(observer for observer, _ in _ADDED)]
+        self.loss_hooks = [loss for _, loss in _ADDED if loss is not None]
 
     def reached(self, point: str, step: int) -> None:
         for observer in self.observers:
             observer(point, step)
-        if self.faults is not None:
-            self.faults.reached(point, step)
 
     def loss(self, total: torch.Tensor) -> torch.Tensor:
-        """The loss about to be backpropagated: itself, unless an injected fault replaces it."""
-        return total if self.faults is None else self.faults.loss(total)
+        """The loss about to be backpropagated: itself, unless an added hook replaces it."""
+        for hook in self.loss_hooks:
+            total = hook(total)
+        return total

@@ -12,12 +12,11 @@ the in-flight gather registry. `benchmarks/zero3_trace.py` counts invalidations 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-log = logging.getLogger(__name__)
+from mmpt.engine import deepspeed_private
 
 
 class PoolTrace:
@@ -34,7 +33,7 @@ class PoolTrace:
             yield
             return
         if self._coordinator is None:
-            self._coordinator = _second_coordinator(offload)
+            self._coordinator = deepspeed_private.pool_coordinator(offload)
             if self._coordinator is None:
                 self._offload = None
                 yield
@@ -45,28 +44,3 @@ class PoolTrace:
             yield
         finally:
             offload.param_coordinator = training
-
-
-def _second_coordinator(offload: Any) -> Any:
-    """A coordinator with the settings DeepSpeed gave its own (`DeepSpeedZeRoOffload.__init__`), or None
-    where this DeepSpeed keeps them elsewhere (the pool pass then shares the training trace)."""
-    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-
-    try:
-        return PartitionedParameterCoordinator(
-            prefetch_bucket_sz=offload._prefetch_bucket_sz,
-            max_reuse_distance_in_numel=offload._max_reuse_distance_in_numel,
-            max_available_parameters_in_numel=offload._max_available_parameters_in_numel,
-            allgather_stream=offload._DeepSpeedZeRoOffload__allgather_stream,
-            inflight_param_registry=offload._DeepSpeedZeRoOffload__inflight_param_registry,
-            prefetch_nvme=offload.offload_device == OffloadDeviceEnum.nvme,
-            timers=offload.timers,
-            zero_quantized_weights=offload.zero_quantized_weights,
-            zero_quantized_nontrainable_weights=offload.zero_quantized_nontrainable_weights,
-            fast_sharding_for_leaf_module=offload.fast_sharding_for_leaf_module,
-            log_trace_cache_warnings=offload.log_trace_cache_warnings,
-        )
-    except (AttributeError, TypeError) as exc:
-        log.warning("ZeRO-3: the pool pass shares the training pass's prefetch trace (%s)", exc)
-        return None

@@ -5,7 +5,6 @@ metrics, the step hooks. `trainer.train` drives it; nothing is threaded through 
 from __future__ import annotations
 
 import logging
-import os
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,13 +19,11 @@ from mmpt import distributed as mdist
 from mmpt.artifacts import WEIGHTS
 from mmpt.config import Config, ConfigError, save_config
 from mmpt.data.loader import SkipPolicy, StatefulLoader
-from mmpt.engine import precision, shm_collectives
-from mmpt.engine.adaptive_batch import BatchShares, check_adaptive_batch
+from mmpt.engine import deepspeed_private, precision
 from mmpt.engine.batch_norm import batch_norm_across_ranks
 from mmpt.engine.checkpoint import Checkpointer, RngState, deepspeed_io, find_resume, saved_world_size
 from mmpt.engine.compile import check_compile, compile_towers
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
-from mmpt.engine.faults import FaultInjector
 from mmpt.engine.grad_buckets import BucketedAllReduce
 from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.hooks import StepHooks
@@ -34,6 +31,7 @@ from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
 from mmpt.engine.pool_trace import PoolTrace
 from mmpt.engine.preflight import check_inputs
+from mmpt.engine.resilience.adaptive_batch import BatchShares, check_adaptive_batch
 from mmpt.engine.sequence_parallel import split_sequences
 from mmpt.engine.sharded_build import build_partitioned
 from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes
@@ -188,6 +186,7 @@ def seed_everything(seed: int) -> None:
 
 def start(cfg: Config) -> tuple[Run | None, int]:
     """(the run, ready to train from its step; None when it already finished) and the step it stands at."""
+    deepspeed_private.check_version()
     check_precision(cfg)
     check_adaptive_batch(cfg)
     method = get_method(cfg.method_name)
@@ -220,7 +219,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         loader.read_in_units(shares.unit)
     mdist.allow_uneven_rows(shares is not None)
     watchdog = Watchdog(run_dir, rank, world_size, cfg.train.watchdog_timeout)
-    hooks = StepHooks([watchdog.reached], FaultInjector.from_environment(rank))
+    hooks = StepHooks([watchdog.reached])
     spec = loader.dataset.spec
     checkpointer = Checkpointer(
         run_dir, cfg.train.keep_last, (spec.world_size, spec.num_workers), hooks.reached, partitioned=momentum
@@ -300,30 +299,8 @@ def start_process_group(watchdog_timeout: float) -> tuple[int, int]:
     if use_cuda:
         torch.cuda.set_device(mdist.process_info().local_rank)
     mdist.barrier()
-    release_cpu_allreduce_buffer()
-    if shm_collectives.route_deepspeed_collectives() and mdist.get_rank() == 0:
-        log.info(
-            "all %d CPU ranks on this host: gradient all-reduces and ZeRO's gathers go through DeepSpeed's "
-            "shared-memory kernel",
-            mdist.get_world_size(),
-        )
+    deepspeed_private.release_cpu_allreduce_buffer(mdist.get_rank())
     return mdist.get_rank(), mdist.get_world_size()
-
-
-def release_cpu_allreduce_buffer() -> None:
-    """Unlink this rank's DeepSpeed CPU all-reduce buffer from /dev/shm once every rank has mapped it.
-
-    DeepSpeed's shared-memory all-reduce (CPU ranks) creates one ~70 MB file per rank and run,
-    named after the rendezvous port, and never removes it: every run, killed ones most of all,
-    would leave its buffers behind until /dev/shm fills memory. Every peer maps all buffers while
-    the process group starts (the barrier before this call), so the name is no longer needed;
-    the memory goes when the last rank exits.
-    """
-    name = (
-        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-        f"{os.environ.get('MASTER_PORT', '')}_{mdist.get_rank()}"
-    )
-    Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def prepare_run_dir(cfg: Config, method: Method, run_dir: Path) -> None:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from mmpt import distributed as mdist
+from mmpt.engine import deepspeed_private
 from mmpt.engine.checkpoint.weights import full_shapes
 from mmpt.engine.sharded_copies import ShardedCopies
 from mmpt.models.momentum import MomentumCopy
@@ -65,7 +66,11 @@ def build_partitioned(
     # Initialisation is skipped (its values are replaced below, and some of it, HF's among it, would index
     # parameters that are already partitioned); mem_efficient_linear off: DeepSpeed would otherwise replace
     # torch.nn.functional.linear for the whole process.
-    with no_init_weights(), _init_partitioned()(config_dict_or_path=deepspeed_config, mem_efficient_linear=False):
+    # 0-D parameters stay whole: the models re-make theirs with shape [1] (open_clip's logit scale), and
+    # `deepspeed.initialize` partitions any parameter still whole.
+    freed = _FreedMemory()
+    init = deepspeed_private.partitioned_init(lambda module: freed.add(module.parameters(recurse=False)))
+    with no_init_weights(), init(config_dict_or_path=deepspeed_config, mem_efficient_linear=False):
         model = build()
     copies = copies_of(model)
     sharded = ShardedCopies(copies) if copies else None
@@ -212,23 +217,3 @@ def _same_error(kind: type[Exception], message: str) -> Exception:
         return kind(message)
     except TypeError:
         return RuntimeError(f"rank 0: {message}")
-
-
-def _init_partitioned():
-    """`deepspeed.zero.Init` that leaves 0-D parameters whole: DeepSpeed 0.19 fails on them while building (it
-    broadcasts each parameter as bytes); the models re-make theirs with shape [1] (open_clip's logit scale),
-    and `deepspeed.initialize` partitions any parameter still whole."""
-    import deepspeed
-
-    class InitPartitioned(deepspeed.zero.Init):
-        freed = _FreedMemory()
-
-        def _post_init_method(self, module):  # each module is built whole before it is partitioned
-            super()._post_init_method(module)
-            self.freed.add(module.parameters(recurse=False))
-
-        def _zero_init_param(self, param):
-            if param.dim() > 0:
-                super()._zero_init_param(param)
-
-    return InitPartitioned

@@ -9,7 +9,7 @@
 | 4 | non-finite training: too many optimizer steps in a row with a NaN/Inf loss or gradient |
 | 5 | checkpoint error: a rank could not write its part of a checkpoint (the previous one stands) |
 | 75 | watchdog: a rank made no progress (`mmpt.engine.watchdog`), restart to resume |
-| 76 | unhealthy rank: a rank arrived late or its collectives were slow for several logging windows and `train.on_unhealthy` is `stop` (`mmpt.engine.health`); `<output_dir>/unhealthy.json` names its node: restart without that node |
+| 76 | unhealthy rank: a rank arrived late or its collectives were slow for several logging windows and `train.on_unhealthy` is `stop` (`mmpt.engine.resilience.health`); `<output_dir>/unhealthy.json` names its node: restart without that node |
 
 A stop that every rank finds alike (config, non-finite) is said in full by rank 0; the others say
 one short line. A data or checkpoint error belongs to one rank's readers or files, so each rank that
@@ -27,7 +27,7 @@ from mmpt.config import ConfigError
 from mmpt.data.shards import DataError, MissingDataError
 from mmpt.engine.checkpoint.protocol import CheckpointError
 from mmpt.engine.guards import NonFiniteError
-from mmpt.engine.health import UnhealthyRankError
+from mmpt.engine.resilience.health import UnhealthyRankError
 from mmpt.models.tensor_files import CheckpointMismatch
 
 EXIT_UNEXPECTED, EXIT_CONFIG, EXIT_DATA, EXIT_NON_FINITE, EXIT_CHECKPOINT, EXIT_HANG = 1, 2, 3, 4, 5, 75

@@ -13,13 +13,13 @@ import torch
 from mmpt import distributed as mdist
 from mmpt.artifacts import WEIGHTS
 from mmpt.config import Config
-from mmpt.engine import collective_timing
 from mmpt.engine import run as runs
 from mmpt.engine.checkpoint import read_weights
 from mmpt.engine.evaluation import evaluate_sets, evaluate_while_training
-from mmpt.engine.health import HealthMonitor
 from mmpt.engine.hooks import StepHooks
 from mmpt.engine.optim import SkippingAdamW
+from mmpt.engine.resilience import collective_timing
+from mmpt.engine.resilience.health import HealthMonitor
 from mmpt.engine.timing import Spans
 from mmpt.engine.zero3_guard import partitioned_parameter_guard
 

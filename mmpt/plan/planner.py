@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmpt.config import Config
-from mmpt.engine.adaptive_batch import largest_share
 from mmpt.engine.deepspeed_config import gpu_reduction
+from mmpt.engine.resilience.adaptive_batch import largest_share
 from mmpt.losses import ContrastiveLoss
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.methods import get_method

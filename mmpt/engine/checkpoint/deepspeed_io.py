@@ -26,6 +26,7 @@ from torch import nn
 
 from mmpt import distributed as mdist
 from mmpt.artifacts import fsync
+from mmpt.engine import deepspeed_private
 from mmpt.engine.checkpoint.parts import PartitionedTensors, whole_from_partitions
 from mmpt.engine.checkpoint.protocol import COMPLETE
 
@@ -164,7 +165,7 @@ def fp32_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"checkpoint {checkpoint}: {len(files)} optimizer files for {ranks} ranks")
     groups = [state["single_partition_of_fp32_groups"] for state in states]
     model_states = zero_to_fp32.parse_model_states([str(f) for f in model_state_files(checkpoint)])
-    return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(ranks, groups, model_states, False, None)
+    return deepspeed_private.zero2_fp32_state_dict(ranks, groups, model_states)
 
 
 def _saving_rank(path: Path) -> int:

@@ -2,13 +2,13 @@
 
 Why: data-parallel training is periodic and homogeneous. Every rank runs the same collectives in the
 same order, step after step, so a rank whose timings drift from its peers' is the faulty part (the C4
-idea). `mmpt.engine.health` compares the ranks; this module measures one rank.
+idea). `mmpt.engine.resilience.health` compares the ranks; this module measures one rank.
 
 What is wrapped: `torch.distributed`'s collectives (mmpt's own gathers call those) and the collectives of
-DeepSpeed's communication backend (`deepspeed.comm.comm.cdb`, DeepSpeed 0.19.8). DeepSpeed's ZeRO code
-calls the backend object, which calls `torch.distributed` through function references taken when it
-started (its all-gather) or its shared-memory kernel on CPU ranks (`mmpt.engine.shm_collectives`), so
-wrapping `torch.distributed` alone would miss its traffic. A call made from inside another wrapped call
+DeepSpeed's communication backend (`deepspeed_private.comm_backend`). DeepSpeed's ZeRO code calls the
+backend object, which calls `torch.distributed` through function references taken when it started (its
+all-gather) or its shared-memory kernel on CPU ranks, so wrapping `torch.distributed` alone would miss its
+traffic. A call made from inside another wrapped call
 (DeepSpeed's backend calling `torch.distributed`) counts once, as the outer call.
 
 What is recorded, per window: for each collective kind (all_reduce, all_gather, reduce_scatter,
@@ -19,7 +19,7 @@ moment the previous logging step's small all-gather returned, an instant all ran
 collective returns on every rank once its last rank arrived, and a few bytes cross any link at once).
 Measuring from a shared instant needs no synchronised clocks.
 
-How arrival and return tell the faults apart (the reasoning `mmpt.engine.health` applies):
+How arrival and return tell the faults apart (the reasoning `mmpt.engine.resilience.health` applies):
 
 - A rank whose own work is slow (compute, data) arrives late at the collectives: its peers wait for it
   inside the call, so their collective time grows and its own shrinks. Its busy time (the window's time
@@ -38,7 +38,8 @@ has finished (`mmpt.engine.timing.Spans.take` synchronises already): no step wai
 Asynchronous calls (`async_op=True`: ZeRO-3's prefetching gathers, overlapped reductions) are counted
 with their bytes and the time the call took to issue; their waits show where the work waits for them.
 
-`install` wraps once per process; `uninstall` restores the originals (tests).
+`install` wraps once per process, only when a run asks for rank health (`HealthMonitor.start`);
+`uninstall` restores the originals.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mmpt.engine import deepspeed_private
 
 KINDS = (
     "all_reduce",
@@ -128,18 +131,18 @@ class Window:
         return out
 
 
-_DELAYS: list[Delay] = []  # injected faults (`mmpt.engine.faults`): run after each synchronous call, timed with it
-_LATE_STARTS: list[Delay] = []  # injected faults: run before each call starts, outside its timing
+_DELAYS: list[Delay] = []  # run after each synchronous call, timed with it
+_LATE_STARTS: list[Delay] = []  # run before each call starts, outside its timing
 
 
 def add_delay(delay: Delay) -> None:
-    """Run `delay(kind)` after every synchronous collective returns, inside its timing (fault injection)."""
+    """Run `delay(kind)` after every synchronous collective returns, inside its timing (the tests' slow link)."""
     _DELAYS.append(delay)
 
 
 def add_late_start(delay: Delay) -> None:
-    """Run `delay(kind)` before every collective starts, outside its timing (fault injection: own work that
-    takes longer, up to each collective, inside backward's bucketed reductions too)."""
+    """Run `delay(kind)` before every collective starts, outside its timing (the tests' slow rank: own work
+    that takes longer, up to each collective, inside backward's bucketed reductions too)."""
     _LATE_STARTS.append(delay)
 
 
@@ -149,7 +152,7 @@ class CollectiveClock:
     def __init__(self, cuda: bool):
         self.cuda = cuda
         self.delays, self.late_starts = _DELAYS, _LATE_STARTS
-        self.seconds_so_far = 0.0  # host seconds in collectives since the start, for the fault injector
+        self.seconds_so_far = 0.0  # host seconds in collectives since the start (a late start's own work excludes them)
         self._local = threading.local()
         self._group_names: dict[Any, str] = {}
         self._reset(self._now())
@@ -285,7 +288,7 @@ def _buffer_bytes(args: tuple, kwargs: dict) -> float:
 
 
 _ACTIVE: CollectiveClock | None = None
-_ORIGINALS: list[tuple[Any, str, Any]] = []  # (owner, name, original), to restore
+_ORIGINALS: list[tuple[Any, str, Any]] = []  # (owner, name, original; None: the class's method), to restore
 _WRAPPED: set[Callable] = set()
 
 
@@ -305,8 +308,8 @@ def _wrap(clock: CollectiveClock, owner: Any, name: str) -> None:
         return clock.call(kind, original, args, kwargs)
 
     _WRAPPED.add(timed)
+    _ORIGINALS.append((owner, name, vars(owner).get(name)))
     setattr(owner, name, timed)
-    _ORIGINALS.append((owner, name, original))
 
 
 def install(cuda: bool) -> CollectiveClock:
@@ -317,11 +320,7 @@ def install(cuda: bool) -> CollectiveClock:
     clock = CollectiveClock(cuda)
     for name in _KIND_OF:
         _wrap(clock, dist, name)
-    try:
-        import deepspeed.comm.comm as ds_comm
-    except ImportError:
-        ds_comm = None
-    backend = getattr(ds_comm, "cdb", None)
+    backend = deepspeed_private.comm_backend()
     if backend is not None:
         for name in _KIND_OF:
             _wrap(clock, backend, name)
@@ -334,6 +333,9 @@ def uninstall() -> None:
     global _ACTIVE
     while _ORIGINALS:
         owner, name, original = _ORIGINALS.pop()
-        setattr(owner, name, original)
+        if original is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
     _WRAPPED.clear()
     _ACTIVE = None

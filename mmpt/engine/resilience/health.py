@@ -1,12 +1,12 @@
 """Rank health: name the rank that arrives late, or whose collectives are slow, from the collective timings.
 
-At every logging step each rank hands in its window (`mmpt.engine.collective_timing.Window`): its busy
+At every logging step each rank hands in its window (`mmpt.engine.resilience.collective_timing.Window`): its busy
 time (outside collectives), its time in collectives, and when on average it arrived at its synchronous
 collectives and when they returned, from an instant all ranks share. One all-gather of these floats (the
 logging step syncs anyway) gives every rank the same matrix, and every rank judges it alike, so a stop
 needs no further message: every rank raises the same error at the same step.
 
-Two faults, told apart (the reasoning is in `mmpt.engine.collective_timing`):
+Two faults, told apart (the reasoning is in `mmpt.engine.resilience.collective_timing`):
 
 - straggler (arrives late): the rank's busy time exceeds `train.straggler_factor` times its peers' median.
 - slow collectives (its link or node): its calls return later than its peers' by more than the
@@ -35,8 +35,8 @@ from typing import Any, Literal, cast
 from mmpt import distributed as mdist
 from mmpt.artifacts import atomic_write
 from mmpt.config import TrainConfig
-from mmpt.engine import collective_timing
-from mmpt.engine.collective_timing import KINDS, CollectiveClock, Window
+from mmpt.engine.resilience import collective_timing
+from mmpt.engine.resilience.collective_timing import KINDS, CollectiveClock, Window
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,9 @@ class HealthMonitor:
 
     @classmethod
     def start(cls, train: TrainConfig, run_dir: Path, cuda: bool) -> HealthMonitor | None:
-        """Install the collective clock and learn every rank's node (one gather, at start); None on one rank."""
-        if mdist.get_world_size() < 2:
+        """Install the collective clock and learn every rank's node (one gather, at start). None, and nothing
+        installed, unless `train.rank_health` or `train.adaptive_batch` asks for it on several ranks."""
+        if not (train.rank_health or train.adaptive_batch) or mdist.get_world_size() < 2:
             return None
         clock = collective_timing.install(cuda)
         nodes = mdist.all_gather_objects((socket.gethostname(), node_rank()))
