@@ -6,6 +6,7 @@ import itertools
 import json
 from itertools import islice
 
+import faults
 import pytest
 import torch
 from test_data import decode, write_set
@@ -131,15 +132,16 @@ def test_a_rank_slowed_twice_is_given_a_smaller_share(tmp_path, digits_root):
     run_dir = tmp_path / "run"
     settings = dict(zero_stage=2, max_steps=7, save_every=4, log_every=1, adaptive_batch=True, adaptive_batch_units=4)
     config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=settings))
-    env = dict(launcher_env(), MMPT_INJECT_FAULT="slow_compute:rank=1:factor=2")
-    result = subprocess.run(deepspeed_command(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    env = dict(launcher_env(), **faults.environment("slow_compute:rank=1:factor=2"))
+    command = deepspeed_command(config) + faults.ARGS
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     shares = [record["micro_batch_per_rank"] for record in read_metrics(run_dir) if "micro_batch_per_rank" in record]
     assert shares[0] == [16, 16] and all(sum(s) == 32 for s in shares), shares
     assert shares[-1][0] > shares[-1][1], shares
     # Resumed for two more steps: the saved shares carry on (no decision was due at the last window, and
     # the next is due only after a few windows' measurement).
-    command = deepspeed_command(config, "train.max_steps=9")
+    command = deepspeed_command(config, "train.max_steps=9") + faults.ARGS
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     resumed = [
