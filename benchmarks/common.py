@@ -1,17 +1,46 @@
-"""Training a demo as a new user does, for the demo benchmarks: the deepspeed launcher on 2 CPU ranks
-in a fresh directory (which builds the corpus), with dotted overrides."""
+"""What the benchmarks share: where results go and how they are written, the spread of repeated runs, and
+training a demo as a new user does (the deepspeed launcher on 2 CPU ranks in a fresh directory, which builds
+the corpus, with dotted overrides)."""
 
 from __future__ import annotations
 
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """min, median and max of repeated runs."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def save_results(name: str, record: Any, lines: list[str], folder: Path = RESULTS) -> None:
+    """`<name>.json` (every figure) and `<name>.md` (the report `lines`) in `folder`; the report printed too."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (folder / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def demo_machine() -> str:
+    """The date and set-up of a demo run (2 CPU ranks), for a report's first line."""
+    import platform
+
+    import torch
+
+    return (
+        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 CPU ranks (gloo), ZeRO-2, fp32; "
+        f"python {sys.version.split()[0]}, torch {torch.__version__}"
+    )
 
 
 def free_port() -> int:

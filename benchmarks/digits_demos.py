@@ -20,13 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
-import time
 
-from demo_runs import REPO, train_demo
+from common import RESULTS, demo_machine, save_results, train_demo
 
-RESULTS = REPO / "benchmarks" / "results"
 DEMOS = {
     "clip": ("configs/clip/demo.yaml", "runs/clip-demo"),
     "m2_encoder": ("configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo"),
@@ -39,7 +35,6 @@ SETS = {"digits": "zeroshot", "digits_unseen": "zeroshot/digits_unseen"}
 
 
 def main() -> None:
-    import torch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--demo", choices=sorted(DEMOS), action="append", help="only these demos (default: all)")
@@ -65,15 +60,8 @@ def main() -> None:
                 }
             )
             print(rows[-1], flush=True)
-    machine = (
-        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 CPU ranks (gloo), ZeRO-2, fp32; "
-        f"python {sys.version.split()[0]}, torch {torch.__version__}"
-    )
-    RESULTS.mkdir(exist_ok=True)
+    machine = demo_machine()
     rows.sort(key=lambda row: list(DEMOS).index(row["demo"]))
-    (RESULTS / "digits_demos.json").write_text(
-        json.dumps({"machine": machine, "variants": VARIANTS, "rows": rows}, indent=2)
-    )
     lines = [
         f"{machine}. Zero-shot top-1 on 359 held-out scans (chance 0.10). Produced by `benchmarks/digits_demos.py`.",
         "",
@@ -86,8 +74,7 @@ def main() -> None:
             f"| {row['demo']} | {row['variant']} | {acc['digits/en']:.3f} | {acc['digits/zh']:.3f} | "
             f"{acc['digits_unseen/en']:.3f} | {acc['digits_unseen/zh']:.3f} | {row['seconds'] / 60:.1f} |"
         )
-    (RESULTS / "digits_demos.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results("digits_demos", {"machine": machine, "variants": VARIANTS, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

@@ -19,20 +19,16 @@ Results: benchmarks/results/sequence_parallel.{json,md,png}.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from demo_runs import free_port
+from common import RESULTS, free_port, save_results
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 WIDTH, HEADS, LAYERS, BATCH, RANKS = 128, 4, 2, 2, 2
 LENGTHS = (256, 512, 1024, 2048, 4096)
 
@@ -102,7 +98,6 @@ def worker(rank: int, port: int, queue) -> None:
 
 
 def write_report(rows: list[dict]) -> None:
-    RESULTS.mkdir(exist_ok=True)
     meta = {
         "width": WIDTH,
         "heads": HEADS,
@@ -112,7 +107,6 @@ def write_report(rows: list[dict]) -> None:
         "machine": f"{os.cpu_count()} cores, {platform.machine()}",
         "torch": torch.__version__,
     }
-    (RESULTS / "sequence_parallel.json").write_text(json.dumps({"setup": meta, "rows": rows}, indent=1))
     by = {(r["length"], r["sequence_parallel"]): r for r in rows}
     lines = [
         "# Activation memory per rank: Ulysses sequence parallelism (SP) against the whole sequence",
@@ -130,7 +124,7 @@ def write_report(rows: list[dict]) -> None:
             f"| {length} | {one['saved_mib']:.1f} | {two['saved_mib']:.1f} | "
             f"{two['saved_mib'] / one['saved_mib']:.3f} | {one['time_s'] * 1e3:.0f} | {two['time_s'] * 1e3:.0f} |"
         )
-    (RESULTS / "sequence_parallel.md").write_text("\n".join(lines) + "\n")
+    save_results("sequence_parallel", {"setup": meta, "rows": rows}, lines)
     plot(rows)
 
 

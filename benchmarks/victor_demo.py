@@ -15,14 +15,8 @@ benchmarks/results/victor_demo.{json,md}.
 
 from __future__ import annotations
 
-import json
-import platform
-import sys
-import time
+from common import demo_machine, save_results, train_demo
 
-from demo_runs import REPO, train_demo
-
-RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = {"all tasks": [], "no dual-VSA": ["method.tasks.dual_vsa=0"]}
 CLIPS = 170
 
@@ -38,17 +32,9 @@ def train(overrides: list[str]) -> dict:
 
 
 def main() -> None:
-    import torch
 
     rows = {name: train(overrides) for name, overrides in VARIANTS.items()}
-    machine = (
-        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 CPU ranks (gloo), ZeRO-2, fp32; "
-        f"python {sys.version.split()[0]}, torch {torch.__version__}"
-    )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "victor_demo.json").write_text(
-        json.dumps({"machine": machine, "variants": VARIANTS, "rows": rows}, indent=2)
-    )
+    machine = demo_machine()
     lines = [
         f"{machine}. `configs/victor/demo.yaml`, {CLIPS} held-out clips (chance R@1 = {100 / CLIPS:.2f}%). "
         "Produced by `benchmarks/victor_demo.py`.",
@@ -69,8 +55,7 @@ def main() -> None:
     lines += ["", "Loss terms at the last step:", ""]
     for name, row in rows.items():
         lines.append(f"- {name}: " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in row["last_losses"].items()))
-    (RESULTS / "victor_demo.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results("victor_demo", {"machine": machine, "variants": VARIANTS, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,10 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from common import save_results, summary
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 SAMPLED_FRAMES = 8
 IMAGE_SIZE = 224
 
@@ -60,10 +58,6 @@ def one_pass(clips: list[bytes], backend: str, at_size: bool) -> float:
     for data in clips:
         crop(decode_frames(data, lambda n: frame_indices(n, SAMPLED_FRAMES, train=False), backend, 1, short_side))
     return time.perf_counter() - started
-
-
-def summary(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def main() -> None:
@@ -118,10 +112,6 @@ def write_results(rows: list[dict], args) -> None:
         f"{os.cpu_count()}; python {sys.version.split()[0]}, torch {torch.__version__}, decord {decord.__version__}, "
         f"PyAV {av.__version__}"
     )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "video_at_size.json").write_text(
-        json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2)
-    )
     lines = [
         "# Video frames decoded at the model's size vs a full-size decode, per core",
         "",
@@ -153,8 +143,7 @@ def write_results(rows: list[dict], args) -> None:
         lines.append(
             f"| {r['size']} | {r['backend']} | " + " | ".join(f"{per_core * (n - 1):.0f}" for n in (8, 12, 16)) + " |"
         )
-    (RESULTS / "video_at_size.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results("video_at_size", {"machine": machine, "args": vars(args), "rows": rows}, lines)
 
 
 if __name__ == "__main__":

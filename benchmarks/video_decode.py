@@ -29,9 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import save_results, summary
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 SAMPLED_FRAMES = 8
 BATCH = 16
 
@@ -92,10 +91,6 @@ def loader_pass(pattern: str, count: int, backend: str, image_size: int, tokeniz
     if seen != count // BATCH * BATCH:
         raise RuntimeError(f"loader produced {seen} clips, expected {count // BATCH * BATCH}")
     return elapsed * count / seen  # seconds for `count` clips at the measured rate
-
-
-def summary(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def main() -> None:
@@ -164,10 +159,6 @@ def write_results(rows: list[dict], args) -> None:
         f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores; "
         f"python {sys.version.split()[0]}, torch {torch.__version__}, decord {decord_version}, PyAV {av.__version__}"
     )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "video_decode.json").write_text(
-        json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2)
-    )
     lines = [
         f"{machine}. {args.clips} clips of {args.frames} frames (H.264, yuv420p), {SAMPLED_FRAMES} frames "
         f"sampled per clip, {args.repeats} runs each (alternating), one core. Produced by `benchmarks/video_decode.py`.",
@@ -183,8 +174,7 @@ def write_results(rows: list[dict], args) -> None:
             f"{raw['max']:.0f} | {loader['min']:.1f} | {loader['median']:.1f} | {loader['max']:.1f} | "
             f"{100 * r['loader_overhead']:+.1f}% |"
         )
-    (RESULTS / "video_decode.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results("video_decode", {"machine": machine, "args": vars(args), "rows": rows}, lines)
 
 
 if __name__ == "__main__":

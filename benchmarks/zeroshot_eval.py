@@ -13,19 +13,16 @@ Each task runs `--repeats` times. Results: benchmarks/results/zeroshot_eval.{jso
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from common import REPO, save_results, summary
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 MODEL = str(REPO / "benchmarks" / "configs" / "bench-vit-tiny.json")
 
 
@@ -81,12 +78,8 @@ def main() -> int:
             "retrieval_images": images_in_retrieval,
             "repeats": args.repeats,
         },
-        "images_per_s": {
-            k: {"min": min(v), "median": statistics.median(v), "max": max(v), "runs": v} for k, v in rates.items()
-        },
+        "images_per_s": {k: {**summary(v), "runs": v} for k, v in rates.items()},
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "zeroshot_eval.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         "# Zero-shot evaluation throughput\n",
         f"{record['date']}, {record['machine']}; "
@@ -98,8 +91,7 @@ def main() -> int:
     ]
     for name, s in record["images_per_s"].items():
         lines.append(f"| {name} | {tasks[name][0]} | {s['min']:.0f} | {s['median']:.0f} | {s['max']:.0f} |")
-    (RESULTS / "zeroshot_eval.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results("zeroshot_eval", record, lines)
     return 0
 
 

@@ -1,10 +1,9 @@
-"""`python -m open_clip_train.main` with the benchmark's model config registered first.
+"""`python -m open_clip_train.main` with the benchmark's model configs registered first; where MMPT_PEAK_FILE is
+set, the run's peak allocated GPU memory is written there as it ends (open_clip's log has none)."""
 
-One compatibility shim, needed for multi-process CPU runs only: open_clip's trainer wraps the model
-in DistributedDataParallel with `device_ids=[device]` even when the device is the CPU, which DDP
-rejects; for CPU devices the ids are dropped (what DDP expects there). The training work is unchanged.
-"""
-
+import atexit
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,14 +12,13 @@ import torch
 from open_clip_train.main import main
 
 
-class CpuDeviceIdsDDP(torch.nn.parallel.DistributedDataParallel):
-    def __init__(self, module, device_ids=None, **kwargs):
-        if device_ids and all(torch.device(d).type == "cpu" for d in device_ids):
-            device_ids = None
-        super().__init__(module, device_ids=device_ids, **kwargs)
+def write_peak() -> None:
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    Path(os.environ["MMPT_PEAK_FILE"]).write_text(json.dumps({"peak_allocated_gib": peak}))
 
 
 if __name__ == "__main__":
-    open_clip.add_model_config(Path(__file__).resolve().parent / "configs")
-    torch.nn.parallel.DistributedDataParallel = CpuDeviceIdsDDP
+    open_clip.add_model_config(Path(__file__).resolve().parents[1] / "configs")
+    if os.environ.get("MMPT_PEAK_FILE"):
+        atexit.register(write_peak)
     main(sys.argv[1:])

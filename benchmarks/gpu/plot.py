@@ -8,12 +8,9 @@ Needs matplotlib (`pip install -e '.[bench]'`); runs here on the stage file the 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import results
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu"
 
@@ -24,9 +21,9 @@ def plot_loss_memory(folder: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stage = results.read_stages(folder)["loss_memory"]
+    stage = json.loads((folder / "stage-loss_memory.json").read_text())
     found = stage["results"]
-    gpu = results.gpu_name(stage.get("environment") or {})
+    gpu = ((stage.get("environment") or {}).get("gpu") or {}).get("name", "CPU")
     figure, (memory, seconds) = plt.subplots(1, 2, figsize=(11, 4.2))
     for variant in found["variants"]:
         done = [t for t in variant["trials"] if t["status"] == "ok"]
@@ -42,10 +39,7 @@ def plot_loss_memory(folder: Path) -> Path:
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
     memory.legend(title="dotted: first out of memory")
-    figure.suptitle(
-        f"Contrastive loss alone on {gpu}: D = {found['dim']}, {found['dtype']}, tile {found['tile_size']}, "
-        f"world {found['world_size']}"
-    )
+    figure.suptitle(f"Contrastive loss alone on {gpu}: D = {found['dim']}, float32, tile {found['tile_size']}, world 1")
     figure.tight_layout()
     path = folder / "loss_memory.png"
     figure.savefig(path, dpi=110)
@@ -54,7 +48,7 @@ def plot_loss_memory(folder: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     folder = Path(argv[0]) if argv else RESULTS
-    if "loss_memory" not in results.read_stages(folder):
+    if not (folder / "stage-loss_memory.json").is_file():
         print(f"no loss_memory stage file in {folder}", file=sys.stderr)
         return 2
     print(f"wrote {plot_loss_memory(folder)}")

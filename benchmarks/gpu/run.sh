@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command of the GPU benchmark suite, on a machine with torch and CUDA but no network:
 #
-#   bash benchmarks/gpu/run.sh --group 1      # each group of `python benchmarks/gpu/plan.py`, in order
-#   bash benchmarks/gpu/run.sh [suite.py options]      e.g.  --only nccl --budget 120
+#   bash benchmarks/gpu/run.sh --group 1      # each group of `python benchmarks/gpu/suite.py --plan`, in order
+#   bash benchmarks/gpu/run.sh [suite.py options]      e.g.  --only loss_memory --budget 120
 #
 # from the repository root, with the wheel folder made by benchmarks/gpu/prepare_wheels.py at .whl/
 # (or MMPT_WHEELS=folder). It installs the wheels into /tmp/site (MMPT_SITE), lays out the mmpt package
@@ -55,27 +55,11 @@ import torch
 print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
       f"cuDNN {torch.backends.cudnn.version()}, GPUs {torch.cuda.device_count()}"
       + (f": {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
-for name in ("deepspeed", "open_clip_torch", "webdataset", "pydantic", "av", "decord", "timm", "transformers",
-             "tokenizers", "huggingface-hub", "numpy", "scikit-learn", "typing-extensions"):
+for name in ("deepspeed", "open_clip_torch", "webdataset", "pydantic", "av", "decord", "timm", "transformers"):
     try:
         print(f"  {name} {metadata.version(name)}")
     except metadata.PackageNotFoundError:
         print(f"  {name}: not installed")
-import json, os
-manifest = os.path.join(os.environ.get("MMPT_WHEELS") or os.path.join(os.environ["MMPT_REPO"], ".whl"), "manifest.json")
-if os.path.isfile(manifest):  # what prepare_wheels.py checked the wheels against
-    image = json.load(open(manifest))["image"]
-    found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    for name in image:
-        if name not in found:
-            try:
-                found[name] = metadata.version(name)
-            except metadata.PackageNotFoundError:
-                found[name] = None
-    differ = [f"{n} {found[n]} (prepared for {v})" for n, v in image.items()
-              if found[n] is None or not str(found[n]).startswith(str(v))]
-    print("the image is what the wheels were prepared for" if not differ
-          else "the image differs from what the wheels were prepared for: " + ", ".join(differ))
 import mmpt.data, mmpt.losses, mmpt.engine  # the layout above works
 EOF
 } 2>&1 | tee "$log"
