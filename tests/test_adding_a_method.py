@@ -1,5 +1,6 @@
 """docs/adding_a_method.md, followed as written: its toy method, defined outside mmpt and registered on
-import, trains 2 steps on 2 ranks through the unchanged engine, and its run loads back."""
+import, trains 2 steps on 2 ranks through the unchanged engine, its run loads back, and it exports to ONNX
+through the unchanged exporter."""
 
 import importlib
 import os
@@ -60,3 +61,12 @@ def test_the_guides_toy_method_trains_and_loads(tmp_path, monkeypatch, request):
     image_features, text_features = model(images, torch.tensor([[5, 6, 0], [7, 0, 0]]))
     assert image_features.shape == text_features.shape == (2, 32)
     torch.testing.assert_close(text_features.norm(dim=-1), torch.ones(2))
+
+    from mmpt.commands.export import main as export
+
+    command = blocks("bash")[1].split()
+    assert command[:3] == ["PYTHONPATH=path/to/folder", "python", "launch/export.py"]
+    monkeypatch.chdir(tmp_path)
+    assert export(command[3:]) == 0  # its check runs both towers under onnxruntime against the model
+    out = tmp_path / command[command.index("--out") + 1]
+    assert sorted(path.name for path in out.glob("*.onnx")) == ["image.onnx", "text.onnx"]

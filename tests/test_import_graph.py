@@ -26,10 +26,11 @@ LAYERS = (
     ("mmpt.pretrained",),
     ("mmpt.methods",),
     ("mmpt.config_loader",),
-    ("mmpt.release", "mmpt.export.towers", "mmpt.export.formats", "mmpt.export.card"),
+    ("mmpt.export",),
+    ("mmpt.release",),
     ("mmpt.engine",),
     ("mmpt.plan",),
-    ("mmpt", "mmpt.cli", "mmpt.commands", "mmpt.clip_benchmark", "mmpt.config_reference", "mmpt.export"),
+    ("mmpt", "mmpt.cli", "mmpt.commands", "mmpt.clip_benchmark", "mmpt.config_reference"),
 )
 
 

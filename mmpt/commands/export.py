@@ -11,7 +11,8 @@ or export a run or release to a format other tools load.
 the input contract, the tokenizer files), open_clip (a model config and state dict open_clip loads; clip
 and open_clip models), official (the official M2-Encoder checkpoint layout). Every folder gets a model
 card (README.md). A format the model does not support, or a tower it does not have (--towers), is a
-one-line error (exit 2), found before any weight is read.
+one-line error (exit 2), found before any weight is read. A model of a method defined outside mmpt
+exports the same way: `--import MODULE` registers its method first.
 
 Without --checkpoint, the run's final model.safetensors is exported when it exists (a release's weights,
 sharded or not, likewise), else the newest complete checkpoint. A checkpoint of any ZeRO stage and any
@@ -24,6 +25,7 @@ are the run's own DeepSpeed files, read with DeepSpeed's loader; the release is 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from pathlib import Path
 
@@ -87,6 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="training run or release directory")
     parser.add_argument("--out", required=True, help="directory to write")
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module to import before the run is read, e.g. one that registers its method; may repeat",
+    )
     parser.add_argument("--format", default="release", help=f"one of {', '.join(FORMATS)} (default: release)")
     parser.add_argument(
         "--towers", default=None, help="with --format onnx: the towers to export, comma-separated (default: all)"
@@ -101,10 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from mmpt.artifacts import ReleaseError, has_weights
+    from mmpt.config import ConfigError
     from mmpt.engine.checkpoint import find_resume
     from mmpt.export.formats import check_export
     from mmpt.release import read_config, save_release
 
+    for module in args.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"--import {module}: {exc} (is its folder on PYTHONPATH?)") from None
     run_dir, out = Path(args.run), Path(args.out)
     cfg = read_config(run_dir)
     towers = check_export(cfg, args.format, args.towers)  # before any weight is read

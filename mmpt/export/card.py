@@ -15,21 +15,15 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 
 from mmpt.artifacts import RELEASE_CONFIG
 from mmpt.config import Config
-from mmpt.export.formats import FORMATS, open_clip_problem, supported_formats
-from mmpt.export.towers import TOWER_NAMES
-
-if TYPE_CHECKING:
-    from mmpt.methods.clip import ClipConfig
-    from mmpt.methods.m2_encoder import M2Config
-    from mmpt.methods.open_clip import OpenClipConfig
-    from mmpt.methods.space2 import Space2Config
-    from mmpt.methods.victor import VictorConfig
+from mmpt.export.formats import FORMATS, format_problem, supported_formats
+from mmpt.export.towers import tower_names
+from mmpt.methods import get_method
 
 CARD = "README.md"
 MAX_EVALUATION_COLUMNS = 8  # evaluation steps shown side by side; metrics.jsonl keeps every one
@@ -110,8 +104,6 @@ def training_record(files_from: Path) -> dict[str, Any] | None:
 def parameter_counts(cfg: Config, files_from: Path, state_dict: dict[str, torch.Tensor]) -> tuple[int, int | None]:
     """(parameters, trainable parameters) of the model, built on the meta device (no memory, no weights).
     When the model cannot be built there: every floating-point tensor of the weights, trainable unknown."""
-    from mmpt.methods import get_method
-
     try:
         with torch.device("meta"):
             model = get_method(cfg.method_name).build_model(cfg, files_from)
@@ -121,91 +113,14 @@ def parameter_counts(cfg: Config, files_from: Path, state_dict: dict[str, torch.
         return sum(t.numel() for t in state_dict.values() if t.is_floating_point()), None
 
 
-def _count(number: int, word: str) -> str:
-    return f"{number} {word}{'' if number == 1 else 's'}"
-
-
 def architecture(cfg: Config, files_from: Path) -> str:
-    """One paragraph describing the network, from the config."""
-    name = cfg.method_name
-    if name == "clip":
-        m = cast("ClipConfig", cfg.method)
-        text, image = m.text, m.image
-        extra = f" (timm arguments {json.dumps(image.timm_kwargs)})" if image.timm_kwargs else ""
-        return (
-            f"two towers: a timm `{image.timm_name}` image tower{extra} at {image.image_size} px, and a BERT text "
-            f"tower of {_count(text.layers, 'layer')}, width {text.width}, {_count(text.heads, 'head')}, "
-            f"{text.context_length} tokens "
-            f"(mean-pooled); each projected to {m.embed_dim}-d features, L2-normalised"
-        )
-    if name == "open_clip":
-        oc = cast("OpenClipConfig", cfg.method)
-        size = f", image size forced to {oc.image_size}" if oc.image_size else ""
-        return f"open_clip architecture `{Path(oc.model).stem}` ({oc.model}{size}): open_clip's own model code"
-    if name == "m2_encoder":
-        m2 = cast("M2Config", cfg.method)
-        a = m2.arch
-        return (
-            f"M²-Encoder multiway transformer (preset `{m2.model}`): width {a.width}, {_count(a.heads, 'head')}, "
-            f"{_count(a.lower_layers, 'modality-specific layer')} (vision A / text B copies) and "
-            f"{_count(a.shared_layers, 'shared layer')}, "
-            f"{a.image_size}-px images in {a.patch_size}-px patches, {a.context_length} text tokens, "
-            f"{a.output_dim}-d features, L2-normalised"
-        )
-    if name == "victor":
-        victor = cast("VictorConfig", cfg.method)
-        video, text = victor.video, victor.text
-        frames = (
-            f"timm `{video.backbone}` frame encoder at {video.image_size} px"
-            if video.backbone
-            else (f"precomputed {video.feature_dim}-d frame features")
-        )
-        return (
-            f"VICTOR: {frames} over {video.num_frames} frames, a temporal transformer of "
-            f"{_count(video.layers, 'layer')} x {video.width}, a BERT text tower of {_count(text.layers, 'layer')} x "
-            f"{text.width} ({text.context_length} tokens), a cross-modal transformer of "
-            f"{_count(victor.cross_layers, 'layer')} for the training tasks; "
-            f"{victor.embed_dim}-d retrieval features, L2-normalised. The weights also hold the momentum key network, "
-            "which inference does not use"
-        )
-    if name == "space2":
-        views = len(cast("Space2Config", cfg.method).views)
-        backbone = files_from / "encoder" / "config.json"
-        detail = ""
-        if backbone.is_file():
-            b = json.loads(backbone.read_text())
-            detail = (
-                f" ({b.get('model_type', 'BERT')}: {b.get('num_hidden_layers')} layers, width "
-                f"{b.get('hidden_size')}, {b.get('num_attention_heads')} heads)"
-            )
-        return (
-            f"SPACE-2 dialog encoder on a Hugging Face BERT-family backbone{detail}, with turn and role "
-            f"embeddings and {views} tree-view projection heads; the dialog feature is the CLS state, "
-            "L2-normalised"
-        )
-    return f"see the `method` section of {RELEASE_CONFIG}"
-
-
-INTENDED_USE = {
-    "image": (
-        "Embedding images and texts into one space: text-image retrieval, zero-shot classification with "
-        "prompts, and features for downstream models, in the languages and the domain of its training captions "
-    ),
-    "video": (
-        "Embedding short videos and sentences into one space: text-video retrieval and zero-shot video "
-        "classification, in the languages and the domain of its training captions "
-    ),
-    "dialog": (
-        "Dialog representations: intent classification with a small labelled set (linear probe or fine-tuning), "
-        "dialog retrieval and clustering, in the language and the domains of its training dialogs "
-    ),
-}
+    """One paragraph describing the network, from the config (the method's `architecture`)."""
+    return get_method(cfg.method_name).architecture(cfg, files_from)
 
 
 def intended_use(cfg: Config) -> str:
-    first = (TOWER_NAMES.get(cfg.method_name) or ("image",))[0]
     return (
-        INTENDED_USE.get(first, INTENDED_USE["image"])
+        get_method(cfg.method_name).intended_use
         + "(see Training data). It is known to do only what the evaluation above measured: check it on your own "
         "data before relying on it. It inherits the biases of its training data; it is not meant for decisions "
         "about people. A model trained on mmpt's demo corpora (digits, moving digits, toy dialogs) is a toy: it "
@@ -296,8 +211,7 @@ def evaluation_section(record: dict[str, Any] | None) -> str:
 
 
 def mmpt_usage(cfg: Config, folder: str) -> str:
-    name = cfg.method_name
-    towers = TOWER_NAMES.get(name, ())
+    towers = tower_names(cfg)
     code = ["import mmpt", f"model = mmpt.load({json.dumps(folder)})", "pre = model.preprocessors()"]
     if "dialog" in towers:
         code += [
@@ -327,25 +241,8 @@ def open_clip_name(out: str | Path) -> str:
 
 
 def open_clip_preprocess(cfg: Config) -> dict[str, Any]:
-    """open_clip's preprocessing settings (PreprocessCfg keys) of a `clip` or `open_clip` model."""
-    if cfg.method_name == "clip":
-        m = cast("ClipConfig", cfg.method)
-        size, mean, std = m.image.image_size, m.image_mean, m.image_std
-        interpolation, resize_mode = "bicubic", "shortest"  # open_clip.image_transform's, which clip uses
-    else:
-        from mmpt.models.open_clip_model import preprocess_settings
-
-        oc = cast("OpenClipConfig", cfg.method)
-        found = preprocess_settings(oc.model, oc.image_size)
-        size, mean, std = found["image_size"], found["mean"], found["std"]
-        interpolation, resize_mode = found["interpolation"], found["resize_mode"]
-    return {
-        "size": size,
-        "mean": [float(v) for v in mean],
-        "std": [float(v) for v in std],
-        "interpolation": interpolation,
-        "resize_mode": resize_mode,
-    }
+    """open_clip's preprocessing settings (PreprocessCfg keys) of a model that exports to open_clip."""
+    return get_method(cfg.method_name).open_clip_preprocess(cfg)
 
 
 def open_clip_lines(out: str, cfg: Config) -> list[str]:
@@ -377,7 +274,7 @@ def release_usage(cfg: Config, folder: str) -> str:
     lines = ["## How to use it", "", "### With mmpt", "", mmpt_usage(cfg, folder)]
     formats = supported_formats(cfg)
     if "onnx" in formats:
-        towers = ", ".join(TOWER_NAMES[cfg.method_name])
+        towers = ", ".join(tower_names(cfg))
         lines += [
             "",
             "### With onnxruntime",
@@ -404,8 +301,8 @@ def release_usage(cfg: Config, folder: str) -> str:
             *open_clip_lines(out, cfg),
             "```",
         ]
-    elif cfg.method_name in TOWER_NAMES:
-        lines += ["", "### With open_clip", "", f"Not available: {open_clip_problem(cfg)}."]
+    elif tower_names(cfg):
+        lines += ["", "### With open_clip", "", f"Not available: {format_problem(cfg, 'open_clip')}."]
     if "official" in formats:
         lines += [
             "",
@@ -468,8 +365,6 @@ def release_card(
     directory: Path, cfg: Config, state_dict: dict[str, torch.Tensor], files_from: Path, record: dict | None
 ) -> str:
     """The card of a release folder."""
-    from mmpt.methods import get_method
-
     files = [
         (RELEASE_CONFIG, 'the format, the method and the full config (`"config"`), the training facts (`"training"`)'),
         ("model.safetensors", "the weights, fp32 (or shards and `model.safetensors.index.json`)"),

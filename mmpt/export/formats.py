@@ -1,15 +1,18 @@
 """The export formats, and which model each applies to: checked from the config alone, before any weight
-is read, so a request that cannot work ends in one line (a ConfigError: exit 2 from the commands)."""
+is read, so a request that cannot work ends in one line (a ConfigError: exit 2 from the commands).
+
+"release" and "onnx" apply to every model with towers; the others to the methods that list them in
+`Method.export_formats`, whose `export_problem` may still refuse a config."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import nn
 
 from mmpt.config import Config, ConfigError
-from mmpt.export.towers import TOWER_NAMES
-
-if TYPE_CHECKING:
-    from mmpt.methods.clip import ClipConfig
+from mmpt.methods import get_method
 
 FORMATS = {
     "release": "an mmpt release: config.json, safetensors weights, tokenizer files, model card (the default)",
@@ -17,53 +20,55 @@ FORMATS = {
     "open_clip": "an open_clip model config and state dict that open_clip.create_model_and_transforms loads",
     "official": "the official M2-Encoder checkpoint layout (.ckpt) with its tokenizer",
 }
-# A `clip` image tower's timm arguments that open_clip's timm adapter sets itself (as `vision_cfg` keys); they
-# are training-time regularisers and change no weight. Any other argument (img_size, depth, patch_size, ...)
-# builds a network open_clip cannot build, since its adapter passes no other timm.create_model arguments.
-OPEN_CLIP_TIMM_KWARGS = {"drop_path_rate": "timm_drop_path"}
+COMMON = ("release", "onnx")  # the formats every method's models go to (onnx: those with towers)
 
 
-def open_clip_problem(cfg: Config) -> str | None:
-    """Why open_clip cannot build this model (None: it can)."""
-    method = cfg.method_name
-    if method == "open_clip":
-        return None  # an open_clip model already
-    if method == "clip":
-        # open_clip builds a timm image tower (TimmModel) and a Hugging Face text tower (HFTextEncoder, mean
-        # pooling, linear projection): the `clip` model exactly, when timm gets no argument open_clip cannot pass.
-        extra = sorted(set(cast("ClipConfig", cfg.method).image.timm_kwargs) - set(OPEN_CLIP_TIMM_KWARGS))
-        if extra:
-            return (
-                f"open_clip cannot build this clip image tower: config key 'method.image.timm_kwargs' sets "
-                f"{', '.join(extra)}, and open_clip's timm adapter passes no such timm.create_model argument "
-                "(use --format onnx or release)"
-            )
-        return None
-    return (
-        f"open_clip cannot build a '{method}' model: --format open_clip applies to the clip and open_clip "
-        f"methods (use --format {'onnx or official' if method == 'm2_encoder' else 'onnx or release'})"
-    )
+class LoadedModel(Protocol):
+    """A built model with its weights, the config it was built from and the run or release folder it came
+    from (`mmpt.release.PretrainedModel`, or one `launch/export.py` builds from a checkpoint)."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def files_from(self) -> Path: ...
+
+    def preprocessors(self) -> dict[str, Any]: ...
+
+
+def _alternatives(cfg: Config, fmt: str) -> str:
+    others = [other for other in supported_formats(cfg) if other != fmt]
+    return " or ".join(others) if len(others) < 3 else f"{', '.join(others[:-1])} or {others[-1]}"
 
 
 def format_problem(cfg: Config, fmt: str) -> str | None:
     """Why `cfg`'s model cannot be exported as `fmt` (None: it can)."""
-    method = cfg.method_name
+    name = cfg.method_name
+    method = get_method(name)
     if fmt not in FORMATS:
         return f"unknown export format {fmt!r}: one of {', '.join(FORMATS)}"
-    if fmt == "onnx" and method not in TOWER_NAMES:
-        return f"the '{method}' model has no towers mmpt can export to ONNX"
-    if fmt == "open_clip":
-        return open_clip_problem(cfg)
-    if fmt == "official" and method != "m2_encoder":
+    if fmt == "onnx" and not method.tower_names:
+        return f"the '{name}' model has no towers mmpt can export to ONNX"
+    if fmt in COMMON:
+        return None
+    if fmt not in method.export_formats:
+        if fmt == "open_clip":
+            return f"open_clip cannot build a '{name}' model (use --format {_alternatives(cfg, fmt)})"
         return (
-            f"--format official writes the official M2-Encoder checkpoint layout; a '{method}' model has none "
-            "(use --format release or onnx)"
+            f"--format {fmt} writes {FORMATS[fmt]}; a '{name}' model has none (use --format {_alternatives(cfg, fmt)})"
         )
-    return None
+    return method.export_problem(cfg, fmt)
 
 
 def supported_formats(cfg: Config) -> list[str]:
-    return [fmt for fmt in FORMATS if format_problem(cfg, fmt) is None]
+    return [
+        fmt
+        for fmt in FORMATS
+        if (fmt in COMMON or fmt in get_method(cfg.method_name).export_formats) and format_problem(cfg, fmt) is None
+    ]
 
 
 def check_export(cfg: Config, fmt: str, towers: str | None = None) -> list[str]:
@@ -75,7 +80,7 @@ def check_export(cfg: Config, fmt: str, towers: str | None = None) -> list[str]:
         if towers is not None:
             raise ConfigError(f"--towers applies to --format onnx, not to --format {fmt}")
         return []
-    own = TOWER_NAMES[cfg.method_name]
+    own = get_method(cfg.method_name).tower_names
     if towers is None:
         return list(own)
     names = [name.strip() for name in towers.split(",") if name.strip()]

@@ -16,19 +16,16 @@ import logging
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from mmpt.config import Config
 from mmpt.export.card import CARD, mmpt_usage, parameter_counts, render, training_record
+from mmpt.export.formats import LoadedModel
 from mmpt.export.towers import BATCH, SEQUENCE, Tower, towers
-from mmpt.release import PretrainedModel
-
-if TYPE_CHECKING:
-    from mmpt.methods.space2 import Space2Method
-    from mmpt.methods.victor import VictorConfig
+from mmpt.methods import get_method
 
 CONTRACT = "preprocessing.json"
 TOLERANCE = 1e-4  # largest |onnxruntime - mmpt| accepted on the check after export (fp32 features)
@@ -61,6 +58,8 @@ def describe_image_transform(transform: Any) -> list[dict[str, Any]]:
             steps.append({"op": "center_crop", "size": list(step.size), "about": "the central [height, width]"})
         elif kind in ("MaybeConvertMode", "_convert_to_rgb") or getattr(step, "__name__", "") == "_convert_to_rgb":
             steps.append({"op": "convert_rgb", "about": 'PIL image.convert("RGB")'})
+        elif kind == "PILToTensor":
+            steps.append({"op": "pil_to_tensor", "about": "HWC uint8 RGB -> CHW uint8, not scaled"})
         elif kind in ("ToTensor", "MaybeToTensor"):
             steps.append({"op": "to_tensor", "about": "HWC uint8 RGB -> CHW float32, divided by 255"})
         elif kind == "Normalize":
@@ -89,6 +88,8 @@ def torchvision_code(steps: list[dict[str, Any]]) -> str:
             parts.append(f"T.CenterCrop({tuple(step['size'])})")
         elif step["op"] == "convert_rgb":
             parts.append('T.Lambda(lambda image: image.convert("RGB"))')
+        elif step["op"] == "pil_to_tensor":
+            parts.append("T.PILToTensor()")
         elif step["op"] == "to_tensor":
             parts.append("T.ToTensor()")
         elif step["op"] == "normalize":
@@ -98,7 +99,7 @@ def torchvision_code(steps: list[dict[str, Any]]) -> str:
     return "T.Compose([\n    " + ",\n    ".join(parts) + ",\n])"
 
 
-def describe_tokenizer(model: PretrainedModel, out: Path) -> dict[str, Any]:
+def describe_tokenizer(model: LoadedModel, out: Path) -> dict[str, Any]:
     """The text tokenizer's contract; copies the files it needs into `out`."""
     from mmpt.data.glm_tokenizer import GLMTokenizer
     from mmpt.data.tokenizer import TextTokenizer
@@ -156,34 +157,7 @@ def describe_tokenizer(model: PretrainedModel, out: Path) -> dict[str, Any]:
     return {"kind": type(tokenizer).__name__, "files": [], "about": "see the method's preprocessors()"}
 
 
-def describe_dialog(model: PretrainedModel, out: Path) -> dict[str, Any]:
-    from mmpt.methods.space2 import BACKBONE_DIR, BACKBONE_FILES
-
-    target = out / "tokenizer"
-    target.mkdir(exist_ok=True)
-    copied = []
-    for name in BACKBONE_FILES:
-        source = model.files_from / BACKBONE_DIR / name
-        if name != "config.json" and source.is_file():
-            shutil.copyfile(source, target / name)
-            copied.append(f"tokenizer/{name}")
-    spec = cast("Space2Method", model.method).input_spec(model.config)
-    return {
-        "kind": "space2-dialog",
-        "files": copied,
-        "max_utt_len": spec.max_utt_len,
-        "max_turns": spec.max_turns,
-        "max_len": spec.max_len,
-        "about": "a dialog (list of {role, text} turns, the last one current) as SPACE-2 encodes it: per utterance "
-        "the word pieces (its last max_utt_len), wrapped in role tokens ([unused12] ... [unused6] for the user, "
-        "[unused13] ... [unused7] otherwise); positions restart per utterance; turns count back from the "
-        "current utterance (1); roles alternate back from it; the last max_turns utterances and the last "
-        "max_len tokens kept; batches right-padded with 0. mmpt.data.dialog_encoding.DialogEncoder implements "
-        "it (its attention_mask is bool: cast to int64)",
-    }
-
-
-def contract(model: PretrainedModel, built: list[Tower], out: Path, opset: int) -> dict[str, Any]:
+def contract(model: LoadedModel, built: list[Tower], out: Path, opset: int) -> dict[str, Any]:
     cfg = model.config
     record: dict[str, Any] = {
         "format": "mmpt-onnx",
@@ -215,27 +189,12 @@ def contract(model: PretrainedModel, built: list[Tower], out: Path, opset: int) 
             "steps": steps,
             "layout": "NCHW float32",
         }
-    if "video" in names:
-        video = cast("VictorConfig", cfg.method).video
-        record["video"] = {
-            "frames": video.num_frames,
-            "size": video.image_size,
-            "mean": list(video.mean),
-            "std": list(video.std),
-            "sampling": "the video cut into `frames` equal segments, the middle frame of each (segment i covers "
-            "frames [i*N//T, (i+1)*N//T))",
-            "steps": [
-                "each frame: the shorter side resized to `size` (bilinear, antialiased), then the central "
-                "size x size crop",
-                "stacked as uint8 [frames, 3, size, size] (RGB); no normalisation: the tower applies mean/std",
-            ]
-            if video.backbone
-            else ["precomputed per-frame features [frames, feature_dim] sampled with the same rule"],
-        }
+    method = get_method(cfg.method_name)
+    # how the raw inputs of the method's other towers become tensors (a tower's entry only if it is exported)
+    extra = method.input_contract(cfg, model.files_from, out)
+    record.update({key: value for key, value in extra.items() if key not in method.tower_names or key in names})
     if "text" in names:
         record["tokenizer"] = describe_tokenizer(model, out)
-    if "dialog" in names:
-        record["tokenizer"] = describe_dialog(model, out)
     return record
 
 
@@ -310,10 +269,10 @@ def check_tower(tower: Tower, path: Path) -> float:
     return error
 
 
-def export_onnx(model: PretrainedModel, out: Path, names: list[str], check: bool = True) -> list[Path]:
+def export_onnx(model: LoadedModel, out: Path, names: list[str], check: bool = True) -> list[Path]:
     """Write the towers `names` of `model` (a loaded release or run) and their contract into `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    model = model.float().eval()
+    model.model.float().eval()
     built = towers(model.model, model.config, names)
     written, opset = [], 0
     for tower in built:
@@ -453,7 +412,7 @@ def contract_section(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def onnx_card(model: PretrainedModel, built: list[Tower], record: dict[str, Any], out: Path) -> str:
+def onnx_card(model: LoadedModel, built: list[Tower], record: dict[str, Any], out: Path) -> str:
     cfg: Config = model.config
     usage = "\n".join(
         [

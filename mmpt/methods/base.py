@@ -21,6 +21,7 @@ from mmpt.models.tensor_files import TensorReader
 if TYPE_CHECKING:
     from mmpt.config import Config, EvalSetConfig
     from mmpt.data.loader import BatchStream, StreamSpec
+    from mmpt.methods.towers import Tower
 
 
 class MethodConfig(Section):
@@ -89,6 +90,18 @@ class EngineNeeds:
         return self.step_pool(loss, [self.pool_features(model, batch) for batch in micro_batches])
 
 
+@dataclass(frozen=True)
+class OpenClipFolder:
+    """What `Method.open_clip_export` gives for `launch/export.py --format open_clip`: open_clip's model config
+    and state dict of the model, and what the folder's card says besides the format's own lines: `notes`
+    (paragraphs of "How to use it") and `files` ((name, what it is) of files the hook wrote there)."""
+
+    config: dict[str, Any]
+    state: dict[str, torch.Tensor]
+    notes: tuple[str, ...] = ()
+    files: tuple[tuple[str, str], ...] = ()
+
+
 SectionT = TypeVar("SectionT")  # a method's own `method:` section (its `config_class`)
 
 
@@ -107,6 +120,19 @@ class Method(Generic[SectionT]):
     # Where the image or video tower's `TowerSwitches` (gradient checkpointing, patch dropout) sit in the
     # config, e.g. "method.image"; None for a method without such a tower.
     tower_switches: str | None = None
+    # Export (`mmpt.export`, `launch/export.py`). The towers `export_towers` returns, by name and in order
+    # ("image", "text", "video", "dialog"): ONNX export and the model card read them without building a model;
+    # a method without any has no ONNX export.
+    tower_names: tuple[str, ...] = ()
+    # The export formats besides "release" and "onnx" its models go to ("open_clip": `open_clip_export`;
+    # "official": the official M2-Encoder checkpoint layout); `export_problem` may refuse a config.
+    export_formats: tuple[str, ...] = ()
+    # The model card's "Intended use", up to where the card goes on "(see Training data). It is known to do
+    # only what the evaluation above measured ...": what the model's features are for, in what languages.
+    intended_use: str = (
+        "Features of the inputs its towers take, for retrieval and classification, in the languages and the "
+        "domain of its training data "
+    )
 
     def settings(self, cfg: Config) -> SectionT:
         """This method's `method:` section of `cfg`, with its own schema's type (the shared schema types the
@@ -158,6 +184,35 @@ class Method(Generic[SectionT]):
     def build_loss(self, cfg: Config) -> nn.Module:
         raise NotImplementedError
 
+    def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
+        """The towers named in `tower_names`, in that order, wrapping `model` (built by `build_model`, in eval
+        mode): modules whose inputs are plain tensors (`mmpt.methods.towers`), what an ONNX export runs."""
+        raise NotImplementedError(f"the '{self.name}' method declares no towers for export")
+
+    def input_contract(self, cfg: Config, run_dir: Path, out: Path) -> dict[str, Any]:
+        """Entries of an ONNX export's `preprocessing.json` that say how raw inputs become the inputs of towers
+        other than "image" and "text" (whose preprocessing and tokenizer the export reads from
+        `preprocessors`), e.g. {"video": {...}}; may copy the files they name into `out`."""
+        return {}
+
+    def architecture(self, cfg: Config, run_dir: Path) -> str:
+        """One paragraph of the model card describing the network, from the config (and `run_dir`'s files)."""
+        return "see the `method` section of config.json"
+
+    def export_problem(self, cfg: Config, fmt: str) -> str | None:
+        """Why this config's model cannot be exported as `fmt`, one of `export_formats` (None: it can)."""
+        return None
+
+    def open_clip_preprocess(self, cfg: Config) -> dict[str, Any]:
+        """For "open_clip" in `export_formats`: open_clip's preprocessing settings (`PreprocessCfg` keys: size,
+        mean, std, interpolation, resize_mode) of this config's model."""
+        raise NotImplementedError
+
+    def open_clip_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> OpenClipFolder:
+        """For "open_clip" in `export_formats`: `model` (fp32, eval mode) as open_clip's model config and state
+        dict; files open_clip reads besides them (a Hugging Face text tower's config, a tokenizer) go into `out`."""
+        raise NotImplementedError
+
     def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
         """The training batch stream of this rank (a `mmpt.data.loader.BatchStream`)."""
         raise NotImplementedError
@@ -206,6 +261,11 @@ class ZeroShotMethod(Protocol):
     def zeroshot(
         self, model: nn.Module, cfg: Config, run_dir: Path, dataset: str, language: str, **options: Any
     ) -> Any: ...
+
+
+def count(number: int, word: str) -> str:
+    """ "1 layer", "2 layers": for the model card's `architecture` paragraph."""
+    return f"{number} {word}{'' if number == 1 else 's'}"
 
 
 def copy_tokenizer(run_dir: Path, name: str, source: str | None) -> None:

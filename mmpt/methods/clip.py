@@ -7,8 +7,10 @@ the end of training.
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 from open_clip import image_transform
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
@@ -20,9 +22,15 @@ from mmpt.config import Config
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.losses import ContrastiveLoss
 from mmpt.methods import register
-from mmpt.methods.base import EngineNeeds, MethodConfig
+from mmpt.methods.base import EngineNeeds, MethodConfig, OpenClipFolder, count
 from mmpt.methods.image_text import TINY_IMAGE_TEXT_DATA, ImageTextMethod, PlacementAugment, ZeroShotConfig
+from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
+
+# A `clip` image tower's timm arguments that open_clip's timm adapter sets itself (as `vision_cfg` keys); they
+# are training-time regularisers and change no weight. Any other argument (img_size, depth, patch_size, ...)
+# builds a network open_clip cannot build, since its adapter passes no other timm.create_model arguments.
+OPEN_CLIP_TIMM_KWARGS = {"drop_path_rate": "timm_drop_path"}
 
 
 class ClipConfig(MethodConfig):
@@ -80,6 +88,133 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
 
     def engine_needs(self, model: ClipModel) -> EngineNeeds:
         return EngineNeeds(compilable=(model.visual, model.text))  # the timm image tower, the BERT text tower
+
+    # --- export ---
+
+    export_formats = ("open_clip",)
+
+    def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
+        clip = cast(ClipModel, model)
+        text = clip.text.config
+        return image_text_towers(
+            clip, self.settings(cfg).image.image_size, text.vocab_size, text.max_position_embeddings, True
+        )
+
+    def architecture(self, cfg: Config, run_dir: Path) -> str:
+        m = self.settings(cfg)
+        text, image = m.text, m.image
+        extra = f" (timm arguments {json.dumps(image.timm_kwargs)})" if image.timm_kwargs else ""
+        return (
+            f"two towers: a timm `{image.timm_name}` image tower{extra} at {image.image_size} px, and a BERT text "
+            f"tower of {count(text.layers, 'layer')}, width {text.width}, {count(text.heads, 'head')}, "
+            f"{text.context_length} tokens "
+            f"(mean-pooled); each projected to {m.embed_dim}-d features, L2-normalised"
+        )
+
+    def export_problem(self, cfg: Config, fmt: str) -> str | None:
+        # open_clip builds a timm image tower (TimmModel) and a Hugging Face text tower (HFTextEncoder, mean
+        # pooling, linear projection): the `clip` model exactly, when timm gets no argument open_clip cannot pass.
+        extra = sorted(set(self.settings(cfg).image.timm_kwargs) - set(OPEN_CLIP_TIMM_KWARGS))
+        if fmt == "open_clip" and extra:
+            return (
+                f"open_clip cannot build this clip image tower: config key 'method.image.timm_kwargs' sets "
+                f"{', '.join(extra)}, and open_clip's timm adapter passes no such timm.create_model argument "
+                "(use --format onnx or release)"
+            )
+        return None
+
+    def open_clip_preprocess(self, cfg: Config) -> dict[str, Any]:
+        m = self.settings(cfg)
+        return {  # open_clip.image_transform's interpolation and resize mode, which clip uses
+            "size": m.image.image_size,
+            "mean": [float(v) for v in m.image_mean],
+            "std": [float(v) for v in m.image_std],
+            "interpolation": "bicubic",
+            "resize_mode": "shortest",
+        }
+
+    def open_clip_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> OpenClipFolder:
+        """open_clip's CustomTextCLIP with its timm image adapter (`timm_model_name`, the timm network's own
+        pooling, a bias-free linear projection) and its Hugging Face text adapter (`hf_model_name`: a BERT built
+        from `config.json` in `out`, mean pooling over non-padding tokens, a bias-free linear projection).
+        open_clip reads the padding from `pad_token_id`, mmpt from the tokenizer's mask: the same positions,
+        since the tokenizer pads with that id. `hf_model_name` is `out`'s absolute path."""
+        from transformers import PreTrainedTokenizerFast
+
+        m, clip = self.settings(cfg), cast(ClipModel, model)
+        tokenizer = cast(TextTokenizer, self.tokenizer(cfg, run_dir))
+        pad_id = tokenizer._tokenizer.padding["pad_id"] if tokenizer._tokenizer.padding else 0
+        text_config = copy.deepcopy(clip.text.config)
+        text_config.pad_token_id = pad_id  # open_clip's HFTextEncoder masks the positions holding this id
+        text_config.save_pretrained(out)
+        vocab = tokenizer._tokenizer.get_vocab()
+        specials = {
+            key: token
+            for key, token in (
+                ("unk_token", "[UNK]"),
+                ("cls_token", "[CLS]"),
+                ("sep_token", "[SEP]"),
+                ("mask_token", "[MASK]"),
+            )
+            if token in vocab
+        }
+        fast = PreTrainedTokenizerFast(
+            tokenizer_file=tokenizer.path,
+            pad_token=tokenizer._tokenizer.id_to_token(pad_id),
+            model_max_length=tokenizer.context_length,
+            **specials,
+        )
+        fast.save_pretrained(out)
+        folder = str(out.resolve())
+        vision: dict[str, Any] = {
+            "image_size": m.image.image_size,
+            "timm_model_name": m.image.timm_name,
+            "timm_model_pretrained": False,
+            "timm_pool": "",  # the timm network's own pooling, as mmpt builds it
+            "timm_proj": "linear",
+            "timm_proj_bias": False,
+        }
+        for key, value in m.image.timm_kwargs.items():
+            vision[OPEN_CLIP_TIMM_KWARGS[key]] = value
+        config = {
+            "embed_dim": m.embed_dim,
+            "vision_cfg": vision,
+            "text_cfg": {
+                "hf_model_name": folder,
+                "hf_tokenizer_name": folder,
+                "hf_model_pretrained": False,
+                "hf_proj_type": "linear",
+                "hf_pooler_type": "mean_pooler",
+                "context_length": tokenizer.context_length,
+            },
+        }
+        state = {}
+        for key, value in clip.state_dict().items():  # open_clip's names: CustomTextCLIP, TimmModel, HFTextEncoder
+            if key.startswith("visual."):
+                state["visual.trunk." + key[len("visual.") :]] = value
+            elif key == "image_projection.weight":
+                state["visual.head.proj.weight"] = value
+            elif key.startswith("text."):
+                state["text.transformer." + key[len("text.") :]] = value
+            elif key == "text_projection.weight":
+                state["text.proj.weight"] = value
+            elif key == "logit_scale":
+                state[key] = value.reshape(())
+            else:
+                raise KeyError(f"{key}: no open_clip counterpart known for this clip parameter")
+        return OpenClipFolder(
+            config,
+            state,
+            notes=(
+                "The text tower is open_clip's Hugging Face adapter over the BERT in `config.json`; "
+                "`hf_model_name` and `hf_tokenizer_name` in the model config and `open_clip_config.json` name "
+                "this folder by its absolute path: edit both after moving it.",
+            ),
+            files=(
+                ("config.json", "the BERT text tower's Hugging Face config"),
+                ("tokenizer.json, tokenizer_config.json", "the tokenizer (Hugging Face fast tokenizer files)"),
+            ),
+        )
 
 
 METHOD = register(ClipMethod())

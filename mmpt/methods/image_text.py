@@ -104,6 +104,12 @@ class ImageTextMethod(Method[SettingsT]):
     released models offer (open_clip's convention); the training loader runs its `uint8_transform`.
     """
 
+    tower_names = ("image", "text")
+    intended_use = (
+        "Embedding images and texts into one space: text-image retrieval, zero-shot classification with "
+        "prompts, and features for downstream models, in the languages and the domain of its training captions "
+    )
+
     def tokenizer_file_name(self, cfg: Config) -> str:
         raise NotImplementedError
 

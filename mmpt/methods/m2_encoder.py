@@ -23,7 +23,7 @@ from mmpt.data.tokenizer import TextTokenizer
 from mmpt.eval.retrieval import official_caption_normalization
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.methods import register
-from mmpt.methods.base import EngineNeeds, MethodConfig
+from mmpt.methods.base import EngineNeeds, MethodConfig, count
 from mmpt.methods.image_text import (
     TINY_IMAGE_TEXT_DATA,
     ImageTextMethod,
@@ -31,6 +31,7 @@ from mmpt.methods.image_text import (
     ZeroShotConfig,
     model_images,
 )
+from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 from mmpt.models.m2_official import OfficialTensors, load_official, load_release_weights
 from mmpt.models.tensor_files import SafetensorsTensors, TensorReader
@@ -256,6 +257,25 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
 
     def step_pool(self, loss: GroupedContrastiveLoss, features: list[tuple[torch.Tensor, torch.Tensor]]):
         return loss.pool([image for image, _ in features], [text for _, text in features])
+
+    # --- export ---
+
+    export_formats = ("official",)  # the official checkpoint layout (mmpt.export.to_official)
+
+    def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
+        arch = cast(M2Encoder, model).cfg
+        return image_text_towers(model, arch.image_size, int(arch.vocab_size or 0), arch.context_length, True)
+
+    def architecture(self, cfg: Config, run_dir: Path) -> str:
+        m2 = self.settings(cfg)
+        a = m2.arch
+        return (
+            f"M²-Encoder multiway transformer (preset `{m2.model}`): width {a.width}, {count(a.heads, 'head')}, "
+            f"{count(a.lower_layers, 'modality-specific layer')} (vision A / text B copies) and "
+            f"{count(a.shared_layers, 'shared layer')}, "
+            f"{a.image_size}-px images in {a.patch_size}-px patches, {a.context_length} text tokens, "
+            f"{a.output_dim}-d features, L2-normalised"
+        )
 
 
 METHOD = register(M2EncoderMethod())

@@ -7,8 +7,9 @@ throughput comparison with open_clip's own trainer runs.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 from open_clip import image_transform
 from pydantic import Field
@@ -17,9 +18,10 @@ from torch import nn
 from mmpt.config import Config
 from mmpt.losses import ContrastiveLoss
 from mmpt.methods import register
-from mmpt.methods.base import EngineNeeds, MethodConfig
+from mmpt.methods.base import EngineNeeds, MethodConfig, OpenClipFolder
 from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig
-from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer, preprocess_settings
+from mmpt.methods.towers import Tower, image_text_towers
+from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer, preprocess_settings, register_model_config
 from mmpt.models.switches import TowerSwitches
 
 
@@ -89,6 +91,51 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         # open_clip's image tower, and its text transformer (`text` in its custom-text models)
         text = model.clip.text if hasattr(model.clip, "text") else model.clip.transformer
         return EngineNeeds(compilable=(model.clip.visual, text))
+
+    # --- export ---
+
+    export_formats = ("open_clip",)  # an open_clip model already
+
+    def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
+        size = self._preprocess(cfg)["image_size"]
+        size = size if isinstance(size, int) else size[0]
+        clip: Any = cast(OpenClipModel, model).clip  # open_clip's CLIP: vocab_size and context_length are attributes
+        # its text tower adds its fixed position table to exactly context_length tokens: a fixed length
+        return image_text_towers(model, size, int(clip.vocab_size), int(clip.context_length), False)
+
+    def architecture(self, cfg: Config, run_dir: Path) -> str:
+        m = self.settings(cfg)
+        size = f", image size forced to {m.image_size}" if m.image_size else ""
+        return f"open_clip architecture `{Path(m.model).stem}` ({m.model}{size}): open_clip's own model code"
+
+    def open_clip_preprocess(self, cfg: Config) -> dict[str, Any]:
+        found = self._preprocess(cfg)
+        return {
+            "size": found["image_size"],
+            "mean": [float(v) for v in found["mean"]],
+            "std": [float(v) for v in found["std"]],
+            "interpolation": found["interpolation"],
+            "resize_mode": found["resize_mode"],
+        }
+
+    def open_clip_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> OpenClipFolder:
+        """open_clip's own network: its parameters renamed back (`clip.` dropped, `logit_scale` 0-D again), its
+        model config with the forced image size applied; a Hugging Face tokenizer it names is saved in `out`."""
+        import open_clip
+
+        m = self.settings(cfg)
+        name = register_model_config(m.model)
+        config: dict[str, Any] = copy.deepcopy(open_clip.get_model_config(name) or {})
+        if m.image_size:
+            config["vision_cfg"]["image_size"] = m.image_size
+        if config.get("text_cfg", {}).get("hf_tokenizer_name"):
+            tokenizer: Any = open_clip.get_tokenizer(name)  # an HFTokenizer: local-dir: reads it from the folder
+            tokenizer.save_pretrained(str(out))
+        state = {
+            key[len("clip.") :]: (value.reshape(()) if key == "clip.logit_scale" else value)
+            for key, value in model.state_dict().items()
+        }
+        return OpenClipFolder(config, state)
 
 
 METHOD = register(OpenClipMethod())

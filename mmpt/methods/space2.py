@@ -28,7 +28,8 @@ from mmpt.losses.tree_contrastive import TreeContrastiveLoss
 from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, VIEWS, LabelCodes
 from mmpt.methods import register
 from mmpt.methods.base import EngineNeeds, Method, MethodConfig, stream_spec
-from mmpt.models.space2 import Space2Encoder
+from mmpt.methods.towers import BATCH, SEQUENCE, DialogTower, TensorSpec, Tower, features, with_output_dims
+from mmpt.models.space2 import TURN_ROWS, Space2Encoder
 
 BACKBONE_DIR = "encoder"  # the backbone's config and tokenizer files inside a run directory
 BACKBONE_FILES = ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -178,6 +179,75 @@ class Space2Method(Method[Space2Config]):
 
     def engine_needs(self, model: Space2Encoder) -> EngineNeeds:
         return EngineNeeds(compilable=(model.backbone.encoder,))  # the dialog encoder's transformer layers
+
+    # --- export ---
+
+    tower_names = ("dialog",)
+    intended_use = (
+        "Dialog representations: intent classification with a small labelled set (linear probe or fine-tuning), "
+        "dialog retrieval and clustering, in the language and the domains of its training dialogs "
+    )
+
+    def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
+        encoder, m = cast(Space2Encoder, model), self.settings(cfg)
+        vocab = int(getattr(encoder.config, "vocab_size"))  # noqa: B009 (BERT-family configs have it; the base class not)
+        shape = (BATCH, SEQUENCE)
+        inputs = (
+            TensorSpec("input_ids", "int64", shape, "word-piece ids with role tokens", (0, vocab)),
+            TensorSpec(
+                "positions", "int64", shape, "position within each utterance (restarts at 0)", (0, m.max_utt_len + 2)
+            ),
+            TensorSpec(
+                "turns", "int64", shape, "turn distance from the current utterance (1 = current)", (1, TURN_ROWS)
+            ),
+            TensorSpec("roles", "int64", shape, "role id (0 or 1, alternating back from the current turn)", (0, 2)),
+            TensorSpec("attention_mask", "int64", shape, "1 for real tokens, 0 for padding"),
+        )
+        dialog = DialogTower(encoder, lambda model_, batch: model_.encode_dialog(batch))
+        return with_output_dims([Tower("dialog", dialog, inputs, features("dialog"), max_sequence=m.max_len)])
+
+    def input_contract(self, cfg: Config, run_dir: Path, out: Path) -> dict[str, Any]:
+        """The dialog tokenizer: the backbone's tokenizer files, copied into `out`/tokenizer, and the rules."""
+        target = out / "tokenizer"
+        target.mkdir(exist_ok=True)
+        copied = []
+        for name in BACKBONE_FILES:
+            source = run_dir / BACKBONE_DIR / name
+            if name != "config.json" and source.is_file():
+                shutil.copyfile(source, target / name)
+                copied.append(f"tokenizer/{name}")
+        spec = self.input_spec(cfg)
+        return {
+            "tokenizer": {
+                "kind": "space2-dialog",
+                "files": copied,
+                "max_utt_len": spec.max_utt_len,
+                "max_turns": spec.max_turns,
+                "max_len": spec.max_len,
+                "about": "a dialog (list of {role, text} turns, the last one current) as SPACE-2 encodes it: per "
+                "utterance the word pieces (its last max_utt_len), wrapped in role tokens ([unused12] ... [unused6] "
+                "for the user, [unused13] ... [unused7] otherwise); positions restart per utterance; turns count "
+                "back from the current utterance (1); roles alternate back from it; the last max_turns utterances "
+                "and the last max_len tokens kept; batches right-padded with 0. "
+                "mmpt.data.dialog_encoding.DialogEncoder implements it (its attention_mask is bool: cast to int64)",
+            }
+        }
+
+    def architecture(self, cfg: Config, run_dir: Path) -> str:
+        views = len(self.settings(cfg).views)
+        backbone = run_dir / BACKBONE_DIR / "config.json"
+        detail = ""
+        if backbone.is_file():
+            b = json.loads(backbone.read_text())
+            detail = (
+                f" ({b.get('model_type', 'BERT')}: {b.get('num_hidden_layers')} layers, width "
+                f"{b.get('hidden_size')}, {b.get('num_attention_heads')} heads)"
+            )
+        return (
+            f"SPACE-2 dialog encoder on a Hugging Face BERT-family backbone{detail}, with turn and role "
+            f"embeddings and {views} tree-view projection heads; the dialog feature is the CLS state, "
+            "L2-normalised"
+        )
 
     def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
         encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg))

@@ -46,9 +46,21 @@ from mmpt.methods.base import (
     Method,
     MethodConfig,
     copy_tokenizer,
+    count,
     eval_record,
     save_eval_record,
     stream_spec,
+)
+from mmpt.methods.towers import (
+    BATCH,
+    SEQUENCE,
+    TensorSpec,
+    TextTower,
+    Tower,
+    VideoTower,
+    features,
+    text_inputs,
+    with_output_dims,
 )
 from mmpt.models.clip import TextTowerConfig
 from mmpt.models.victor import UnimodalTowers, VictorModel, VideoTowerConfig, load_backbone_weights
@@ -244,6 +256,78 @@ class VictorMethod(Method[VictorConfig]):
             sequence_parallel=tuple(transformers),
             batch_norm_across_ranks=True,
             compilable=(towers.frame_encoder, towers.temporal.encoder, towers.text, *transformers[2:]),
+        )
+
+    # --- export ---
+
+    tower_names = ("video", "text")
+    intended_use = (
+        "Embedding short videos and sentences into one space: text-video retrieval and zero-shot video "
+        "classification, in the languages and the domain of its training captions "
+    )
+
+    def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
+        victor, video = cast(VictorModel, model), self.settings(cfg).video
+        if video.feature_dim is not None:
+            video_input = TensorSpec(
+                "video", "float32", (BATCH, video.num_frames, video.feature_dim), "precomputed per-frame features"
+            )
+        else:
+            size = video.image_size
+            video_input = TensorSpec(
+                "video",
+                "uint8",
+                (BATCH, video.num_frames, 3, size, size),
+                "RGB frames as raw pixels (0-255): the model normalises them with `video.mean` / `video.std`",
+            )
+        text = victor.unimodal.text.config
+        towers = [
+            Tower("video", VideoTower(victor, lambda m, v: m.encode_video(v)), (video_input,), features("video")),
+            Tower(
+                "text",
+                TextTower(victor, lambda m, ids, mask: m.encode_text(ids, mask)),
+                text_inputs(text.vocab_size, SEQUENCE),
+                features("text"),
+                max_sequence=text.max_position_embeddings,
+            ),
+        ]
+        return with_output_dims(towers)
+
+    def input_contract(self, cfg: Config, run_dir: Path, out: Path) -> dict[str, Any]:
+        video = self.settings(cfg).video
+        return {
+            "video": {
+                "frames": video.num_frames,
+                "size": video.image_size,
+                "mean": list(video.mean),
+                "std": list(video.std),
+                "sampling": "the video cut into `frames` equal segments, the middle frame of each (segment i "
+                "covers frames [i*N//T, (i+1)*N//T))",
+                "steps": [
+                    "each frame: the shorter side resized to `size` (bilinear, antialiased), then the central "
+                    "size x size crop",
+                    "stacked as uint8 [frames, 3, size, size] (RGB); no normalisation: the tower applies mean/std",
+                ]
+                if video.backbone
+                else ["precomputed per-frame features [frames, feature_dim] sampled with the same rule"],
+            }
+        }
+
+    def architecture(self, cfg: Config, run_dir: Path) -> str:
+        victor = self.settings(cfg)
+        video, text = victor.video, victor.text
+        frames = (
+            f"timm `{video.backbone}` frame encoder at {video.image_size} px"
+            if video.backbone
+            else (f"precomputed {video.feature_dim}-d frame features")
+        )
+        return (
+            f"VICTOR: {frames} over {video.num_frames} frames, a temporal transformer of "
+            f"{count(video.layers, 'layer')} x {video.width}, a BERT text tower of {count(text.layers, 'layer')} x "
+            f"{text.width} ({text.context_length} tokens), a cross-modal transformer of "
+            f"{count(victor.cross_layers, 'layer')} for the training tasks; "
+            f"{victor.embed_dim}-d retrieval features, L2-normalised. The weights also hold the momentum key network, "
+            "which inference does not use"
         )
 
     def build_loss(self, cfg: Config) -> VictorLoss:
