@@ -209,6 +209,12 @@ class TrainConfig(Section):
         "an fp32 model under autocast (docs/engine.md); fp16 needs a GPU",
     )
     zero_stage: int = Field(default=0, ge=0, le=3)
+    peak_tflops: float | None = Field(
+        default=None,
+        gt=0,
+        description="dense TFLOP/s per GPU that perf/mfu is stated against (docs/performance.md). None: the bf16 "
+        "peak of an H100, H200 or A100 in a bf16 run, else no perf/tflops nor perf/mfu (nothing is claimed on CPU)",
+    )
     offload_optimizer: bool = False
     reduce_bucket_size: int | None = Field(
         default=None,

@@ -66,18 +66,24 @@ class MetricLogger:
         wandb: WandbConfig | None = None,
         config: dict | None = None,
         gpu: bool = False,
+        peak_tflops: float | None = None,
     ):
-        """`gpu`: the run trains on GPUs (every rank alike): each window then gathers each rank's peak memory."""
+        """`gpu`: the run trains on GPUs (every rank alike): each window then gathers each rank's peak memory.
+        `peak_tflops`: the dense TFLOP/s per GPU `perf/mfu` is stated against; with it and `flops_per_sample` (set
+        by the engine once counted, `mmpt.engine.flops`) each window logs perf/tflops and perf/mfu."""
         self.rank = mdist.get_rank()
         self.run_dir = run_dir
         self.health_summary: dict[str, dict[str, float]] = {"stragglers": {}}  # the ranks the health monitor named
         self.global_batch = global_batch
         self.gpu = gpu
+        self.peak_tflops = peak_tflops
+        self.flops_per_sample: float | None = None  # a training step's FLOPs per sample, recompute included
         self.data_counts: dict[str, dict[str, int]] = {}  # the latest reduced sample counts, for the summary
         self._sums: dict[str, torch.Tensor] = {}
         self._count = 0
-        self._clock = Clock(cuda=False)  # the window's wall time, read after its work has finished
-        self._window_start = self._clock.mark()
+        self.clock = Clock(cuda=False)  # the window's wall time, read after its work has finished
+        self._window_start = self.clock.mark()
+        self._excluded = 0.0  # seconds of the window spent on other things (`exclude`)
         self._jsonl = self._writer = self._bar = self._wandb = None
         if self.rank == 0:
             if wandb is not None:
@@ -144,7 +150,7 @@ class MetricLogger:
         count = max(1, self._count)
         local = torch.stack([self._sums[n] for n in names]) / count if names else torch.zeros(0, dtype=torch.float64)
         means = mdist.all_reduce_mean(local).tolist()
-        elapsed = self._clock.seconds(self._window_start, self._clock.mark())
+        elapsed = self.clock.seconds(self._window_start, self.clock.mark()) - self._excluded
         forward = times.get("forward", 0.0) - times.get("gather", 0.0)
         memory = device_memory_gib() if self.gpu else None
         per_rank = mdist.all_gather_floats(
@@ -152,6 +158,11 @@ class MetricLogger:
         )
         record: dict = {"step": step, "lr": lr, **{f"loss/{n}": v for n, v in zip(names, means)}}
         record["samples_per_s"] = self._count * self.global_batch / max(elapsed, 1e-9)
+        if self.flops_per_sample is not None and self.peak_tflops is not None:
+            # Achieved TFLOP/s per GPU: the window's FLOPs over all ranks, over its wall time and the ranks.
+            tflops = self.flops_per_sample * record["samples_per_s"] / mdist.get_world_size() / 1e12
+            record["perf/tflops"] = tflops
+            record["perf/mfu"] = tflops / self.peak_tflops
         record["step_time_per_rank"] = [round(r[0], 5) for r in per_rank]
         record["data_time_per_rank"] = [round(r[1], 5) for r in per_rank]
         record["forward_time_per_rank"] = [round(r[2], 5) for r in per_rank]
@@ -161,8 +172,12 @@ class MetricLogger:
         record.update(extra or {})
         self._sums.clear()
         self._count = 0
-        self._window_start = self._clock.mark()
+        self._window_start, self._excluded = self.clock.mark(), 0.0
         return record
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` just spent on something else than training out of the current window's time."""
+        self._excluded += seconds
 
     def write(self, step: int, record: dict) -> None:
         """Rank 0: write the record (jsonl, TensorBoard, console)."""
@@ -188,6 +203,8 @@ class MetricLogger:
             self._writer.flush()
         losses = " ".join(f"{k.removeprefix('loss/')}={v:.4f}" for k, v in record.items() if k.startswith("loss/"))
         message = f"step {step} {losses} lr={record['lr']:.2e} samples/s={record['samples_per_s']:.1f}"
+        if "perf/mfu" in record:
+            message += f" tflops={record['perf/tflops']:.1f} mfu={100 * record['perf/mfu']:.1f}%"
         if "gpu_peak_allocated_gib_per_rank" in record:  # the fullest rank's
             message += f" gpu_peak={max(record['gpu_peak_allocated_gib_per_rank']):.1f}GiB"
         if self._bar is not None:

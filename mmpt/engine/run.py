@@ -24,6 +24,7 @@ from mmpt.engine.batch_norm import batch_norm_across_ranks
 from mmpt.engine.checkpoint import Checkpointer, RngState, deepspeed_io, find_resume, saved_world_size
 from mmpt.engine.compile import check_compile, compile_towers
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
+from mmpt.engine.flops import flops_per_sample, peak_tflops, step_flops
 from mmpt.engine.grad_buckets import BucketedAllReduce
 from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.hooks import StepHooks
@@ -142,6 +143,7 @@ class Run:
     float_dtype: torch.dtype
     step: int = 0
     shares: BatchShares | None = None  # per-rank micro-batches under train.adaptive_batch
+    flops_counted: bool = False  # whether `count_flops` has run
     guard: NonFiniteGuard = field(init=False)
     spans: Spans = field(init=False)
 
@@ -173,6 +175,20 @@ class Run:
             float(optimizer_state_bytes(self.engine.optimizer, self.engine.module)),
             float(momentum_bytes(copies)) if copies else None,
         )
+
+    def count_flops(self, batch: Any) -> None:
+        """Once, with the first micro-batch (before it runs): the step's FLOPs per sample, counted on fake tensors
+        of its shapes (`mmpt.engine.flops`), for the metrics' perf/tflops and perf/mfu. Only where a peak is known."""
+        self.flops_counted = True
+        if self.metrics.peak_tflops is None:
+            return
+        samples = self.shares.mine * self.shares.unit if self.shares is not None else self.cfg.data.train.batch_size
+        clock = self.metrics.clock
+        started = clock.mark()
+        self.metrics.flops_per_sample = flops_per_sample(
+            lambda: step_flops(self.method, self.cfg, self.run_dir, batch), samples
+        )
+        self.metrics.exclude(clock.seconds(started, clock.mark()))  # counting is not the window's training time
 
     def close(self) -> None:
         self.watchdog.close()
@@ -267,6 +283,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         wandb=cfg.run.wandb,
         config=cfg.to_dict(),
         gpu=engine.device.type == "cuda",
+        peak_tflops=peak_tflops(cfg.train.peak_tflops, cfg.train.precision, engine.device),
     )
     return Run(
         cfg,

@@ -81,6 +81,8 @@ def train_step(run: runs.Run) -> dict[str, torch.Tensor]:
         to_device(run.batches.take(units), run.engine.device, run.float_dtype) for _ in range(run.cfg.train.grad_accum)
     ]
     run.spans.stop("data")
+    if not run.flops_counted:
+        run.count_flops(micro_batches[0])
     weight = run.shares.loss_weight() if run.shares is not None else 1.0
     losses = optimizer_step(run.engine, micro_batches, run.hooks, at, run.spans, weight)
     if (run.needs.after_step or run.needs.momentum_copies) and run.engine.was_step_applied():

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mmpt.engine import flops
 from mmpt.engine.precision import policy
 from mmpt.plan.batches import micro_batch
 from mmpt.plan.build import Built
@@ -98,42 +99,15 @@ def set_checkpointing(model: nn.Module, enabled: bool) -> bool:
 
 def materialize(b: Built, device: str = "cpu") -> None:
     """Give `b`'s meta-built model and loss storage on `device` (fake storage inside FakeTensorMode), in the
-    training precision as the engine sets it: floating parameters and buffers in it, declared fp32 modules
-    and momentum copies fp32. Tied parameters stay tied."""
-    dtype = policy(b.cfg.train.precision, b.cfg.train.zero_stage).model
-    kept = {id(t) for m in (*b.needs.fp32_modules, *b.needs.momentum_copies) for t in (*m.parameters(), *m.buffers())}
-    done: dict[int, torch.Tensor] = {}
-
-    def fresh(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in done:
-            target = torch.float32 if id(tensor) in kept else dtype
-            made = torch.empty(
-                tensor.shape, device=device, dtype=target if tensor.is_floating_point() else tensor.dtype
-            )
-            if isinstance(tensor, nn.Parameter):
-                made = nn.Parameter(made, requires_grad=tensor.requires_grad)
-            done[id(tensor)] = made
-        return done[id(tensor)]
-
-    for root in (b.model, b.loss):
-        for module in root.modules():
-            for table in (module._parameters, module._buffers):
-                for name, tensor in table.items():
-                    if tensor is not None:
-                        table[name] = fresh(tensor)  # type: ignore[assignment]
+    training precision as the engine sets it (`mmpt.engine.flops.materialize`)."""
+    flops.materialize(b.model, b.loss, b.needs, policy(b.cfg.train.precision, b.cfg.train.zero_stage).model, device)
 
 
 def run_step(b: Built, batch: dict[str, Any]) -> None:
-    """What the engine runs for one micro-batch: the method's step pool (no gradient) when it declares one,
-    the training step, the backward pass."""
+    """What the engine runs for one micro-batch (`mmpt.engine.flops.run_step`): the step pool, the training step,
+    the backward pass."""
     autocast = policy(b.cfg.train.precision, b.cfg.train.zero_stage).autocast
-    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        pool = None
-        if b.needs.step_pool is not None:
-            with torch.no_grad():
-                pool = b.needs.pool(b.model, b.loss, [batch])
-        terms = b.method.training_step(b.model, b.loss, batch, pool, 0)
-    torch.stack([t.float() for t in terms.values()]).sum().backward()
+    flops.run_step(b.method, b.model, b.loss, b.needs, batch, autocast)
 
 
 def drop_gradients(model: nn.Module) -> list[Any]:
