@@ -156,7 +156,10 @@ class EvalSetConfig(FieldKeys):
 
 class DataConfig(Section):
     train: LoaderConfig
-    eval: list[EvalSetConfig] = Field(default_factory=list, description="evaluation sets (see train.eval_every)")
+    eval: list[EvalSetConfig] = Field(
+        default_factory=list,
+        description="what a run evaluates: these sets, at the end of training and every train.eval_every steps",
+    )
     prepare: str | None = Field(
         default=None, description="name of a demo corpus (mmpt.demo) to build under `root` on first use, e.g. digits"
     )
@@ -270,8 +273,8 @@ class TrainConfig(Section):
     eval_every: int = Field(
         default=0,
         ge=0,
-        description="evaluate the data.eval sets every n steps (0: only at the end); "
-        "evaluation leaves training exactly as it would be without it",
+        description="evaluate the data.eval sets every n steps as well as at the end (0: only at the end); needs "
+        "a data.eval set and n at most train.max_steps. Evaluation leaves training exactly as it would be without it",
     )
     save_every: int = Field(default=0, ge=0, description="checkpoint every n steps (0: only at the end)")
     keep_last: int = Field(default=2, gt=0, description="checkpoints kept on disk")

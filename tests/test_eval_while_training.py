@@ -1,9 +1,12 @@
 """`train.eval_every`: the data.eval sets evaluated while training, reported as eval/<set>/<language>/<metric>,
 leave training exactly as it would be without them, and a run stopped after an evaluation resumes exactly."""
 
+import os
+import re
+
 import pytest
 
-from conftest import read_metrics, run_deepspeed, step_losses, tiny_config, write_config
+from conftest import REPO, read_metrics, run_deepspeed, step_losses, tiny_config, write_config
 
 
 def config(tmp_path, digits_root, name, zero_stage, **train):
@@ -75,3 +78,108 @@ def test_an_evaluation_that_draws_random_numbers_and_switches_modes_leaves_both_
         draws(), draws()
     assert draws() == expected
     assert model.training and not model[0].training and model[1].training
+
+
+def test_eval_every_on_the_clip_demo_evaluates_its_sets_at_those_steps_and_at_the_end(
+    tmp_path, digits_root, process_group_of_one
+):
+    """The README's demo config with `train.eval_every=5` over 10 steps: its data.eval sets (the held-out digits
+    and digits_unseen, in English and Chinese) logged at step 5 and at step 10, in this process at a tiny size."""
+    from mmpt import distributed as mdist
+    from mmpt.config_loader import load_config
+    from mmpt.engine import train
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        REPO / "configs/clip/demo.yaml",
+        [
+            "train.eval_every=5",
+            "train.max_steps=10",
+            "data.prepare=null",
+            f"data.root={digits_root.parent}",  # the demo's sets (digits, digits_unseen) are read there
+            f'data.train.sources=[{{shards: "{digits_root}/train/en-*.tar"}}, '
+            f'{{shards: "{digits_root}/train/zh-*.tar"}}]',
+            "data.train.batch_size=8",
+            "data.train.shuffle_buffer=20",
+            f"method.tokenizer={digits_root}/tokenizer.json",
+            "method.embed_dim=16",
+            "method.text.width=32",
+            "method.text.layers=1",
+            "method.text.heads=2",
+            "train.zero_stage=0",
+            "train.save_every=0",
+            "train.log_every=5",
+            "optim.warmup_steps=1",
+            f"run.output_dir={run_dir}",
+            "run.progress_bar=false",
+            "run.tensorboard=false",
+        ],
+    )
+    saved = dict(os.environ)
+    try:
+        train(cfg)
+    finally:  # the rendezvous variables a plain start sets, removed so that later launches start clean
+        mdist.set_sequence_parallel(1)
+        os.environ.clear()
+        os.environ.update(saved)
+    evaluated = evaluations(run_dir)
+    assert sorted(evaluated) == [5, 10], sorted(evaluated)
+    for record in evaluated.values():
+        for name in ("digits", "digits_unseen"):
+            for language in ("en", "zh"):
+                assert 0 <= record[f"eval/{name}/{language}/acc1"] <= 1, record
+    records = sorted(path.name for path in (run_dir / "eval").glob("*.json"))  # the end's, CLIP_benchmark style
+    assert len(records) == 4 and all(name.startswith("zeroshot_classification_") for name in records), records
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["train.eval_every=5", "data.eval=[]"], "config key 'train.eval_every' = 5: there is no data.eval set"),
+        (
+            ["train.eval_every=20", "train.max_steps=10"],
+            "config key 'train.eval_every' = 20 is more than train.max_steps",
+        ),
+    ],
+)
+def test_an_eval_every_that_would_evaluate_nothing_is_refused_before_the_run_starts(overrides, says):
+    from mmpt.config import ConfigError
+    from mmpt.config_loader import load_config
+    from mmpt.engine.preflight import check_eval_every
+
+    cfg = load_config(REPO / "configs/clip/demo.yaml", overrides)  # a config loads: a saved one must
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        check_eval_every(cfg)
+
+
+def test_a_saved_config_with_the_former_method_zeroshot_section_loads_as_data_eval_sets():
+    """Releases' config.json and runs' config.yaml written before data.eval named every evaluation set keep
+    their zero-shot sets in `method.zeroshot`: they load, those sets read as data.eval entries, with a warning."""
+    from mmpt.config_loader import load_config
+    from mmpt.release import model_config
+
+    legacy = {
+        "name": "clip",
+        "tokenizer": "tokenizer.json",
+        "zeroshot": {
+            "dataset": "digits",
+            "extra_datasets": ["digits_unseen"],
+            "languages": ["en", "zh"],
+            "batch_size": 64,
+            "foreign_class_names": False,
+        },
+    }
+    with pytest.warns(FutureWarning, match=r"'method.zeroshot' is read as data.eval entries \(digits, digits_unseen\)"):
+        cfg = model_config(legacy)
+    assert [(s.dataset, s.task, s.languages) for s in cfg.data.eval] == [
+        ("digits", "zeroshot_classification", ["en", "zh"]),
+        ("digits_unseen", "zeroshot_classification", ["en", "zh"]),
+    ]
+    assert cfg.method.eval_batch_size == 64  # type: ignore[attr-defined]
+    with pytest.warns(FutureWarning, match="no evaluation set"):
+        cfg = model_config({**legacy, "zeroshot": {"dataset": None, "languages": ["en"]}})
+    assert cfg.data.eval == []
+    # a set named in both places is one set
+    with pytest.warns(FutureWarning):
+        cfg = load_config(REPO / "configs/clip/demo.yaml", ["method.zeroshot={dataset: digits, languages: [en, zh]}"])
+    assert [s.label for s in cfg.data.eval] == ["digits", "digits_unseen"]

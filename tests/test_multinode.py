@@ -83,7 +83,6 @@ def m2_config(digits_root: Path, run_dir: Path) -> dict:
         "tokenizer": str(digits_root / "tokenizer.json"),
         "loss": {"group_size": "auto"},
         "augment": {"hflip": False, "randaugment": False},
-        "zeroshot": {"dataset": None},
     }
     cfg["data"]["train"]["batch_size"] = PER_RANK_BATCH
     return cfg

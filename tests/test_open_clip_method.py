@@ -38,8 +38,9 @@ def test_unknown_model_is_a_config_error():
 def test_open_clip_method_trains_on_two_ranks(tmp_path, digits_root):
     run_dir = tmp_path / "run"
     cfg = tiny_config(digits_root, run_dir, train={"max_steps": 4, "save_every": 0})
-    cfg["method"] = {"name": "open_clip", "model": CONFIG, "zeroshot": {"dataset": str(digits_root / "zeroshot")}}
+    cfg["method"] = {"name": "open_clip", "model": CONFIG}
+    cfg["data"]["eval"] = [{"dataset": str(digits_root / "zeroshot"), "task": "zeroshot_classification"}]
     run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
     records = read_metrics(run_dir)
     assert all(math.isfinite(r["loss/total"]) for r in records if "loss/total" in r)
-    assert 0 <= records[-1]["zeroshot/en/acc1"] <= 1
+    assert 0 <= records[-1]["eval/zeroshot/en/acc1"] <= 1

@@ -27,10 +27,11 @@ def train(config, *overrides):
     [
         ("method.tokenizer={missing}/tokenizer.json", "method.tokenizer"),
         ("data.train.sources.1.shards={missing}/zh-{{000000..000003}}.tar", "data.train.sources.1.shards"),
-        ("method.zeroshot.dataset={missing}/imagenet", "method.zeroshot.dataset"),
+        ("data.eval=[{{dataset: {missing}/imagenet, task: zeroshot_classification}}]", "data.eval.0.dataset"),
         (
-            "method.zeroshot={{dataset: digits, extra_datasets: [digits_unseen, {missing}/cn]}}",
-            "method.zeroshot.extra_datasets.1",
+            "data.eval=[{{dataset: digits, task: zeroshot_classification}}, "
+            "{{dataset: {missing}/cn, task: zeroshot_classification}}]",
+            "data.eval.1.dataset",
         ),
         ("run.resume={missing}/checkpoints/step_000000100", "run.resume"),
     ],
@@ -48,6 +49,19 @@ def test_a_missing_input_stops_before_the_process_group(tmp_path, digits_root, o
     assert not (tmp_path / "run").exists()
 
 
+def test_an_eval_every_with_nothing_to_evaluate_stops_before_the_process_group(tmp_path, digits_root):
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))  # no data.eval
+    result = train(config, "train.eval_every=5")
+    output = result.stdout + result.stderr
+    assert result.returncode == EXIT_CONFIG, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("mmpt: ")]
+    assert lines == [
+        "mmpt: config error: config key 'train.eval_every' = 5: there is no data.eval set to evaluate "
+        "(name one in data.eval, or set train.eval_every=0)"
+    ], output[-3000:]
+    assert "Traceback" not in output and not (tmp_path / "run").exists()
+
+
 def test_m2_init_from_a_missing_download_is_named_before_its_tokenizer(tmp_path, digits_root):
     cfg = tiny_config(digits_root, tmp_path / "run")
     cfg["method"] = {
@@ -55,7 +69,6 @@ def test_m2_init_from_a_missing_download_is_named_before_its_tokenizer(tmp_path,
         "model": "m2-encoder-demo",
         "init_from": str(tmp_path / "official"),
         "tokenizer": None,
-        "zeroshot": {"dataset": None},
     }
     result = train(write_config(tmp_path / "cfg.yaml", cfg))
     assert result.returncode == EXIT_CONFIG
@@ -147,7 +160,6 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(tmp_path, 
         "tokenizer": str(digits_root / "tokenizer.json"),
         "init_from": str(tmp_path / "official"),
         "loss": {"name": "gba_itc", "group_size": 1},
-        "zeroshot": {"dataset": None},
     }
     result = train(write_config(tmp_path / "cfg.yaml", cfg))
     assert result.returncode == EXIT_CONFIG and "Traceback" not in result.stderr, result.stderr[-3000:]

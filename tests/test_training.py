@@ -89,7 +89,11 @@ def test_plain_python_trains_evaluates_and_zeroshot_cli_reproduces(tmp_path, dig
         digits_root,
         run_dir,
         train={"zero_stage": 0, "max_steps": 6, "save_every": 0},
-        method={"zeroshot": {"dataset": str(digits_root / "zeroshot"), "languages": ["en", "zh"]}},
+        data={
+            "eval": [
+                {"dataset": str(digits_root / "zeroshot"), "task": "zeroshot_classification", "languages": ["en", "zh"]}
+            ]
+        },
     )
     config = write_config(tmp_path / "cfg.yaml", cfg)
     result = subprocess.run(
@@ -126,7 +130,7 @@ def test_plain_python_trains_evaluates_and_zeroshot_cli_reproduces(tmp_path, dig
     assert record["task"] == "zeroshot_classification" and record["language"] == "zh"
     assert set(record["metrics"]) == {"acc1", "acc5", "mean_per_class_recall"}
     for key, value in record["metrics"].items():
-        assert value == pytest.approx(final[f"zeroshot/zh/{key}"], abs=1e-6)
+        assert value == pytest.approx(final[f"eval/zeroshot/zh/{key}"], abs=1e-6)
 
     # The CLIP_benchmark loader gives the same embeddings as the run's own model.
     import torch

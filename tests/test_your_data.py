@@ -41,7 +41,7 @@ def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(
     cfg = _deep_update(data, SHRINK)
     cfg["extends"] = []
     cfg["method"]["tokenizer"] = str(digits_root / "tokenizer.json")
-    cfg["method"]["zeroshot"] = {"dataset": str(digits_root / "zeroshot"), "languages": ["en", "zh"], "batch_size": 64}
+    cfg["method"]["eval_batch_size"] = 64
     cfg["data"] = {
         "train": {
             "sources": [
@@ -86,7 +86,7 @@ def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(
     assert summary["data"]["en"]["decoded"] > summary["data"]["zh"]["decoded"]  # weights 1 : 0.5
     final = read_metrics(tmp_path / "run")[-1]  # the evaluation at the end
     for language in ("en", "zh"):
-        assert 0 <= final[f"zeroshot/{language}/acc1"] <= 1
+        assert 0 <= final[f"eval/digits/{language}/acc1"] <= 1
     evaluated = {r["step"]: r for r in read_metrics(tmp_path / "run") if "eval/digits/seconds" in r}
     assert set(evaluated) == {2, 4}  # every eval_every steps, and at the end
     for record in evaluated.values():

@@ -21,15 +21,23 @@ from torch import nn
 from mmpt.config import Config
 from mmpt.engine.checkpoint.rng import rng_state, set_rng_state
 from mmpt.methods import Method
+from mmpt.methods.base import eval_record, save_eval_record
 
 
-def evaluate_sets(method: Method, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, float]:
-    """{eval/<set>/<language>/<metric>: value, eval/<set>/seconds: time} of every `data.eval` set."""
+def evaluate_sets(
+    method: Method, model: nn.Module, cfg: Config, run_dir: Path, records: Path | None = None
+) -> dict[str, float]:
+    """{eval/<set>/<language>/<metric>: value, eval/<set>/seconds: time} of every `data.eval` set; with `records`,
+    each set's result in each language is also written there as a CLIP_benchmark-style record (the end of
+    training writes them to <run>/eval/, which the model card shows)."""
     results: dict[str, float] = {}
     for eval_set in cfg.data.eval:
         started = time.perf_counter()
         for language in eval_set.languages:
             metrics = method.evaluate_set(model, cfg, run_dir, eval_set, language)
+            if records is not None:
+                record = eval_record(run_dir, eval_set.dataset, eval_set.task, language, metrics)
+                save_eval_record(record, records)
             results.update(
                 {
                     f"eval/{eval_set.label}/{language}/{name}": value

@@ -47,6 +47,7 @@ def check_inputs(cfg: Config, method: Method) -> None:
             "config key 'run.wandb': logging to Weights & Biases needs the wandb package "
             "(pip install 'mmpt[wandb]'), or remove the key"
         )
+    check_eval_every(cfg)
     for index, eval_set in enumerate(cfg.data.eval):
         key, dataset = f"data.eval.{index}.dataset", eval_set.dataset
         if dataset in DEMO_NAMES or built_later(dataset):
@@ -76,3 +77,19 @@ def literal_prefix(pattern: str) -> str:
     """The part of a path or shard pattern before its first wildcard or brace."""
     cut = min((pattern.index(c) for c in WILDCARDS if c in pattern), default=len(pattern))
     return pattern[:cut] or "."
+
+
+def check_eval_every(cfg: Config) -> None:
+    """Refuse a `train.eval_every` that would evaluate nothing: no `data.eval` set, or more steps than the run
+    has. Checked when a run starts, not when a config loads: a saved config (a release's) still loads."""
+    every = cfg.train.eval_every
+    if every and not cfg.data.eval:
+        raise ConfigError(
+            f"config key 'train.eval_every' = {every}: there is no data.eval set to evaluate "
+            "(name one in data.eval, or set train.eval_every=0)"
+        )
+    if every > cfg.train.max_steps:
+        raise ConfigError(
+            f"config key 'train.eval_every' = {every} is more than train.max_steps ({cfg.train.max_steps}): "
+            "it would never evaluate before the end (data.eval sets are evaluated at the end anyway)"
+        )

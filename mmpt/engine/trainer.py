@@ -219,7 +219,7 @@ def finish(run: runs.Run) -> dict[str, Any]:
     model = read_weights(method.build_model(cfg, run.run_dir), run.run_dir / WEIGHTS).to(device).eval()
     results = method.evaluate(model, cfg, run.run_dir)
     with torch.no_grad():
-        results.update(evaluate_sets(method, model.eval(), cfg, run.run_dir))
+        results.update(evaluate_sets(method, model.eval(), cfg, run.run_dir, records=run.run_dir / "eval"))
     if results:
         run.metrics.write_final(run.step, results)
         print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items()), flush=True)

@@ -43,7 +43,7 @@ SCRIPTS = {
     "ja": re.compile(r"[\u3040-\u30ff\u3400-\u9fff]"),
     "ko": re.compile(r"[\uac00-\ud7af]"),
 }
-FOREIGN_HINT = "or allow names in another language (method.zeroshot.foreign_class_names, --foreign-class-names)"
+FOREIGN_HINT = "or allow names in another language (foreign_class_names of the data.eval set, --foreign-class-names)"
 
 
 class ClassNamesError(ConfigError):

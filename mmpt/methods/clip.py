@@ -23,7 +23,7 @@ from mmpt.data.tokenizer import TextTokenizer
 from mmpt.losses import ContrastiveLoss
 from mmpt.methods import register
 from mmpt.methods.base import EngineNeeds, MethodConfig, OpenClipFolder, count
-from mmpt.methods.image_text import TINY_IMAGE_TEXT_DATA, ImageTextMethod, PlacementAugment, ZeroShotConfig
+from mmpt.methods.image_text import TINY_IMAGE_TEXT_DATA, ImageTextMethod, PlacementAugment, eval_batch_size_field
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
 
@@ -44,7 +44,7 @@ class ClipConfig(MethodConfig):
     augment: PlacementAugment = Field(
         default_factory=PlacementAugment, description="added to open_clip's training transform (crop 0.9-1)"
     )
-    zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
+    eval_batch_size: int = eval_batch_size_field()
 
 
 class ClipMethod(ImageTextMethod[ClipConfig]):
@@ -59,7 +59,6 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
         "method.text.width=32",
         "method.text.layers=1",
         "method.text.heads=2",
-        "method.zeroshot.dataset=null",
     )
 
     def tokenizer_file_name(self, cfg: Config) -> str:

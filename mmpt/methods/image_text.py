@@ -20,27 +20,13 @@ from mmpt.data.shards import DataError
 from mmpt.eval import DEMO_SETS, resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
-from mmpt.methods.base import Method, copy_tokenizer, eval_record, save_eval_record, stream_spec
+from mmpt.methods.base import Method, copy_tokenizer, eval_record, stream_spec
 
 
-class ZeroShotConfig(Section):
-    dataset: str | None = Field(
-        default=None,
-        description="CLIP_benchmark/ImageFolder path, or a demo set name ('digits'); "
-        "reported as zeroshot/<language>/<metric>. null: no evaluation "
-        "at the end of training, extra_datasets included",
-    )
-    extra_datasets: list[str] = Field(
-        default_factory=list,
-        description="more sets evaluated the same way, reported as zeroshot/<folder or set name>/<language>/<metric>",
-    )
-    languages: list[str] = Field(default_factory=lambda: ["en"])
-    batch_size: int = Field(default=256, gt=0)
-    foreign_class_names: bool = Field(
-        default=False,
-        description="accept class names not written in the prompt language (English names in Chinese "
-        "prompts); otherwise such sets, and class folders named by ids, are config errors",
-    )
+def eval_batch_size_field():
+    """`method.eval_batch_size` of every image-text method: how many images or captions one forward of an
+    evaluation reads (what is evaluated is `data.eval`)."""
+    return Field(default=256, gt=0, description="images or captions per forward when evaluating the data.eval sets")
 
 
 class PlacementAugment(Section):
@@ -89,7 +75,7 @@ class ImageTextSettings(Protocol):
     """What every image-text method's section has (its other keys are its own)."""
 
     @property
-    def zeroshot(self) -> ZeroShotConfig: ...
+    def eval_batch_size(self) -> int: ...
 
 
 SettingsT = TypeVar("SettingsT", bound=ImageTextSettings)
@@ -120,33 +106,15 @@ class ImageTextMethod(Method[SettingsT]):
         raise NotImplementedError
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
-        zs = self.settings(cfg).zeroshot
-        sets = {
-            "method.zeroshot.dataset": zs.dataset,
-            **{f"method.zeroshot.extra_datasets.{i}": name for i, name in enumerate(zs.extra_datasets)},
-        }
-        paths = {key: name for key, name in sets.items() if name is not None and name not in DEMO_SETS}
-        return {"method.tokenizer": self.tokenizer_source(cfg), **paths}
+        return {"method.tokenizer": self.tokenizer_source(cfg)}
 
     def check_eval_sets(self, cfg: Config) -> None:
-        zs = self.settings(cfg).zeroshot
-        end = (
-            [
-                ("method.zeroshot.dataset", zs.dataset, zs.languages, zs.foreign_class_names),
-                *(
-                    (f"method.zeroshot.extra_datasets.{i}", d, zs.languages, zs.foreign_class_names)
-                    for i, d in enumerate(zs.extra_datasets)
-                ),
-            ]
-            if zs.dataset is not None
-            else []
-        )
         sets = [
             (f"data.eval.{i}.dataset", s.dataset, s.languages, s.foreign_class_names)
             for i, s in enumerate(cfg.data.eval)
             if s.task == "zeroshot_classification"
         ]
-        for key, dataset, languages, foreign in end + sets:
+        for key, dataset, languages, foreign in sets:
             if dataset in DEMO_SETS or not Path(dataset).is_dir():
                 continue  # a demo set (built later) or a retrieval file
             for language in languages:
@@ -192,22 +160,6 @@ class ImageTextMethod(Method[SettingsT]):
             return {"contrastive": loss(image_features, text_features, scale)}
         return {"contrastive": loss(image_features, text_features, scale, pool=pool, slot=index)}
 
-    def evaluates_at_end(self, cfg: Config) -> bool:
-        return self.settings(cfg).zeroshot.dataset is not None
-
-    def evaluate(self, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        zs = self.settings(cfg).zeroshot
-        if zs.dataset is None:
-            return {}
-        results = {}
-        for dataset in [zs.dataset, *zs.extra_datasets]:
-            prefix = "zeroshot" if dataset == zs.dataset else f"zeroshot/{Path(dataset).name}"
-            for language in zs.languages:
-                record = self.zeroshot(model, cfg, run_dir, dataset, language)
-                save_eval_record(record, run_dir / "eval")
-                results.update({f"{prefix}/{language}/{key}": value for key, value in record["metrics"].items()})
-        return results
-
     sample_fields = ("caption", "image")
     eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")
     eval_sample_fields = ("caption", "image")
@@ -236,17 +188,14 @@ class ImageTextMethod(Method[SettingsT]):
         dataset: str,
         language: str,
         task: str = "zeroshot_classification",
-        foreign_class_names: bool | None = None,
+        foreign_class_names: bool = False,
         fields: SampleFields | None = None,
     ) -> dict[str, Any]:
         """One zero-shot run (classification, or retrieval over a jsonl) as a CLIP_benchmark-style record
         (not saved: the caller decides where). `foreign_class_names`: accept class names not written in
-        `language` (None: as `method.zeroshot.foreign_class_names` says); `fields`: where a set read from
-        shards keeps its images and captions."""
-        if foreign_class_names is None:
-            foreign_class_names = self.settings(cfg).zeroshot.foreign_class_names
+        `language`; `fields`: where a set read from shards keeps its images and captions."""
         device = next(model.parameters()).device
-        batch_size = self.settings(cfg).zeroshot.batch_size
+        batch_size = self.settings(cfg).eval_batch_size
         tokenizer, transform = self.tokenizer(cfg, run_dir), self.image_transform(cfg, train=False)
         if task == "zeroshot_retrieval":
             metrics = zeroshot_retrieval(

@@ -28,7 +28,7 @@ from mmpt.methods.image_text import (
     TINY_IMAGE_TEXT_DATA,
     ImageTextMethod,
     PlacementAugment,
-    ZeroShotConfig,
+    eval_batch_size_field,
     model_images,
 )
 from mmpt.methods.towers import Tower, image_text_towers
@@ -79,7 +79,7 @@ class M2Config(MethodConfig):
     )
     loss: GbaItcConfig = Field(default_factory=GbaItcConfig)
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
-    zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
+    eval_batch_size: int = eval_batch_size_field()
 
     @model_validator(mode="after")
     def _a_tokenizer(self) -> M2Config:
@@ -133,7 +133,6 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
         "method.arch.position_init_std=0.02",
         "method.loss.accumulation_steps=null",
         "method.loss.tile_size=6",
-        "method.zeroshot.dataset=null",
         "method.augment.randaugment=false",
     )
     caption_normalization = staticmethod(official_caption_normalization)

@@ -19,7 +19,7 @@ from mmpt.config import Config
 from mmpt.losses import ContrastiveLoss
 from mmpt.methods import register
 from mmpt.methods.base import EngineNeeds, MethodConfig, OpenClipFolder
-from mmpt.methods.image_text import ImageTextMethod, ZeroShotConfig
+from mmpt.methods.image_text import ImageTextMethod, eval_batch_size_field
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer, preprocess_settings, register_model_config
 from mmpt.models.switches import TowerSwitches
@@ -33,7 +33,7 @@ class OpenClipConfig(MethodConfig, TowerSwitches):
     image_size: int | None = Field(
         default=None, gt=0, description="force this input resolution (open_clip's force_image_size)"
     )
-    zeroshot: ZeroShotConfig = Field(default_factory=ZeroShotConfig)
+    eval_batch_size: int = eval_batch_size_field()
 
 
 class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
@@ -44,7 +44,6 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     tiny_overrides = (
         'data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}]',
         'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [en]}}]',
-        "method.zeroshot.dataset=null",
         "method.model={repo}/benchmarks/configs/bench-vit-tiny.json",
     )
     uses_attention_mask = False  # open_clip's text tower pools at the end token
