@@ -56,7 +56,6 @@ def run(stage: int, accum: int, work: Path) -> dict[str, float]:
         "train.eval_every=0",
         "data.train.batch_size=8",
         "data.eval=[]",
-        "method.zeroshot.dataset=null",
         "run.progress_bar=false",
         "run.tensorboard=false",
     ]

@@ -31,7 +31,7 @@ VARIANTS = {
     "random placement (as configured)": [],
     "no placement": ["method.augment.affine_scale=null", "method.augment.affine_translate=0"],
 }
-SETS = {"digits": "zeroshot", "digits_unseen": "zeroshot/digits_unseen"}
+SETS = {"digits": "eval/digits", "digits_unseen": "eval/digits_unseen"}
 
 
 def main() -> None:

@@ -359,7 +359,7 @@ def bert_checkpoint(directory: Path, corpus: Path, dry_run: bool) -> Path:
 def clip_config(p: Profile, shards: Path, zero: int) -> dict:
     """mmpt's `open_clip` method with the comparison's recipe (no clipping, open_clip's AdamW settings)."""
     return {
-        "method": {"name": "open_clip", "model": p.clip_model, "zeroshot": {"dataset": None}},
+        "method": {"name": "open_clip", "model": p.clip_model},
         "data": {
             "train": {
                 "sources": [{"shards": str(shards / "train/en-*.tar")}],
@@ -409,7 +409,6 @@ def m2_config(p: Profile, shards: Path, zero: int, accum: int) -> dict:
         "method": {
             "tokenizer": str(shards / "tokenizer.json"),
             "init_from": None,
-            "zeroshot": {"dataset": None},
             "loss": {"accumulation_steps": None, "tile_size": p.m2_tile},
         },
         "data": {
