@@ -52,26 +52,11 @@ def free_port() -> int:
 def train_demo(config: str, run: str, overrides: list[str]) -> tuple[float, list[dict]]:
     """(launcher wall seconds, the run's metrics.jsonl records) of `config` trained with `overrides`."""
     launcher = str(Path(sys.executable).with_name("deepspeed"))
+    command = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/train.py")]
+    command += ["--config", str(REPO / config), "run.progress_bar=false", *overrides]
     with tempfile.TemporaryDirectory() as cwd:
         started = time.perf_counter()
-        subprocess.run(
-            [
-                launcher,
-                "--num_gpus",
-                "2",
-                "--master_port",
-                str(free_port()),
-                str(REPO / "launch/train.py"),
-                "--config",
-                str(REPO / config),
-                "run.progress_bar=false",
-                *overrides,
-            ],
-            cwd=cwd,
-            check=True,
-            capture_output=True,
-            text=True,
-        )
+        subprocess.run(command, cwd=cwd, check=True, capture_output=True, text=True)
         seconds = time.perf_counter() - started
         lines = (Path(cwd) / run / "metrics.jsonl").read_text().splitlines()
     return seconds, [json.loads(line) for line in lines]

@@ -22,21 +22,18 @@ the resident set and peaks are comparable; times come from the first pass, with 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from common import RESULTS, free_port, save_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DIM = 512
 
 
@@ -190,12 +187,6 @@ def worker(rank: int, world: int, port: int, batches: list[int], repeats: int, q
             queue.put(None)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_world(world: int, batches: list[int], repeats: int, memory_pass: bool = False) -> list[dict]:
     if memory_pass:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)  # read by each spawned worker's libc
@@ -222,8 +213,6 @@ def run_world(world: int, batches: list[int], repeats: int, memory_pass: bool = 
 
 
 def write_report(rows: list[dict]) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "contrastive_loss.json").write_text(json.dumps(rows, indent=1))
     clip = {(r["N"], r["b"]): r for r in rows if r["variant"] == "clip"}
     lines = [
         "# Contrastive loss: GBA-ITC vs open_clip ClipLoss (forward + backward of the loss alone)",
@@ -244,7 +233,7 @@ def write_report(rows: list[dict]) -> None:
             f"{r['peak_mb']:.1f} | {r['peak_mb'] / max(base['peak_mb'], 1e-9):.2f} | {r['forward_bytes'] / 2**20:.2f} | "
             f"{r['expected_forward_bytes'] / 2**20:.2f} | {r['backward_bytes'] / 2**20:.2f} |"
         )
-    (RESULTS / "contrastive_loss.md").write_text("\n".join(lines) + "\n")
+    save_results("contrastive_loss", rows, lines)
     plot(rows)
 
 

@@ -64,10 +64,9 @@ from pathlib import Path
 from typing import cast
 
 import torch
+from common import REPO, RESULTS, save_results, summary
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 MODEL = str(REPO / "benchmarks" / "configs" / "bench-vit-tiny.json")
 BATCH = 64
 CROP = 64
@@ -327,18 +326,12 @@ def web_main(args: argparse.Namespace) -> int:
         },
         "corpus": corpus,
         "setup": {"batch": BATCH, "crop": WEB_CROP, "batches": args.batches, "warmup": args.warmup},
-        "samples_per_s_per_core": {
-            k: {"min": min(v), "median": median[k], "max": max(v), "runs": v} for k, v in results.items()
-        },
+        "samples_per_s_per_core": {k: {**summary(v), "runs": v} for k, v in results.items()},
         "ratios": ratios,
         "gpu_rate": args.gpu_rate,
         "per_gpu_8_gpu_node": per_gpu,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "data_loader_web.json").write_text(json.dumps(record, indent=2) + "\n")
-    lines = web_report(record, args.cores_per_gpu)
-    (args.out / "data_loader_web.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results("data_loader_web", record, web_report(record, args.cores_per_gpu), args.out)
     return 0
 
 
@@ -456,13 +449,9 @@ def main() -> int:
         },
         "ipc_bytes_per_sample": ipc_bytes,
         "normalize_uint8_batch_ms_cpu": normalize_ms,
-        "samples_per_s": {
-            k: {"min": min(v), "median": median[k], "max": max(v), "runs": v} for k, v in results.items()
-        },
+        "samples_per_s": {k: {**summary(v), "runs": v} for k, v in results.items()},
         "ratios": ratios,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "data_loader.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         "# Image-text loading: mmpt reader vs plain webdataset + torchvision, float32 vs uint8 images\n",
         f"{record['date']}, {record['machine']}; "
@@ -485,8 +474,7 @@ def main() -> int:
             f"CPU: {normalize_ms:.2f} ms (not in the figures above; on a GPU rank it runs on the device).\n"
         )
     lines += [f"{k}: **{v:.3f}x**" for k, v in ratios.items()]
-    (args.out / "data_loader.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results("data_loader", record, lines, args.out)
     return 0
 
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+from common import free_port
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as profiler
 
@@ -118,9 +118,7 @@ def _held_rank(rank: int, port: int, queue) -> None:
 
 def held_states() -> list[dict]:
     """Model states predicted and held, per stage and precision, on 2 spawned gloo ranks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ranks = [ctx.Process(target=_held_rank, args=(rank, port, queue)) for rank in range(2)]

