@@ -123,8 +123,8 @@ def check_memory_while_building_loading_and_writing(rank, tmp, kind):
     from mmpt.engine.deepspeed_config import deepspeed_config
     from mmpt.engine.run import seed_everything
     from mmpt.engine.sharded_build import build_partitioned
-    from mmpt.export.to_official import official_state
     from mmpt.methods import get_method
+    from mmpt.methods.m2_encoder import official_state
 
     method = get_method("m2_encoder")
     release = Path(tmp) / "release"

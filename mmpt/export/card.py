@@ -306,14 +306,13 @@ def release_usage(cfg: Config, folder: str) -> str:
     if "official" in formats:
         lines += [
             "",
-            "### In the official M²-Encoder layout",
+            "### In the official layout",
             "",
             "```bash",
             f"python launch/export.py --run {folder} --out {folder}-official --format official",
             "```",
             "",
-            "writes the checkpoint the official inference code reads (`m2_encoder.ckpt`, Lightning layout) "
-            "and its tokenizer.",
+            f"writes {get_method(cfg.method_name).official_layout}.",
         ]
     return "\n".join(lines)
 

@@ -18,7 +18,7 @@ FORMATS = {
     "release": "an mmpt release: config.json, safetensors weights, tokenizer files, model card (the default)",
     "onnx": "one ONNX file per tower, preprocessing.json (the input contract) and the tokenizer files",
     "open_clip": "an open_clip model config and state dict that open_clip.create_model_and_transforms loads",
-    "official": "the official M2-Encoder checkpoint layout (.ckpt) with its tokenizer",
+    "official": "the checkpoint layout the method's official code reads, with its tokenizer",
 }
 COMMON = ("release", "onnx")  # the formats every method's models go to (onnx: those with towers)
 

@@ -102,6 +102,17 @@ class OpenClipFolder:
     files: tuple[tuple[str, str], ...] = ()
 
 
+@dataclass(frozen=True)
+class OfficialFolder:
+    """What `Method.official_export` wrote for `launch/export.py --format official`: the model card's title
+    (after the folder's name), its "How to use it" section (Markdown lines, below the heading) and the files
+    ((name, what it is), the checkpoint first)."""
+
+    title: str
+    usage: tuple[str, ...]
+    files: tuple[tuple[str, str], ...]
+
+
 SectionT = TypeVar("SectionT")  # a method's own `method:` section (its `config_class`)
 
 
@@ -125,8 +136,11 @@ class Method(Generic[SectionT]):
     # a method without any has no ONNX export.
     tower_names: tuple[str, ...] = ()
     # The export formats besides "release" and "onnx" its models go to ("open_clip": `open_clip_export`;
-    # "official": the official M2-Encoder checkpoint layout); `export_problem` may refuse a config.
+    # "official": `official_export`, the checkpoint layout of the method's official code); `export_problem`
+    # may refuse a config.
     export_formats: tuple[str, ...] = ()
+    # With "official": what `--format official` writes, as a release's card says it ("the checkpoint ... reads").
+    official_layout: str = ""
     # The model card's "Intended use", up to where the card goes on "(see Training data). It is known to do
     # only what the evaluation above measured ...": what the model's features are for, in what languages.
     intended_use: str = (
@@ -211,6 +225,11 @@ class Method(Generic[SectionT]):
     def open_clip_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> OpenClipFolder:
         """For "open_clip" in `export_formats`: `model` (fp32, eval mode) as open_clip's model config and state
         dict; files open_clip reads besides them (a Hugging Face text tower's config, a tokenizer) go into `out`."""
+        raise NotImplementedError
+
+    def official_export(self, cfg: Config, state: dict[str, torch.Tensor], run_dir: Path, out: Path) -> OfficialFolder:
+        """For "official" in `export_formats`: write the weights `state` (of `run_dir`'s model) into `out` as the
+        method's official code reads them, with what else it reads there (tokenizer, architecture)."""
         raise NotImplementedError
 
     def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:

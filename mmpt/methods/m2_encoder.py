@@ -6,6 +6,8 @@ GBA-ITC (`losses/grouped_itc.py`). `init_from` starts from an official `.ckpt`.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -16,14 +18,14 @@ from torch import nn
 from torchvision import transforms as T
 
 from mmpt import distributed as mdist
-from mmpt.artifacts import WEIGHTS
+from mmpt.artifacts import WEIGHTS, ReleaseError, atomic_torch_save
 from mmpt.config import Config, Section
 from mmpt.data.glm_tokenizer import GLMTokenizer
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.eval.retrieval import official_caption_normalization
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.methods import register
-from mmpt.methods.base import EngineNeeds, MethodConfig, count
+from mmpt.methods.base import EngineNeeds, MethodConfig, OfficialFolder, count
 from mmpt.methods.image_text import (
     TINY_IMAGE_TEXT_DATA,
     ImageTextMethod,
@@ -33,9 +35,9 @@ from mmpt.methods.image_text import (
 )
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
-from mmpt.models.m2_official import OfficialTensors, load_official, load_release_weights
+from mmpt.models.m2_official import SCALARS, OfficialTensors, load_official, load_release_weights
 from mmpt.models.tensor_files import SafetensorsTensors, TensorReader
-from mmpt.pretrained import InitialWeights, initial_weights
+from mmpt.pretrained import MODELS, InitialWeights, initial_weights
 from mmpt.registry import NotRegistered
 
 OFFICIAL_MEAN, OFFICIAL_STD = M2Encoder.image_mean, M2Encoder.image_std  # the official inception_normalize
@@ -110,6 +112,32 @@ class M2Config(MethodConfig):
             if isinstance(arch, dict):
                 values = {**values, "arch": {**preset, **arch}}
         return values
+
+
+OFFICIAL_CHECKPOINT = "m2_encoder.ckpt"  # `launch/export.py --format official` writes these
+OFFICIAL_ARCH = "m2_encoder_arch.json"
+
+
+def official_state(state: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
+    """mmpt weights of an M²-Encoder -> the official state dict: the reverse of `mmpt.models.m2_official` (which
+    reads the official files): the official key order (the model's parameter order, which
+    `tests/data/m2_encoder_*_state_dict.tsv` records), `logit_scale` and `logit_vl_scale` 0-D again, fp32."""
+    arch = cast(M2Config, cfg.method).arch
+    if arch.vocab_size is None:
+        arch = arch.model_copy(update={"vocab_size": state["backbone.text_embed.weight"].shape[0]})
+    with torch.device("meta"):
+        order = list(M2Encoder(arch).state_dict())
+    missing, unexpected = sorted(set(order) - set(state)), sorted(set(state) - set(order))
+    if missing or unexpected:
+        raise ReleaseError(
+            f"the weights do not fit the configured M2-Encoder: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    official = {}
+    for key in order:
+        tensor = state[key].detach().cpu()
+        tensor = tensor if tensor.dtype == torch.float32 else tensor.float()
+        official[key] = (tensor.reshape(()) if key in SCALARS else tensor).contiguous()
+    return official
 
 
 class M2EncoderMethod(ImageTextMethod[M2Config]):
@@ -259,7 +287,11 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
 
     # --- export ---
 
-    export_formats = ("official",)  # the official checkpoint layout (mmpt.export.to_official)
+    export_formats = ("official",)
+    official_layout = (
+        "the checkpoint the official M²-Encoder inference code reads (`m2_encoder.ckpt`, Lightning layout) "
+        "and its tokenizer"
+    )
 
     def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
         arch = cast(M2Encoder, model).cfg
@@ -274,6 +306,69 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
             f"{count(a.shared_layers, 'shared layer')}, "
             f"{a.image_size}-px images in {a.patch_size}-px patches, {a.context_length} text tokens, "
             f"{a.output_dim}-d features, L2-normalised"
+        )
+
+    def official_export(self, cfg: Config, state: dict[str, torch.Tensor], run_dir: Path, out: Path) -> OfficialFolder:
+        """The official checkpoint layout, so a model continue-pretrained with mmpt goes back to the official
+        inference code: `official_state` in a PyTorch Lightning-style checkpoint (`{"state_dict": ...}`), the
+        first layout the official loader and `load_official` look for, saved with `torch.save` (nothing but
+        tensors: `torch.load(weights_only=True)` reads it). Beside it the tokenizer (the GLM `sp.model` the
+        official code reads, or the run's `tokenizer.json`), as an official download has it, and
+        `m2_encoder_arch.json`, the architecture to configure the official code with. What loading drops or
+        changes cannot come back: training-only visual-tokenizer weights are not in mmpt's model, and a vision
+        position table that loading resized to another image size stays at the model's own grid (the official
+        loader resizes it again for its configured size)."""
+        official = official_state(state, cfg)
+        atomic_torch_save({"state_dict": official}, out / OFFICIAL_CHECKPOINT)
+        m2 = self.settings(cfg)
+        tokenizer = self.tokenizer_file_name(cfg)
+        source = run_dir / tokenizer
+        if not source.is_file():
+            raise ReleaseError(f"{source} is missing: the model's tokenizer goes beside the checkpoint")
+        if source.resolve() != (out / tokenizer).resolve():
+            shutil.copyfile(source, out / tokenizer)
+        arch = m2.arch.model_dump()
+        arch["vocab_size"] = official["backbone.text_embed.weight"].shape[0]
+        (out / OFFICIAL_ARCH).write_text(json.dumps({"preset": m2.model, **arch}, indent=2) + "\n")
+        glm = tokenizer == "sp.model"
+        usage = [
+            "### With the official M²-Encoder code",
+            "",
+            f"Point the official inference code's `load_path` at `{out}/{OFFICIAL_CHECKPOINT}` (a Lightning-style "
+            f'`{{"state_dict": ...}}` checkpoint, {len(official)} tensors in the official order) and configure '
+            f"it with the architecture in `{OFFICIAL_ARCH}`."
+            + (
+                " The GLM tokenizer `sp.model` is beside it."
+                if glm
+                else f" This model was trained with a WordPiece `{tokenizer}`, not the official GLM tokenizer: "
+                "the official code's tokenizer does not fit it."
+            ),
+            "",
+            "### With mmpt",
+            "",
+        ]
+        preset = m2.model if m2.model in MODELS and M2EncoderConfig(**PRESETS.get(m2.model)) == m2.arch else None
+        if preset is not None and glm:
+            usage += [
+                "```python",
+                "import mmpt",
+                f'model, _, preprocess = mmpt.create_model_and_transforms("{preset}", pretrained="{out}")',
+                "```",
+                "",
+                f"or `method.init_from: {out}` to continue training from it.",
+            ]
+        else:
+            usage += [
+                f"`method.init_from: {out}` in an `m2_encoder` config with this architecture loads it (strictly)."
+            ]
+        return OfficialFolder(
+            title="an mmpt-trained M²-Encoder in the official checkpoint layout",
+            usage=tuple(usage),
+            files=(
+                (OFFICIAL_CHECKPOINT, "the weights in the official layout"),
+                (tokenizer, "the tokenizer"),
+                (OFFICIAL_ARCH, "the architecture (mmpt's `method.arch` keys)"),
+            ),
         )
 
 
