@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, launcher_env
+from conftest import REPO, free_port, launcher_env, write_config
 
-# name -> builder(corpora, run_dir) -> (config file, overrides, kind)
-Builder = Callable[[dict, Path], tuple[Path, list[str], str]]
+# name -> builder(corpora, run_dir) -> (config file or config dict, overrides, kind)
+Builder = Callable[[dict, Path], tuple[Path | dict, list[str], str]]
 SCENARIOS: dict[str, Builder] = {}
 
 
@@ -61,6 +61,8 @@ def build_scenarios(names: list[str], corpora: dict, root: Path) -> list[dict]:
     for name in names:
         run_dir = root / name
         config, overrides, kind = SCENARIOS[name](corpora, run_dir)
+        if isinstance(config, dict):
+            config = write_config(root / f"{name}.yaml", config)
         scenarios.append(
             {"name": name, "config": str(config), "overrides": overrides, "kind": kind, "run_dir": str(run_dir)}
         )

@@ -14,9 +14,9 @@ is in the extended run (one launcher start per config).
 from pathlib import Path
 
 import pytest
-from pool import run_pool, scenario
 
 from conftest import REPO
+from pool import run_pool, scenario
 
 pytestmark = pytest.mark.distributed
 

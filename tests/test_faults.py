@@ -11,11 +11,11 @@ import time
 import faults
 import pytest
 import torch
-from pool import scenario
 from safetensors.torch import load_file
 
 from conftest import REPO, adam_state, deepspeed_command, launcher_env, tiny_config, write_config
 from mmpt.config_loader import load_config
+from pool import scenario
 
 pytestmark = pytest.mark.distributed
 STEPS = dict(zero_stage=2, max_steps=12, save_every=4, keep_last=5, log_every=1)
@@ -23,11 +23,7 @@ STEPS = dict(zero_stage=2, max_steps=12, save_every=4, keep_last=5, log_every=1)
 
 @scenario("faults-reference")
 def uninterrupted(corpora, run_dir):
-    return (
-        write_config(run_dir.parent / "faults-reference.yaml", tiny_config(corpora["digits"], run_dir, train=STEPS)),
-        [],
-        "train",
-    )
+    return tiny_config(corpora["digits"], run_dir, train=STEPS), [], "train"
 
 
 @pytest.fixture

@@ -6,8 +6,9 @@ import open_clip
 import pytest
 import torch
 
-from conftest import REPO, read_metrics, run_deepspeed, tiny_config, write_config
+from conftest import REPO, read_metrics, tiny_config
 from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer
+from pool import scenario
 
 CONFIG = str(REPO / "benchmarks/configs/bench-vit-tiny.json")
 
@@ -34,13 +35,16 @@ def test_unknown_model_is_a_config_error():
         OpenClipModel("ViT-Nonexistent-1")
 
 
-@pytest.mark.distributed
-def test_open_clip_method_trains_on_two_ranks(tmp_path, digits_root):
-    run_dir = tmp_path / "run"
-    cfg = tiny_config(digits_root, run_dir, train={"max_steps": 4, "save_every": 0})
+@scenario("open-clip-two-ranks")
+def open_clip_two_ranks(corpora, run_dir):
+    cfg = tiny_config(corpora["digits"], run_dir, train={"max_steps": 4, "save_every": 0})
     cfg["method"] = {"name": "open_clip", "model": CONFIG}
-    cfg["data"]["eval"] = [{"dataset": str(digits_root / "zeroshot"), "task": "zeroshot_classification"}]
-    run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
-    records = read_metrics(run_dir)
+    cfg["data"]["eval"] = [{"dataset": str(corpora["digits"] / "zeroshot"), "task": "zeroshot_classification"}]
+    return cfg, [], "train"
+
+
+@pytest.mark.pool("open-clip-two-ranks")
+def test_open_clip_method_trains_on_two_ranks(rank_pool):
+    records = read_metrics(rank_pool.run_dir("open-clip-two-ranks"))
     assert all(math.isfinite(r["loss/total"]) for r in records if "loss/total" in r)
     assert 0 <= records[-1]["eval/zeroshot/en/acc1"] <= 1

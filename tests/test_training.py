@@ -20,6 +20,7 @@ from conftest import (
     tiny_config,
     write_config,
 )
+from pool import scenario
 
 pytestmark = pytest.mark.distributed
 
@@ -35,22 +36,33 @@ def assert_loss_went_down(run_dir):
     assert mean(losses[-4:]) < mean(losses[:4]) - 0.3, losses
 
 
-@pytest.mark.parametrize("stage, precision, accum, offload", [(2, "fp32", 1, False), (3, "bf16", 2, True)])
-def test_deepspeed_two_ranks_lower_the_loss(tmp_path, digits_root, stage, precision, accum, offload):
-    run_dir = tmp_path / "run"
-    train = {
-        "zero_stage": stage,
-        "precision": precision,
-        "grad_accum": accum,
-        "offload_optimizer": offload,
-        "max_steps": 24,
-        "save_every": 8,
-        "keep_last": 2,
-    }
-    cfg = tiny_config(digits_root, run_dir, train=train)
-    # one thread per rank: both ranks local, each with a core, so no loopback TCP for gradients
-    result = run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg), env={"OMP_NUM_THREADS": "1"})
-    assert SHARED_MEMORY_LINE in result.stdout + result.stderr
+TWO_RANKS = {"zero2-fp32": (2, "fp32", 1, False), "zero3-bf16-accum2-offload": (3, "bf16", 2, True)}
+
+
+def two_ranks(name: str, stage: int, precision: str, accum: int, offload: bool) -> str:
+    @scenario(f"training-{name}")
+    def build(corpora, run_dir):
+        train = {
+            "zero_stage": stage,
+            "precision": precision,
+            "grad_accum": accum,
+            "offload_optimizer": offload,
+            "max_steps": 24,
+            "save_every": 8,
+            "keep_last": 2,
+        }
+        return tiny_config(corpora["digits"], run_dir, train=train), [], "train"
+
+    return f"training-{name}"
+
+
+SCENARIO_NAMES = [two_ranks(name, *settings) for name, settings in TWO_RANKS.items()]
+
+
+@pytest.mark.pool(*SCENARIO_NAMES)
+@pytest.mark.parametrize("name", SCENARIO_NAMES)
+def test_deepspeed_two_ranks_lower_the_loss(rank_pool, name):
+    run_dir = rank_pool.run_dir(name)
     assert_loss_went_down(run_dir)
     records = read_metrics(run_dir)
     assert all(len(r["step_time_per_rank"]) == 2 for r in records if "step" in r and "loss/total" in r)
