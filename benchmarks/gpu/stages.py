@@ -119,7 +119,9 @@ def mmpt_run(ctx: Context, name: str, config: dict, global_batch: int, share: fl
     shutil.rmtree(run_dir, ignore_errors=True)  # a run directory left from before would be resumed
     path = ctx.work / "configs" / f"{slug(name)}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config, allow_unicode=True, sort_keys=False))
+    train = {**config.get("train", {}), "max_steps": p.steps, "log_every": 1, "save_every": 0, "watchdog_timeout": 0}
+    run = {"output_dir": str(run_dir), "resume": "none", "tensorboard": False, "progress_bar": False}
+    path.write_text(yaml.safe_dump({**config, "train": train, "run": run}, allow_unicode=True, sort_keys=False))
     command = [str(TRAIN), "--config", str(path)]
     if p.dry_run:
         from mmpt.config_loader import load_config
@@ -129,8 +131,6 @@ def mmpt_run(ctx: Context, name: str, config: dict, global_batch: int, share: fl
         paths = {key: str(ctx.data / folder) for key, folder in corpora.items()} | {"repo": str(REPO)}
         tiny = get_method(load_config(path).method_name).tiny_overrides
         command += [*(override.format(**paths) for override in tiny), "data.eval=[]"]
-    command += [f"train.max_steps={p.steps}", "train.log_every=1", "train.save_every=0", "train.watchdog_timeout=0"]
-    command += [f"run.output_dir={run_dir}", "run.resume=none", "run.tensorboard=false", "run.progress_bar=false"]
     record = launch(ctx, name, command, share, {})
     steps = mmpt_steps(run_dir / "metrics.jsonl")
     return finish_run({"name": name, "trainer": "mmpt", "global_batch": global_batch, **facts, **record}, steps, p)
