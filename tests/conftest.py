@@ -162,34 +162,42 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def deepspeed_command(config: Path, *overrides: str, ranks: int = 2) -> list[str]:
+def deepspeed_launch(script: str, *args: str, ranks: int = 2) -> list[str]:
+    """The deepspeed launcher's command for `script` (a path in the repository) on `ranks` local ranks."""
     launcher = str(Path(sys.executable).with_name("deepspeed"))
-    return [
-        launcher,
-        "--num_gpus",
-        str(ranks),
-        "--master_port",
-        str(free_port()),
-        str(REPO / "launch/train.py"),
-        "--config",
-        str(config),
-        *overrides,
-    ]
+    return [launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(REPO / script), *args]
 
 
-def run_deepspeed(
-    config: Path, *overrides: str, ranks: int = 2, timeout: int = 600, env: dict | None = None
+def deepspeed_command(config: Path, *overrides: str, ranks: int = 2) -> list[str]:
+    return deepspeed_launch("launch/train.py", "--config", str(config), *overrides, ranks=ranks)
+
+
+def run_command(
+    command: list[str], *, cwd: Path = REPO, timeout: int = 600, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
+    """`command` run as a user runs it: from `cwd`, in the launcher's environment (with `env` on top), its output
+    captured as text. A non-zero exit fails the test with the tail of the output, unless `check` is False."""
     result = subprocess.run(
-        deepspeed_command(config, *overrides, ranks=ranks),
-        cwd=REPO,
+        command,
+        cwd=cwd,
         env={**launcher_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
     )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.returncode == 0 or not check, result.stdout[-4000:] + result.stderr[-4000:]
     return result
+
+
+def run_tool(tool: str, *args: str, **options) -> subprocess.CompletedProcess:
+    """`python launch/<tool>.py *args`; `options` as for `run_command`."""
+    return run_command([sys.executable, str(REPO / "launch" / f"{tool}.py"), *args], **options)
+
+
+def run_deepspeed(
+    config: Path, *overrides: str, ranks: int = 2, timeout: int = 600, env: dict | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    return run_command(deepspeed_command(config, *overrides, ranks=ranks), cwd=cwd, timeout=timeout, env=env)
 
 
 def launcher_env() -> dict:

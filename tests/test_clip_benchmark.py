@@ -2,13 +2,12 @@
 
 import io
 import json
-import subprocess
 import sys
 
 import pytest
 from PIL import Image
 
-from conftest import REPO, launcher_env, tiny_config, write_config
+from conftest import run_command, run_tool, tiny_config, write_config
 from mmpt.data import ShardSetWriter
 
 
@@ -18,14 +17,7 @@ def tiny_run(module_tmp, digits_root):
     config = write_config(
         folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train={"max_steps": 3, "save_every": 0})
     )
-    subprocess.run(
-        [sys.executable, str(REPO / "launch/train.py"), "--config", str(config)],
-        cwd=REPO,
-        env=launcher_env(),
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    run_tool("train", "--config", str(config))
     return folder / "run"
 
 
@@ -50,7 +42,7 @@ def retrieval_folder(source, folder, images=60):
 
 
 def clip_benchmark(run, dataset_root, task, out, *extra):
-    result = subprocess.run(
+    run_command(
         [
             sys.executable,
             "-m",
@@ -74,39 +66,14 @@ def clip_benchmark(run, dataset_root, task, out, *extra):
             "--output",
             str(out),
             *extra,
-        ],
-        cwd=REPO,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        ]
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())["metrics"]
 
 
 def ours(run, dataset, task, out):
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch/zeroshot.py"),
-            "--model",
-            str(run),
-            "--dataset",
-            str(dataset),
-            "--task",
-            task,
-            "--output",
-            str(out),
-            "--device",
-            "cpu",
-        ],
-        cwd=REPO,
-        env=launcher_env(),
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    args = ["--model", str(run), "--dataset", str(dataset), "--task", task, "--output", str(out)]
+    run_tool("zeroshot", *args, "--device", "cpu")
     return json.loads(out.read_text())["metrics"]
 
 

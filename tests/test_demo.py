@@ -2,13 +2,12 @@
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, launcher_env, read_metrics
+from conftest import REPO, read_metrics, run_command, run_deepspeed, run_tool
 
 pytestmark = pytest.mark.distributed
 
@@ -16,27 +15,8 @@ pytestmark = pytest.mark.distributed
 def zeroshot_cli(cwd, run, task, dataset, language, out):
     """The CLI's result, written into `out` (a folder); the evaluated run's folder stays as it was."""
     before = sorted((Path(cwd) / run).rglob("*"))
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch/zeroshot.py"),
-            "--model",
-            run,
-            "--dataset",
-            dataset,
-            "--task",
-            task,
-            "--language",
-            language,
-            "--output",
-            str(out),
-        ],
-        cwd=cwd,
-        env=launcher_env(),
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    args = ["--model", run, "--dataset", dataset, "--task", task, "--language", language, "--output", str(out)]
+    run_tool("zeroshot", *args, cwd=cwd, timeout=300)
     assert sorted((Path(cwd) / run).rglob("*")) == before
     (written,) = Path(out).glob(f"{task}_{Path(dataset).stem}_*_{language}.json")
     return json.loads(written.read_text())
@@ -63,21 +43,7 @@ SMOKE = ("train.max_steps=4", "train.log_every=2", "train.save_every=4", "optim.
 )
 def test_demo_trains_and_zeroshot_cli_reproduces(tmp_path, config, run, threshold, unseen_threshold, overrides):
     # The demo's paths are relative: run from an empty directory so it builds its own corpus there.
-    launcher = str(Path(sys.executable).with_name("deepspeed"))
-    command = [
-        launcher,
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(REPO / "launch/train.py"),
-        "--config",
-        str(REPO / config),
-        "run.progress_bar=false",
-        *overrides,
-    ]
-    result = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_deepspeed(REPO / config, "run.progress_bar=false", *overrides, cwd=tmp_path, timeout=900)
     final = read_metrics(tmp_path / run)[-1]
     for dataset, prefix in (("digits", "eval/digits"), ("digits_unseen", "eval/digits_unseen")):
         for language in ("en", "zh"):
@@ -110,17 +76,7 @@ def readme_release_example(cwd, learned: bool):
     bash = section.split("```bash\n", 1)[1].split("```", 1)[0].strip()
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert len(code.strip().splitlines()) == 5
-    subprocess.run(
-        bash.replace("python ", f"{sys.executable} {REPO}/", 1).split(),
-        cwd=cwd,
-        env=launcher_env(),
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, env=launcher_env(), capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_command(bash.replace("python ", f"{sys.executable} {REPO}/", 1).split(), cwd=cwd, timeout=300)
+    result = run_command([sys.executable, "-c", code], cwd=cwd, timeout=300)
     five_en, five_zh, two = (float(x) for x in re.findall(r"-?\d+\.\d+", result.stdout.split("grad_fn")[0]))
     assert min(five_en, five_zh) > two or not learned, result.stdout

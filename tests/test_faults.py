@@ -13,7 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, adam_state, deepspeed_command, launcher_env, tiny_config, write_config
+from conftest import (
+    REPO,
+    adam_state,
+    deepspeed_command,
+    launcher_env,
+    run_command,
+    run_deepspeed,
+    tiny_config,
+    write_config,
+)
 from mmpt.config_loader import load_config
 from pool import scenario
 
@@ -233,10 +242,7 @@ def reference_losses(module_tmp, digits_root):
     config = write_config(
         folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train={**STEPS, "max_steps": 16})
     )
-    result = subprocess.run(
-        deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_deepspeed(config)
     return step_losses(folder / "run")
 
 
@@ -263,26 +269,13 @@ def test_resume_on_another_number_of_ranks_joins_the_loss_curve(
     def batch_for(ranks):  # the same global batch (32) whatever the number of ranks
         return f"data.train.batch_size={32 // ranks}"
 
-    env = dict(launcher_env(), **faults.environment("kill@data,step=9,rank=0"))  # dies right after checkpoint 8
-    first = subprocess.run(
-        deepspeed_command(config, batch_for(before), ranks=before) + faults.ARGS,
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    killed = faults.environment("kill@data,step=9,rank=0")  # dies right after checkpoint 8
+    first = run_command(
+        deepspeed_command(config, batch_for(before), ranks=before) + faults.ARGS, env=killed, check=False
     )
     assert first.returncode != 0 and (run_dir / "checkpoints/step_000000008/complete.json").exists()
     every_step = ["train.save_every=1", "train.keep_last=9"]  # the optimizer state after each step (and step 8's)
-    second = subprocess.run(
-        deepspeed_command(config, batch_for(after), *every_step, ranks=after),
-        cwd=REPO,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert second.returncode == 0, second.stderr[-3000:]
+    second = run_deepspeed(config, batch_for(after), *every_step, ranks=after)
     assert f"saved by {before} ranks x 1 workers, on {after} x 1" in second.stderr + second.stdout
     losses = step_losses(run_dir)
     after_resume = [losses[s] for s in range(9, 17)]

@@ -3,19 +3,15 @@ evaluation."""
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, launcher_env, read_metrics
+from conftest import REPO, read_metrics, run_deepspeed, run_tool
 
 pytestmark = pytest.mark.distributed
 
 
 def test_space2_demo_config_trains_and_evaluates(tmp_path):
-    launcher = str(Path(sys.executable).with_name("deepspeed"))
     overrides = [
         "run.progress_bar=false",
         "train.max_steps=6",
@@ -26,20 +22,8 @@ def test_space2_demo_config_trains_and_evaluates(tmp_path):
         "method.intent_eval.seeds=1",
         "method.intent_eval.full=false",
     ]
-    command = [
-        launcher,
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(REPO / "launch/train.py"),
-        "--config",
-        str(REPO / "configs/space2/demo.yaml"),
-        *overrides,
-    ]
     # relative paths: run from an empty directory, which builds its own corpus and shards
-    result = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_deepspeed(REPO / "configs/space2/demo.yaml", *overrides, cwd=tmp_path, timeout=900)
     run = tmp_path / "runs/space2-demo"
     records = [r for r in read_metrics(run) if "loss/total" in r]
     assert [r["step"] for r in records] == list(range(1, 7))
@@ -52,24 +36,6 @@ def test_space2_demo_config_trains_and_evaluates(tmp_path):
 
     # the evaluation entry point on the saved run reproduces the end-of-training number
     out = tmp_path / "intent.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch/intent_eval.py"),
-            "--model",
-            str(run),
-            "--dataset",
-            "dialogs",
-            "--seeds",
-            "1",
-            "--no-full",
-            "--output",
-            str(out),
-        ],
-        cwd=tmp_path,
-        env=launcher_env(),
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    args = ["--model", str(run), "--dataset", "dialogs", "--seeds", "1", "--no-full", "--output", str(out)]
+    run_tool("intent_eval", *args, cwd=tmp_path, timeout=300)
     assert json.loads(out.read_text())["metrics"]["10shot/accuracy_mean"] == pytest.approx(accuracy, abs=1e-9)

@@ -15,7 +15,9 @@ from conftest import (
     free_port,
     launcher_env,
     read_metrics,
+    run_command,
     run_deepspeed,
+    run_tool,
     step_losses,
     tiny_config,
     write_config,
@@ -89,8 +91,7 @@ def test_torchrun_two_ranks_zero0_lowers_the_loss(tmp_path, digits_root):
         "--config",
         str(config),
     ]
-    result = subprocess.run(command, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = run_command(command)
     assert SHARED_MEMORY_LINE in result.stdout + result.stderr  # torchrun: LOCAL_WORLD_SIZE, a thread per rank
     assert_loss_went_down(run_dir)
 
@@ -108,36 +109,11 @@ def test_plain_python_trains_evaluates_and_zeroshot_cli_reproduces(tmp_path, dig
         },
     )
     config = write_config(tmp_path / "cfg.yaml", cfg)
-    result = subprocess.run(
-        [sys.executable, str(REPO / "launch/train.py"), "--config", str(config)],
-        cwd=REPO,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_tool("train", "--config", str(config))
     final = read_metrics(run_dir)[-1]
     out = tmp_path / "zh.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch/zeroshot.py"),
-            "--model",
-            str(run_dir),
-            "--dataset",
-            str(digits_root / "zeroshot"),
-            "--language",
-            "zh",
-            "--output",
-            str(out),
-        ],
-        cwd=REPO,
-        env=launcher_env(),
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    args = ["--model", str(run_dir), "--dataset", str(digits_root / "zeroshot"), "--language", "zh"]
+    run_tool("zeroshot", *args, "--output", str(out), timeout=300)
     record = json.loads(out.read_text())
     assert record["task"] == "zeroshot_classification" and record["language"] == "zh"
     assert set(record["metrics"]) == {"acc1", "acc5", "mean_per_class_recall"}
@@ -228,15 +204,7 @@ def test_m2_encoder_trains_from_an_official_checkpoint_with_pooled_accumulation(
         "augment": {"hflip": False, "randaugment": False},
     }
     config = write_config(tmp_path / "cfg.yaml", cfg)
-    result = subprocess.run(
-        [sys.executable, str(REPO / "launch/train.py"), "--config", str(config)],
-        cwd=REPO,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_tool("train", "--config", str(config))
     trained = load_file(str(run_dir / "model.safetensors"))
     for key in ("backbone.text_embed.weight", "itc_vl_image_proj.fc.weight", "backbone_vl.layers.0.ffn.A.fc1.weight"):
         torch.testing.assert_close(trained[key], official[key], atol=1e-6, rtol=0)

@@ -6,14 +6,13 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, free_port, launcher_env, read_metrics
+from conftest import REPO, read_metrics, run_deepspeed, run_tool
 
 pytestmark = pytest.mark.distributed
 
@@ -29,46 +28,12 @@ SHORT = [
 
 
 def train_demo(cwd: Path, *overrides: str, ranks: int = 2) -> subprocess.CompletedProcess:
-    launcher = str(Path(sys.executable).with_name("deepspeed"))
-    command = [
-        launcher,
-        "--num_gpus",
-        str(ranks),
-        "--master_port",
-        str(free_port()),
-        str(REPO / "launch/train.py"),
-        "--config",
-        str(REPO / "configs/victor/demo.yaml"),
-        *SHORT,
-        *overrides,
-    ]
-    result = subprocess.run(command, cwd=cwd, env=launcher_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result
+    return run_deepspeed(REPO / "configs/victor/demo.yaml", *SHORT, *overrides, ranks=ranks, cwd=cwd, timeout=900)
 
 
 def zeroshot_cli(cwd, run, dataset, language, out):
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch/zeroshot.py"),
-            "--model",
-            str(run),
-            "--dataset",
-            dataset,
-            "--task",
-            "zeroshot_retrieval",
-            "--language",
-            language,
-            "--output",
-            str(out),
-        ],
-        cwd=cwd,
-        env=launcher_env(),
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    args = ["--model", str(run), "--dataset", dataset, "--task", "zeroshot_retrieval", "--language", language]
+    run_tool("zeroshot", *args, "--output", str(out), cwd=cwd, timeout=300)
     return json.loads(out.read_text())
 
 
