@@ -208,6 +208,43 @@ def launcher_env() -> dict:
     return env
 
 
+def small_clip_demo(digits_root: Path, run_dir: Path, *overrides: str):
+    """configs/clip/demo.yaml at test size for a run in this process: the tokenizer of `digits_root`, a 16-wide
+    embedding and a one-layer text tower, ZeRO 0, no checkpoints, written to `run_dir`; `overrides` on top."""
+    from mmpt.config_loader import load_config
+
+    small = [
+        "data.prepare=null",
+        f"method.tokenizer={digits_root}/tokenizer.json",
+        "method.embed_dim=16",
+        "method.text.width=32",
+        "method.text.layers=1",
+        "method.text.heads=2",
+        "train.zero_stage=0",
+        "train.save_every=0",
+        "optim.warmup_steps=1",
+        f"run.output_dir={run_dir}",
+        "run.progress_bar=false",
+        "run.tensorboard=false",
+    ]
+    return load_config(REPO / "configs/clip/demo.yaml", [*small, *overrides])
+
+
+def train_in_process(cfg) -> None:
+    """`mmpt.engine.train(cfg)` in this process (in `process_group_of_one`); the rendezvous variables a plain start
+    sets are removed afterwards, and sequence parallelism set back to 1, so that later launches start clean."""
+    from mmpt import distributed as mdist
+    from mmpt.engine import train
+
+    saved = dict(os.environ)
+    try:
+        train(cfg)
+    finally:
+        mdist.set_sequence_parallel(1)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -1,12 +1,20 @@
 """`train.eval_every`: the data.eval sets evaluated while training, reported as eval/<set>/<language>/<metric>,
 leave training exactly as it would be without them, and a run stopped after an evaluation resumes exactly."""
 
-import os
 import re
 
 import pytest
 
-from conftest import REPO, read_metrics, run_deepspeed, step_losses, tiny_config, write_config
+from conftest import (
+    REPO,
+    read_metrics,
+    run_deepspeed,
+    small_clip_demo,
+    step_losses,
+    tiny_config,
+    train_in_process,
+    write_config,
+)
 
 
 def config(tmp_path, digits_root, name, zero_stage, **train):
@@ -85,43 +93,19 @@ def test_eval_every_on_the_clip_demo_evaluates_its_sets_at_those_steps_and_at_th
 ):
     """The README's demo config with `train.eval_every=5` over 10 steps: its data.eval sets (the held-out digits
     and digits_unseen, in English and Chinese) logged at step 5 and at step 10, in this process at a tiny size."""
-    from mmpt import distributed as mdist
-    from mmpt.config_loader import load_config
-    from mmpt.engine import train
-
     run_dir = tmp_path / "run"
-    cfg = load_config(
-        REPO / "configs/clip/demo.yaml",
-        [
-            "train.eval_every=5",
-            "train.max_steps=10",
-            "data.prepare=null",
-            f"data.root={digits_root.parent}",  # the demo's sets (digits, digits_unseen) are read there
-            f'data.train.sources=[{{shards: "{digits_root}/train/en-*.tar"}}, '
-            f'{{shards: "{digits_root}/train/zh-*.tar"}}]',
-            "data.train.batch_size=8",
-            "data.train.shuffle_buffer=20",
-            f"method.tokenizer={digits_root}/tokenizer.json",
-            "method.embed_dim=16",
-            "method.text.width=32",
-            "method.text.layers=1",
-            "method.text.heads=2",
-            "train.zero_stage=0",
-            "train.save_every=0",
-            "train.log_every=5",
-            "optim.warmup_steps=1",
-            f"run.output_dir={run_dir}",
-            "run.progress_bar=false",
-            "run.tensorboard=false",
-        ],
+    cfg = small_clip_demo(
+        digits_root,
+        run_dir,
+        "train.eval_every=5",
+        "train.max_steps=10",
+        f"data.root={digits_root.parent}",  # the demo's sets (digits, digits_unseen) are read there
+        f'data.train.sources=[{{shards: "{digits_root}/train/en-*.tar"}}, {{shards: "{digits_root}/train/zh-*.tar"}}]',
+        "data.train.batch_size=8",
+        "data.train.shuffle_buffer=20",
+        "train.log_every=5",
     )
-    saved = dict(os.environ)
-    try:
-        train(cfg)
-    finally:  # the rendezvous variables a plain start sets, removed so that later launches start clean
-        mdist.set_sequence_parallel(1)
-        os.environ.clear()
-        os.environ.update(saved)
+    train_in_process(cfg)
     evaluated = evaluations(run_dir)
     assert sorted(evaluated) == [5, 10], sorted(evaluated)
     for record in evaluated.values():

@@ -3,7 +3,6 @@ a hand count; each logging window's perf/tflops and perf/mfu from that count, it
 nothing claimed on CPU unless a peak is configured."""
 
 import json
-import os
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, read_metrics
+from conftest import read_metrics, small_clip_demo, train_in_process
 
 
 class TwoLinears:
@@ -117,9 +116,7 @@ def test_a_training_run_with_a_stated_peak_logs_mfu_from_its_counted_step(
 ):
     """In this process, a tiny CLIP run: the step is counted once, on the first micro-batch's shapes, and every
     window's perf/tflops is that count x samples/s."""
-    from mmpt import distributed as mdist
-    from mmpt.config_loader import load_config
-    from mmpt.engine import flops, run, train
+    from mmpt.engine import flops, run
 
     counts: list[tuple[int, dict]] = []
 
@@ -129,37 +126,18 @@ def test_a_training_run_with_a_stated_peak_logs_mfu_from_its_counted_step(
 
     monkeypatch.setattr(run, "step_flops", counting)
     run_dir = tmp_path / "run"
-    cfg = load_config(
-        REPO / "configs/clip/demo.yaml",
-        [
-            "train.max_steps=3",
-            "train.peak_tflops=0.5",
-            "data.prepare=null",
-            f'data.train.sources=[{{shards: "{digits_root}/train/en-*.tar"}}]',
-            "data.train.batch_size=4",
-            "data.train.shuffle_buffer=8",
-            "data.eval=[]",
-            f"method.tokenizer={digits_root}/tokenizer.json",
-            "method.embed_dim=16",
-            "method.text.width=32",
-            "method.text.layers=1",
-            "method.text.heads=2",
-            "train.zero_stage=0",
-            "train.save_every=0",
-            "train.log_every=1",
-            "optim.warmup_steps=1",
-            f"run.output_dir={run_dir}",
-            "run.progress_bar=false",
-            "run.tensorboard=false",
-        ],
+    cfg = small_clip_demo(
+        digits_root,
+        run_dir,
+        "train.max_steps=3",
+        "train.peak_tflops=0.5",
+        f'data.train.sources=[{{shards: "{digits_root}/train/en-*.tar"}}]',
+        "data.train.batch_size=4",
+        "data.train.shuffle_buffer=8",
+        "data.eval=[]",
+        "train.log_every=1",
     )
-    saved = dict(os.environ)
-    try:
-        train(cfg)
-    finally:
-        mdist.set_sequence_parallel(1)
-        os.environ.clear()
-        os.environ.update(saved)
+    train_in_process(cfg)
     assert len(counts) == 1, counts  # once, not per step
     step, shapes = counts[0]
     assert all(shape[0] == 4 for shape in shapes.values()), shapes  # the micro-batch's own shapes

@@ -9,14 +9,12 @@ every `.item()`, `.tolist()`, `.cpu()`,
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from test_config_matrix import CONFIGS, shipped, shrink
 
-from conftest import REPO, free_port, launcher_env, tiny_config, write_config
+from conftest import REPO, deepspeed_launch, run_command, tiny_config, write_config
 
 pytestmark = pytest.mark.distributed
 
@@ -54,19 +52,9 @@ def test_training_steps_read_nothing_back_to_the_host(corpora, tmp_path, digits_
             )
     cells_file, results = tmp_path / "cells.json", tmp_path / "results.jsonl"
     cells_file.write_text(json.dumps(cells))
-    launcher = str(Path(sys.executable).with_name("deepspeed"))
-    command = [
-        launcher,
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(REPO / "tests/host_reads_runner.py"),
-        str(cells_file),
-        str(results),
-    ]
-    result = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run_command(
+        deepspeed_launch("tests/host_reads_runner.py", str(cells_file), str(results)), cwd=tmp_path, timeout=900
+    )
     lines = [json.loads(line) for line in results.read_text().splitlines()]
     assert sorted((line["cell"], line["rank"]) for line in lines) == sorted(
         (c["name"], r) for c in cells for r in (0, 1)

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 from img2dataset_shards import write_set, write_shard
 
-from conftest import REPO, free_port, launcher_env, read_metrics
+from conftest import REPO, deepspeed_launch, read_metrics, run_command
 
 GUIDE = REPO / "docs/train_on_your_data.md"
 # The 0.4b config at test size, on CPU ranks: command-line overrides only, as a user shrinks a config.
@@ -64,12 +63,6 @@ def official_download(folder: Path, config: Path, sp_model: Path) -> None:
     torch.save({"state_dict": state, "epoch": 0}, folder / "m2_encoder.ckpt")
 
 
-def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=cwd, env=launcher_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
 @pytest.mark.distributed
 def test_the_guide_trains_evaluates_and_releases(tmp_path, digits_root, glm_sp_model):
     os.symlink(REPO / "configs", tmp_path / "configs")
@@ -83,20 +76,7 @@ def test_the_guide_trains_evaluates_and_releases(tmp_path, digits_root, glm_sp_m
     launch, evaluate = blocks("bash")
     words = launch.split()
     assert words[:3] == ["deepspeed", "--num_gpus", "8"] and words[3:] == ["launch/train.py", "--config", "my_run.yaml"]
-    launcher = str(Path(sys.executable).with_name("deepspeed"))
-    trained = run(
-        [
-            launcher,
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-            str(REPO / "launch/train.py"),
-            *words[4:],
-            *SHRINK,
-        ],
-        tmp_path,
-    )
+    trained = run_command(deepspeed_launch("launch/train.py", *words[4:], *SHRINK), cwd=tmp_path)
     output = trained.stdout + trained.stderr
     assert re.search(
         r"initial weights: initialised (\d+) of \1 tensors from .*official/M2-Encoder/m2_encoder.ckpt "
@@ -117,7 +97,7 @@ def test_the_guide_trains_evaluates_and_releases(tmp_path, digits_root, glm_sp_m
     for line in evaluate.strip().splitlines():
         words = line.split()
         assert words[0] == "python"
-        run([sys.executable, str(REPO / words[1]), *words[2:]], tmp_path)
+        run_command([sys.executable, str(REPO / words[1]), *words[2:]], cwd=tmp_path)
     (record,) = (tmp_path / "results").glob("*.json")
     assert json.loads(record.read_text())["language"] == "zh"
     from mmpt import load
