@@ -208,6 +208,25 @@ def launcher_env() -> dict:
     return env
 
 
+def tiny_m2_arch(**changes) -> dict:
+    """A tiny M²-Encoder's `method.arch` (32 wide, a lower and a shared layer, 16-pixel images in 8-pixel patches, the
+    vocabulary the tokenizer's); `changes` replace entries."""
+    arch = {
+        "vocab_size": None,
+        "width": 32,
+        "heads": 2,
+        "lower_layers": 1,
+        "shared_layers": 1,
+        "output_dim": 16,
+        "image_size": 16,
+        "patch_size": 8,
+        "text_positions": 16,
+        "context_length": 12,
+        "position_init_std": 0.02,
+    }
+    return {**arch, **changes}
+
+
 def small_clip_demo(digits_root: Path, run_dir: Path, *overrides: str):
     """configs/clip/demo.yaml at test size for a run in this process: the tokenizer of `digits_root`, a 16-wide
     embedding and a one-layer text tower, ZeRO 0, no checkpoints, written to `run_dir`; `overrides` on top."""

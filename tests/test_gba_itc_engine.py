@@ -13,22 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_on_gloo_ranks
+from conftest import run_on_gloo_ranks, tiny_m2_arch
 
 WORLD, ROWS, STEPS = 2, 3, 3
-ARCH = {
-    "vocab_size": 40,
-    "width": 32,
-    "heads": 2,
-    "lower_layers": 1,
-    "shared_layers": 1,
-    "output_dim": 16,
-    "image_size": 16,
-    "patch_size": 8,
-    "text_positions": 16,
-    "context_length": 8,
-    "position_init_std": 0.02,
-}
+ARCH = tiny_m2_arch(vocab_size=40, context_length=8)
 
 
 def make_config(run_dir, stage, accum, micro_rows, group_size, tile):

@@ -37,6 +37,7 @@ from conftest import (
     read_metrics,
     run_on_gloo_ranks,
     tiny_config,
+    tiny_m2_arch,
     write_config,
 )
 
@@ -44,19 +45,7 @@ pytestmark = pytest.mark.distributed
 
 WORKER = REPO / "tests/multinode_train.py"
 PER_RANK_BATCH, STEPS_PER_LAUNCH = 4, 2
-ARCH = {
-    "vocab_size": None,
-    "width": 32,
-    "heads": 2,
-    "lower_layers": 1,
-    "shared_layers": 1,
-    "output_dim": 16,
-    "image_size": 16,
-    "patch_size": 8,
-    "text_positions": 16,
-    "context_length": 12,
-    "position_init_std": 0.02,
-}
+ARCH = tiny_m2_arch()
 # (launcher, nodes, ranks per node), in the order they continue one run
 LAUNCHES = [("torchrun", 2, 2), ("deepspeed", 1, 2), ("torchrun", 2, 1), ("deepspeed", 2, 1), ("deepspeed", 2, 2)]
 LAUNCH_TIMEOUT = 600  # seconds; a launch takes under a minute on an idle 2-core machine
@@ -91,6 +80,7 @@ def m2_config(digits_root: Path, run_dir: Path) -> dict:
 def node_commands(launcher: str, nodes: int, per_node: int, folder: Path, script_args: list[str]) -> list[list[str]]:
     """One launcher command per node, all on this machine; rank 0's node listens on a free port."""
     port = str(free_port())
+    meet = ["--master_addr", "127.0.0.1", "--master_port", port, *script_args]  # every node at rank 0's port
     if launcher == "torchrun":
         return [
             [
@@ -103,11 +93,7 @@ def node_commands(launcher: str, nodes: int, per_node: int, folder: Path, script
                 str(node),
                 "--nproc_per_node",
                 str(per_node),
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                port,
-                *script_args,
+                *meet,
             ]
             for node in range(nodes)
         ]
@@ -130,11 +116,7 @@ def node_commands(launcher: str, nodes: int, per_node: int, folder: Path, script
             str(nodes),
             "--num_gpus",
             str(per_node),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            port,
-            *script_args,
+            *meet,
         ]
         for node in range(nodes)
     ]

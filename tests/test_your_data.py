@@ -6,25 +6,13 @@ import json
 import pytest
 from img2dataset_shards import write_set, write_shard
 
-from conftest import REPO, _deep_update, read_metrics, run_deepspeed, write_config
+from conftest import REPO, _deep_update, read_metrics, run_deepspeed, tiny_m2_arch, write_config
 from mmpt.config import read_config
 
 SHRINK = {  # the M²-Encoder demo config at test size (as the config matrix shrinks it)
     "method": {
         "tokenizer": None,
-        "arch": {
-            "vocab_size": None,
-            "width": 32,
-            "heads": 2,
-            "lower_layers": 1,
-            "shared_layers": 1,
-            "output_dim": 16,
-            "image_size": 32,
-            "patch_size": 8,
-            "text_positions": 32,
-            "context_length": 24,
-            "position_init_std": 0.02,
-        },
+        "arch": tiny_m2_arch(image_size=32, text_positions=32, context_length=24),
         "loss": {"name": "gba_itc", "group_size": "world", "accumulation_steps": 2, "tile_size": 6},
         "augment": {"crop_scale": [0.8, 1.0], "hflip": False, "randaugment": False},
     },
