@@ -23,6 +23,22 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def cells(spread: dict[str, float], digits: int = 0) -> str:
+    """A summary's min | median | max as table cells."""
+    return " | ".join(f"{spread[key]:.{digits}f}" for key in ("min", "median", "max"))
+
+
+def machine_line(cores: str, **versions: str) -> str:
+    """The date, the CPU and `cores`, then Python, torch and `versions`: a report's first words."""
+    import platform
+
+    import torch
+
+    named = {"python": sys.version.split()[0], "torch": torch.__version__, **versions}
+    cpu = platform.processor() or platform.machine()
+    return f"{time.strftime('%Y-%m-%d')}, {cpu}, {cores}; " + ", ".join(f"{k} {v}" for k, v in named.items())
+
+
 def save_results(name: str, record: Any, lines: list[str], folder: Path = RESULTS) -> None:
     """`<name>.json` (every figure) and `<name>.md` (the report `lines`) in `folder`; the report printed too."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from common import REPO, RESULTS, save_results, summary
+from common import REPO, RESULTS, cells, save_results, summary
 from PIL import Image
 
 MODEL = str(REPO / "benchmarks" / "configs" / "bench-vit-tiny.json")
@@ -350,7 +350,7 @@ def web_report(record: dict, cores_per_gpu: list[int]) -> list[str]:
         "|---|---|---|---|",
     ]
     for name, s in record["samples_per_s_per_core"].items():
-        lines.append(f"| {name} | {s['min']:.0f} | {s['median']:.0f} | {s['max']:.0f} |")
+        lines.append(f"| {name} | {cells(s)} |")
     lines += ["", *(f"{k}: **{v:.2f}x**" for k, v in record["ratios"].items()), ""]
     lines += [
         f"Samples/s per GPU on an 8-GPU node with N cores per GPU, one of them running the rank's process and "
@@ -360,8 +360,8 @@ def web_report(record: dict, cores_per_gpu: list[int]) -> list[str]:
         "|---|" + "---|" * len(cores_per_gpu),
     ]
     for name, rates in record["per_gpu_8_gpu_node"].items():
-        cells = (f"{rates[str(n)]:.0f}" + (" ✓" if rates[str(n)] >= record["gpu_rate"] else "") for n in cores_per_gpu)
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        node = (f"{rates[str(n)]:.0f}" + (" ✓" if rates[str(n)] >= record["gpu_rate"] else "") for n in cores_per_gpu)
+        lines.append(f"| {name} | " + " | ".join(node) + " |")
     return lines
 
 
@@ -464,9 +464,7 @@ def main() -> int:
         "|---|---|---|---|---|",
     ]
     for key, s in record["samples_per_s"].items():
-        lines.append(
-            f"| {key} | {ipc_bytes[key.rsplit(' ', 1)[0]]:.0f} | {s['min']:.0f} | {s['median']:.0f} | {s['max']:.0f} |"
-        )
+        lines.append(f"| {key} | {ipc_bytes[key.rsplit(' ', 1)[0]]:.0f} | {cells(s)} |")
     lines.append("")
     if normalize_ms is not None:
         lines.append(

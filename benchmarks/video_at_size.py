@@ -20,13 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 
 import numpy as np
-from common import save_results, summary
+from common import cells, machine_line, save_results, summary
 
 SAMPLED_FRAMES = 8
 IMAGE_SIZE = 224
@@ -105,13 +103,8 @@ def main() -> None:
 def write_results(rows: list[dict], args) -> None:
     import av
     import decord
-    import torch
 
-    machine = (
-        f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, one core of "
-        f"{os.cpu_count()}; python {sys.version.split()[0]}, torch {torch.__version__}, decord {decord.__version__}, "
-        f"PyAV {av.__version__}"
-    )
+    machine = machine_line(f"one core of {os.cpu_count()}", decord=decord.__version__, PyAV=av.__version__)
     lines = [
         "# Video frames decoded at the model's size vs a full-size decode, per core",
         "",
@@ -126,8 +119,7 @@ def write_results(rows: list[dict], args) -> None:
     for r in rows:
         full, scaled = r["full_decode_frames_per_s"], r["at_size_frames_per_s"]
         lines.append(
-            f"| {r['size']} | {r['backend']} | {r['mean_clip_kib']:.0f} | {full['min']:.0f} | {full['median']:.0f} | "
-            f"{full['max']:.0f} | {scaled['min']:.0f} | {scaled['median']:.0f} | {scaled['max']:.0f} | "
+            f"| {r['size']} | {r['backend']} | {r['mean_clip_kib']:.0f} | {cells(full)} | {cells(scaled)} | "
             f"{r['speedup']:.2f}x |"
         )
     lines += [

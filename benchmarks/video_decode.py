@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from common import save_results, summary
+from common import cells, machine_line, save_results, summary
 
 SAMPLED_FRAMES = 8
 BATCH = 16
@@ -147,7 +146,6 @@ def main() -> None:
 
 def write_results(rows: list[dict], args) -> None:
     import av
-    import torch
 
     try:
         import decord
@@ -155,10 +153,7 @@ def write_results(rows: list[dict], args) -> None:
         decord_version = decord.__version__
     except ImportError:
         decord_version = "not installed"
-    machine = (
-        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores; "
-        f"python {sys.version.split()[0]}, torch {torch.__version__}, decord {decord_version}, PyAV {av.__version__}"
-    )
+    machine = machine_line(f"{len(os.sched_getaffinity(0))} cores", decord=decord_version, PyAV=av.__version__)
     lines = [
         f"{machine}. {args.clips} clips of {args.frames} frames (H.264, yuv420p), {SAMPLED_FRAMES} frames "
         f"sampled per clip, {args.repeats} runs each (alternating), one core. Produced by `benchmarks/video_decode.py`.",
@@ -170,8 +165,7 @@ def write_results(rows: list[dict], args) -> None:
     for r in rows:
         raw, loader = r["raw_frames_per_s"], r["loader_clips_per_s"]
         lines.append(
-            f"| {r['size']}x{r['size']} | {r['backend']} | {raw['min']:.0f} | {raw['median']:.0f} | "
-            f"{raw['max']:.0f} | {loader['min']:.1f} | {loader['median']:.1f} | {loader['max']:.1f} | "
+            f"| {r['size']}x{r['size']} | {r['backend']} | {cells(raw)} | {cells(loader, 1)} | "
             f"{100 * r['loader_overhead']:+.1f}% |"
         )
     save_results("video_decode", {"machine": machine, "args": vars(args), "rows": rows}, lines)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO, save_results, summary
+from common import REPO, cells, save_results, summary
 
 MODEL = str(REPO / "benchmarks" / "configs" / "bench-vit-tiny.json")
 
@@ -90,7 +90,7 @@ def main() -> int:
         "|---|---|---|---|---|",
     ]
     for name, s in record["images_per_s"].items():
-        lines.append(f"| {name} | {tasks[name][0]} | {s['min']:.0f} | {s['median']:.0f} | {s['max']:.0f} |")
+        lines.append(f"| {name} | {tasks[name][0]} | {cells(s)} |")
     save_results("zeroshot_eval", record, lines)
     return 0
 
