@@ -25,9 +25,10 @@ are the run's own DeepSpeed files, read with DeepSpeed's loader; the release is 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 from pathlib import Path
+
+from mmpt.commands import add_import_option, import_modules
 
 
 def consolidated_weights(run_dir: Path, tag: str) -> dict:
@@ -89,14 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="training run or release directory")
     parser.add_argument("--out", required=True, help="directory to write")
-    parser.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="a module to import before the run is read, e.g. one that registers its method; may repeat",
-    )
+    add_import_option(parser, "the run")
     parser.add_argument("--format", default="release", help=f"one of {', '.join(FORMATS)} (default: release)")
     parser.add_argument(
         "--towers", default=None, help="with --format onnx: the towers to export, comma-separated (default: all)"
@@ -111,16 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from mmpt.artifacts import ReleaseError, has_weights
-    from mmpt.config import ConfigError
     from mmpt.engine.checkpoint import find_resume
     from mmpt.export.formats import check_export
     from mmpt.release import read_config, save_release
 
-    for module in args.imports:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigError(f"--import {module}: {exc} (is its folder on PYTHONPATH?)") from None
+    import_modules(args.imports)
     run_dir, out = Path(args.run), Path(args.out)
     cfg = read_config(run_dir)
     towers = check_export(cfg, args.format, args.towers)  # before any weight is read

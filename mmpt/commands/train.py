@@ -13,25 +13,18 @@ exit code listed in `mmpt/engine/stops.py`; `MMPT_DEBUG=1` shows tracebacks inst
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
 import time
 
+from mmpt.commands import add_import_option, import_modules
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="a module to import before the config is read, e.g. one that registers a method "
-        "(mmpt.methods.register); may repeat",
-    )
+    add_import_option(parser, "the config")
     parser.add_argument(
         "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
     )  # deepspeed launcher
@@ -59,13 +52,7 @@ def run(args: argparse.Namespace, rank: int) -> int:
     from mmpt.config_loader import load_config
     from mmpt.engine.deepspeed_config import check_precision
 
-    for module in args.imports:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            from mmpt.config import ConfigError
-
-            raise ConfigError(f"--import {module}: {exc} (is its folder on PYTHONPATH?)") from None
+    import_modules(args.imports)
     cfg = load_config(args.config, args.overrides)  # validated before any process group starts
     check_precision(cfg)
     logging.basicConfig(
