@@ -85,6 +85,20 @@ def submit(
     return result, log
 
 
+def training_command(tmp_path: Path) -> list[str]:
+    """What each node's launcher is to start for `submit`'s job: the training script, the config, the override given
+    to the batch script and those the script adds (its run folder, resuming)."""
+    run_dir = tmp_path / "run"
+    return [
+        "launch/train.py",
+        "--config",
+        "configs/clip/demo.yaml",
+        "train.max_steps=7",
+        f"run.output_dir={run_dir}",
+        "run.resume=auto",
+    ]
+
+
 def node_arguments(log: Path, launcher: str) -> list[list[str]]:
     return [(log / f"{launcher}.{node}").read_text().splitlines() for node in range(len(HOSTS))]
 
@@ -104,14 +118,7 @@ def test_torchrun_script_starts_one_torchrun_per_node_with_its_node_rank(tmp_pat
         args = get_args_parser().parse_args(arguments)
         assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", node, "4")
         assert (args.master_addr, args.master_port, args.rdzv_backend) == (HOSTS[0], 20000 + JOB_ID, "static")
-        assert [args.training_script, *args.training_script_args] == [
-            "launch/train.py",
-            "--config",
-            "configs/clip/demo.yaml",
-            "train.max_steps=7",
-            f"run.output_dir={tmp_path / 'run'}",
-            "run.resume=auto",
-        ]
+        assert [args.training_script, *args.training_script_args] == training_command(tmp_path)
     assert (log / "env.1").read_text().split() == ["WARN", "1", "45"]
     srun_options = set((log / "srun").read_text().split())
     assert {"--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=64"} <= srun_options
@@ -132,14 +139,7 @@ def test_deepspeed_script_writes_the_hostfile_and_starts_one_launcher_per_node(t
             20000 + JOB_ID,
         )
         assert dict(fetch_hostfile(args.hostfile)) == dict.fromkeys(HOSTS, 4)  # in node order
-        assert [args.user_script, *args.user_args] == [
-            "launch/train.py",
-            "--config",
-            "configs/clip/demo.yaml",
-            "train.max_steps=7",
-            f"run.output_dir={tmp_path / 'run'}",
-            "run.resume=auto",
-        ]
+        assert [args.user_script, *args.user_args] == training_command(tmp_path)
 
 
 @pytest.mark.parametrize(
