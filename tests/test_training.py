@@ -26,8 +26,6 @@ from pool import scenario
 
 pytestmark = pytest.mark.distributed
 
-SHARED_MEMORY_LINE = "all 2 CPU ranks on this host: gradient all-reduces and ZeRO's gathers go through DeepSpeed's"
-
 
 def mean(values):
     return sum(values) / len(values)
@@ -91,8 +89,7 @@ def test_torchrun_two_ranks_zero0_lowers_the_loss(tmp_path, digits_root):
         "--config",
         str(config),
     ]
-    result = run_command(command)
-    assert SHARED_MEMORY_LINE in result.stdout + result.stderr  # torchrun: LOCAL_WORLD_SIZE, a thread per rank
+    run_command(command)
     assert_loss_went_down(run_dir)
 
 
