@@ -136,6 +136,7 @@ def test_json_plan_has_every_part():
     assert plan["parameters"]["trainable"] > 0
     assert plan["largest_micro_batch"] >= plan["micro_batch"] and plan["fits"]
     assert plan["flops_per_sample"] > 0 and plan["samples_per_s"] > 0
+    assert plan["step_s_error"].startswith("calibrated on one H100")  # at the default MFU
     assert parts["total"] == sum(
         parts[k]
         for k in parts
@@ -241,3 +242,37 @@ def test_rank_0_holds_a_whole_copy_while_building_only_without_weights_covering_
     whole = held["random", "2"][0]
     assert whole > 0 and held["random", "2"] == held["init_from", "2"] == (whole, whole)
     assert held["random", "3"] == (whole, 0) and held["init_from", "3"] == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("config", "key", "path"),
+    [
+        ("configs/victor/base.yaml", "method.tokenizer", "/data/tokenizers/bert-base-chinese/tokenizer.json"),
+        ("configs/space2/base.yaml", "method.encoder", "checkpoints/bert-base-uncased"),
+    ],
+)
+def test_a_config_whose_architecture_is_in_a_missing_file_ends_in_one_line_naming_it(config, key, path, capfd):
+    """VICTOR's vocabulary comes from its tokenizer file, SPACE-2's encoder from a checkpoint's config.json: not
+    there, the plan names the file and its config key (not the tokenizer's os error or the hub's repo-id error)."""
+    from mmpt import cli
+    from mmpt.commands import plan
+
+    assert not Path(path).exists()
+    assert cli.run(plan.main, ["--config", str(ROOT / config), "--gpus", "8"]) == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"config key '{key}': {path}" in lines[0], lines
+    assert "os error" not in lines[0] and "Repo id" not in lines[0]
+
+
+def test_the_step_time_is_labelled_with_its_error_measured_on_one_h100():
+    """The label is what benchmarks/results/gpu/planner.json says at the assumed MFU: the steps it planned at 40%
+    rescaled (one GPU: the step is compute alone, in proportion to 1 / MFU), SPACE-2's bound left out."""
+    from mmpt.plan.hardware import CALIBRATED_MFU, STEP_ERROR, Assumptions, step_calibration
+
+    rows = json.loads((ROOT / "benchmarks/results/gpu/planner.json").read_text())["rows"]
+    errors = [(1 + r["step_error"]) * 0.40 / CALIBRATED_MFU - 1 for r in rows if not r["run"].startswith("SPACE-2")]
+    assert len(errors) == 4
+    assert f"{100 * min(errors):+.0f}% to {100 * max(errors):+.0f}%" == STEP_ERROR
+    assert Assumptions().mfu == CALIBRATED_MFU
+    assert step_calibration(CALIBRATED_MFU) == f"calibrated on one H100, benchmarks/results/gpu: {STEP_ERROR}"
+    assert step_calibration(0.3).startswith("MFU 30% not calibrated")

@@ -54,10 +54,11 @@ def built(cfg: Config, device: str | torch.device = "meta") -> Iterator[Built]:
         demo.build(cfg.data.prepare, cfg.data.root)
     with tempfile.TemporaryDirectory(prefix="mmpt-plan-") as scratch:
         run_dir = Path(scratch)
+        missing = None  # the file `prepare` could not copy: its message names it and the config key naming it
         try:
             method.prepare(cfg, run_dir)
-        except FileNotFoundError:
-            pass  # fine when the build reads none of its files (a preset with its vocabulary size); else said below
+        except FileNotFoundError as exc:
+            missing = exc  # fine when the build reads none of its files (a preset with its vocabulary size)
         try:
             try:
                 with torch.device(device):
@@ -66,7 +67,10 @@ def built(cfg: Config, device: str | torch.device = "meta") -> Iterator[Built]:
             except (NotImplementedError, RuntimeError):  # a model that moves its weights itself (open_clip)
                 model, loss = method.build_model(cfg, run_dir), method.build_loss(cfg)
         except Exception as exc:
-            raise ConfigError(f"cannot build the model of {cfg.method_name} to plan it: {_first_line(exc)}") from None
+            # The architecture is read from that file (a vocabulary size, a checkpoint's config.json): say which
+            # one, not what the build tripped over without it (a tokenizer's os error, a hub repo-id error).
+            reason = _first_line(missing) if missing is not None else _first_line(exc)
+            raise ConfigError(f"cannot build the model of {cfg.method_name} to plan it: {reason}") from None
         yield Built(cfg, method, model, loss, method.engine_needs(model))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from mmpt.plan.hardware import GPUS, Assumptions
+from mmpt.plan.hardware import GPUS, Assumptions, step_calibration
 from mmpt.plan.planner import Plan
 from mmpt.plan.profile import Profile
 
@@ -46,6 +46,7 @@ def to_json(config: str, profile: Profile, plan: Plan, assume: Assumptions) -> d
         "flops_per_sample": plan.flops_per_sample,
         "bytes_sent_per_step": {"zero": plan.traffic.zero, "features": plan.traffic.features},
         "step_s": plan.step_s,
+        "step_s_error": step_calibration(assume.mfu),
         "samples_per_s": plan.samples_per_s,
         "assumptions": asdict(assume),
     }
@@ -82,7 +83,7 @@ def to_text(config: str, profile: Profile, plan: Plan, assume: Assumptions) -> s
         f"largest that fits: {plan.largest_micro_batch}",
         f"FLOPs per sample (forward + backward): {plan.flops_per_sample / 1e12:.3f} TFLOP",
         f"sent per rank per step: ZeRO {gb(plan.traffic.zero)}, feature gathers {gb(plan.traffic.features)}",
-        f"predicted step {plan.step_s:.3f} s, {plan.samples_per_s:,.0f} samples/s",
+        f"predicted step {plan.step_s:.3f} s, {plan.samples_per_s:,.0f} samples/s ({step_calibration(assume.mfu)})",
         "assumptions:",
         *(f"  {line}" for line in assume.lines()),
         "  peak bf16 / HBM: "
