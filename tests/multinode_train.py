@@ -63,7 +63,8 @@ def recording_forward(self, image_features, text_features, logit_scale, pool=Non
     return loss
 
 
-GroupedContrastiveLoss.forward = recording_forward
-M2EncoderMethod.training_step = recording_training_step
-sys.argv[0] = str(TRAIN)
-runpy.run_path(str(TRAIN), run_name="__main__")
+if __name__ == "__main__":  # imported, it only names the variables it records (tests/test_multinode.py)
+    GroupedContrastiveLoss.forward = recording_forward
+    M2EncoderMethod.training_step = recording_training_step
+    sys.argv[0] = str(TRAIN)
+    runpy.run_path(str(TRAIN), run_name="__main__")

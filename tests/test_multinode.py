@@ -27,6 +27,7 @@ import psutil
 import pytest
 import torch
 import torch.nn.functional as F
+from multinode_train import LAUNCHER_VARIABLES
 from safetensors.torch import load_file
 
 from conftest import (
@@ -49,18 +50,7 @@ ARCH = tiny_m2_arch()
 # (launcher, nodes, ranks per node), in the order they continue one run
 LAUNCHES = [("torchrun", 2, 2), ("deepspeed", 1, 2), ("torchrun", 2, 1), ("deepspeed", 2, 1), ("deepspeed", 2, 2)]
 LAUNCH_TIMEOUT = 600  # seconds; a launch takes under a minute on an idle 2-core machine
-STALE_LAUNCHER_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "LOCAL_SIZE",
-    "GROUP_RANK",
-    "CROSS_RANK",
-    "CROSS_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
+STALE_LAUNCHER_VARIABLES = (*LAUNCHER_VARIABLES, "MASTER_ADDR", "MASTER_PORT")  # none may leak from this process
 
 
 def m2_config(digits_root: Path, run_dir: Path) -> dict:
