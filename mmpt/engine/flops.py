@@ -81,13 +81,19 @@ def materialize(model: nn.Module, loss: nn.Module, needs: EngineNeeds, dtype: to
 
 
 def run_step(
-    method: Method, model: nn.Module, loss: nn.Module, needs: EngineNeeds, batch: Any, autocast: torch.dtype | None
+    method: Method,
+    model: nn.Module,
+    loss: nn.Module,
+    needs: EngineNeeds,
+    batch: Any,
+    autocast: torch.dtype | None,
+    pool_pass: bool = True,
 ) -> None:
-    """What the engine runs for one micro-batch: the method's step pool (no gradient) when it declares one, the
-    training step, the backward pass."""
+    """What the engine runs for one micro-batch: the method's step pool (no gradient) when it declares one and
+    `pool_pass` (the engine pools only over several micro-batches), the training step, the backward pass."""
     with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         pool = None
-        if needs.step_pool is not None:
+        if needs.step_pool is not None and pool_pass:
             with torch.no_grad():
                 pool = needs.pool(model, loss, [batch])
         terms = method.training_step(model, loss, batch, pool, 0)
@@ -99,9 +105,12 @@ def step_flops(method: Method, cfg: Config, run_dir: Path, batch: Any) -> int:
     a fake-tensor build of `cfg`'s model: nothing runs on the device and `batch`'s values are not read."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with torch.device("meta"):
-        model = method.build_model(cfg, run_dir)
-        loss = method.build_loss(cfg)
+    try:
+        with torch.device("meta"):
+            model = method.build_model(cfg, run_dir)
+            loss = method.build_loss(cfg)
+    except (NotImplementedError, RuntimeError):  # a model that moves its weights itself (open_clip): on the host
+        model, loss = method.build_model(cfg, run_dir), method.build_loss(cfg)
     needs = method.engine_needs(model)
     precision = policy(cfg.train.precision, cfg.train.zero_stage)
     counter = FlopCounterMode(display=False)
@@ -110,7 +119,7 @@ def step_flops(method: Method, cfg: Config, run_dir: Path, batch: Any) -> int:
         fake = tree_map(lambda t: empty_like_on_cpu(t) if isinstance(t, torch.Tensor) else t, batch)
         model.train()
         with counter:
-            run_step(method, model, loss, needs, fake, precision.autocast)
+            run_step(method, model, loss, needs, fake, precision.autocast, pool_pass=cfg.train.grad_accum > 1)
     return counter.get_total_flops()
 
 
