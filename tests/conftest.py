@@ -289,6 +289,23 @@ def _gloo_worker(rank, world, port, module, checks, queue):
         dist.destroy_process_group()
 
 
+def zero3_engine(model, optimizer, micro_batch: int, **config):
+    """A DeepSpeed engine at ZeRO-3 around `model`, on a rank of `run_on_gloo_ranks`: no gradient clipping, no step
+    prints; `config` adds to DeepSpeed's config."""
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**62,
+        **config,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
 def run_on_gloo_ranks(module: str, checks: list[tuple[str, tuple]], world: int) -> None:
     """Run `module.<name>(rank, *args)` for each check on `world` spawned gloo ranks; fail with every rank's error."""
     import torch.multiprocessing as mp

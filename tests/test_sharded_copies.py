@@ -6,7 +6,7 @@ import os
 import torch
 from torch import nn
 
-from conftest import run_on_gloo_ranks
+from conftest import run_on_gloo_ranks, zero3_engine
 
 MOMENTUM = 0.75
 
@@ -52,15 +52,8 @@ def check_sharded_copy_matches_a_whole_one(rank):
     torch.manual_seed(0)
     model = WithKey()
     reference = whole_key(model)
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 2**62,
-        "zero_allow_untested_optimizer": True,
-    }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=config)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = zero3_engine(model, sgd, micro_batch=4, zero_allow_untested_optimizer=True)
     whole_bytes = momentum_bytes([model.key])
     sharded = ShardedCopies([model.key])
     assert momentum_bytes([model.key]) < 0.7 * whole_bytes  # about half, plus the whole batch-norm statistics

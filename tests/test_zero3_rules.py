@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import run_on_gloo_ranks
+from conftest import run_on_gloo_ranks, zero3_engine
 from mmpt.config import ConfigError
 from mmpt.engine.run import check_pooled_accumulation
 from mmpt.methods import get_method
@@ -26,29 +26,14 @@ class ReadsItsWeightAsATensor(nn.Module):
         return self.linear(x) + self.table.weight[: x.shape[0]]
 
 
-def zero3_engine(model):
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 2**62,
-    }
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1), config=config
-    )
-    return engine
-
-
 def check_guard_names_a_parameter_used_while_partitioned(rank):
     import deepspeed
 
     from mmpt.engine.zero3_guard import PartitionedParameterError, partitioned_parameter_guard
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    engine = zero3_engine(ReadsItsWeightAsATensor())
+    model = ReadsItsWeightAsATensor()
+    engine = zero3_engine(model, torch.optim.AdamW(model.parameters(), lr=0.1), micro_batch=2)
     x = torch.randn(3, 4)
     with partitioned_parameter_guard(engine.module, "step 1"):
         engine.backward(engine(x).sum())  # inside the engine's forward ZeRO-3 gathers even a bare read
