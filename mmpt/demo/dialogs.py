@@ -34,6 +34,21 @@ DEFAULT_DOMAIN = "DEFAULT_DOMAIN"
 DEFAULT_INTENT = "DEFAULT_INTENT"
 HELDOUT_TEMPLATES = 4  # the last four of every intent's ten templates: two for intent train, two for intent test
 
+# Where a taxi picks up and drops off.
+PLACES = [
+    "the airport",
+    "the train station",
+    "Main Street",
+    "the city centre",
+    "Central Park",
+    "the museum",
+    "my hotel",
+    "Oak Avenue",
+    "the harbour",
+    "the university",
+    "the stadium",
+    "King Street",
+]
 CITIES = [
     "London",
     "Paris",
@@ -211,34 +226,8 @@ VALUES: dict[str, list[str]] = {
     "seat_class": ["economy", "business", "first class", "premium economy"],
     "status": ["on time", "delayed by 40 minutes", "delayed by two hours", "boarding now", "cancelled", "landed"],
     "bags": ["one", "two", "three"],
-    "pickup": [
-        "the airport",
-        "the train station",
-        "Main Street",
-        "the city centre",
-        "Central Park",
-        "the museum",
-        "my hotel",
-        "Oak Avenue",
-        "the harbour",
-        "the university",
-        "the stadium",
-        "King Street",
-    ],
-    "dropoff": [
-        "the airport",
-        "the train station",
-        "Main Street",
-        "the city centre",
-        "Central Park",
-        "the museum",
-        "my hotel",
-        "Oak Avenue",
-        "the harbour",
-        "the university",
-        "the stadium",
-        "King Street",
-    ],
+    "pickup": PLACES,
+    "dropoff": PLACES,
     "car": ["white Toyota", "black Skoda", "blue Tesla", "grey Honda", "silver Ford"],
     "eta": ["5 minutes", "10 minutes", "3 minutes", "a quarter of an hour", "20 minutes"],
     "condition": ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy", "stormy"],
