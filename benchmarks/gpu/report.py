@@ -61,8 +61,8 @@ def run_row(run: dict) -> list[str]:
 
 def loss_lines(r: dict) -> list[str]:
     lines = [
-        f"D = {r['dim']}, float32, tile {r.get('tile_size')} columns; memory: {r['memory']}. The batch doubles until "
-        "out of memory or until the next trial would not finish in time.",
+        f"D = {r.get('dim', 512)}, float32, tile {r.get('tile_size')} columns; memory: {r.get('memory')}. The batch "
+        "doubles until out of memory or until the next trial would not finish in time.",
         "",
         *table(
             ["loss", "largest b that fits", "first OOM", "stopped by"],
@@ -105,7 +105,7 @@ def markdown(record: dict) -> str:
             continue
         lines += ["", f"## {TITLES.get(name, name)} (`{name}`)", ""]
         if name == "loss_memory":
-            lines += loss_lines(results) if results.get("dim") else []
+            lines += loss_lines(results) if results.get("variants") else []
         else:
             lines += table(RUN_COLUMNS, [run_row(run) for run in results.get("runs", [])])
     return "\n".join(lines) + "\n"
