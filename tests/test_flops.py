@@ -39,7 +39,7 @@ def test_the_counted_step_matches_a_hand_count_of_its_matmuls(tmp_path):
     from mmpt.engine.flops import step_flops
 
     a, b, c, batch = 24, 40, 8, 6
-    cfg = SimpleNamespace(train=SimpleNamespace(precision="fp32", zero_stage=0))
+    cfg = SimpleNamespace(train=SimpleNamespace(precision="fp32", zero_stage=0, grad_accum=1))
     real = {"x": torch.randn(batch, a)}
     counted = step_flops(cast(Any, TwoLinears(a, b, c)), cast(Any, cfg), tmp_path, real)
     forward = 2 * batch * (a * b + b * c)  # a matmul of [m, k] x [k, n] is 2mkn FLOPs
@@ -48,6 +48,28 @@ def test_the_counted_step_matches_a_hand_count_of_its_matmuls(tmp_path):
     backward = 2 * batch * (a * b + b * c) + 2 * batch * b * c
     assert counted == forward + backward
     assert torch.equal(real["x"], real["x"]) and not real["x"].is_meta  # the batch was not replaced
+
+
+class PooledTwoLinears(TwoLinears):
+    """The same step with a step pool: a forward pass without gradient over each micro-batch first."""
+
+    def engine_needs(self, model):
+        from mmpt.methods import EngineNeeds
+
+        return EngineNeeds(pool_features=lambda model, batch: model(batch["x"]), step_pool=lambda loss, features: None)
+
+
+def test_the_pool_pass_is_counted_where_the_engine_runs_it(tmp_path):
+    from mmpt.engine.flops import step_flops
+
+    a, b, c, batch = 24, 40, 8, 6
+
+    def counted(accum):
+        cfg = SimpleNamespace(train=SimpleNamespace(precision="fp32", zero_stage=0, grad_accum=accum))
+        return step_flops(cast(Any, PooledTwoLinears(a, b, c)), cast(Any, cfg), tmp_path, {"x": torch.ones(batch, a)})
+
+    # One micro-batch a step: no pool pass. Several: one more forward per micro-batch.
+    assert counted(2) - counted(1) == 2 * batch * (a * b + b * c)
 
 
 class StoppedClock:
