@@ -215,7 +215,7 @@ class TrainConfig(Section):
     peak_tflops: float | None = Field(
         default=None,
         gt=0,
-        description="dense TFLOP/s per GPU that perf/mfu is stated against (docs/performance.md). None: the bf16 "
+        description="dense TFLOP/s per GPU that perf/mfu is stated against (docs/engine.md). None: the bf16 "
         "peak of an H100, H200 or A100 in a bf16 run, else no perf/tflops nor perf/mfu (nothing is claimed on CPU)",
     )
     offload_optimizer: bool = False
