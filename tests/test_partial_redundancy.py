@@ -62,5 +62,5 @@ def test_hpz_gathers_backward_inside_the_node_and_trains_as_zero3(module_tmp, di
     for plain, hierarchical in zip(zero3_gathers, hpz_gathers):
         assert set(plain) == {"4"} and plain["4"] > 0  # plain ZeRO-3 gathers every parameter world-wide
         # hpZ gathers world-wide in forward (filling the node's secondary shards) and, where backward gathers
-        # again (the first step here; benchmarks/partial_redundancy.py has the later ones), inside the node
+        # again (the first step here), inside the node
         assert hierarchical.get("2", 0) > 0 and hierarchical["4"] < plain["4"]

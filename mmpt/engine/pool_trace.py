@@ -7,7 +7,7 @@ all K micro-batches without backward, then K forward+backward periods: the pool'
 recorded order twice a step, and the period after it runs without prefetching while the trace is recorded
 again. Here the pool pass runs with a second coordinator of DeepSpeed's kind, which records and prefetches
 the pool's own order; the training periods keep theirs. Both are built from the same settings and share
-the in-flight gather registry. `benchmarks/zero3_trace.py` counts invalidations with and without.
+the in-flight gather registry.
 """
 
 from __future__ import annotations
