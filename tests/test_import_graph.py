@@ -171,3 +171,24 @@ def test_the_loop_and_the_checkpoints_name_no_test_scaffolding_and_no_method():
         code = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith(("#", '"')))
         for word in (*list_methods(), "momentum_copies", "ShardedCopies", "sharded_copies", "fault"):
             assert word.lower() not in code.lower(), f"{path.relative_to(ROOT)} names {word!r}"
+
+
+def test_every_package_and_data_file_goes_into_the_wheel():
+    """pyproject's explicit package list is what a wheel holds: a subpackage or data file missing from it imports
+    from a checkout (the editable install maps whole folders) and is absent once installed."""
+    from fnmatch import fnmatchcase
+
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {
+        ".".join((package, *init.parent.relative_to(folder).parts))
+        for package, folder in PACKAGES.items()
+        for init in folder.rglob("__init__.py")
+    }
+    assert found == set(setuptools["packages"])
+    for path in PACKAGES["mmpt"].rglob("*"):
+        if path.is_file() and path.suffix not in {".py", ".pyc"} and "__pycache__" not in path.parts:
+            package = ".".join(("mmpt", *path.parent.relative_to(PACKAGES["mmpt"]).parts))
+            patterns = setuptools.get("package-data", {}).get(package, [])
+            assert any(fnmatchcase(path.name, p) for p in patterns), f"{path} is not in package-data"
