@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from mmpt.engine import deepspeed_private
+from mmpt.engine.timing import Clock
 
 KINDS = (
     "all_reduce",
@@ -151,19 +152,12 @@ class CollectiveClock:
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
+        self.clock = Clock(cuda)  # the engine's device-or-host clock
         self.delays, self.late_starts = _DELAYS, _LATE_STARTS
         self.seconds_so_far = 0.0  # host seconds in collectives since the start (a late start's own work excludes them)
         self._local = threading.local()
         self._group_names: dict[Any, str] = {}
-        self._reset(self._now())
-
-    # -- clocks -----------------------------------------------------------------------------------------
-    def _now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        self._reset(self.clock.mark())
 
     def _reset(self, reference: Any) -> None:
         self._reference = reference
@@ -172,11 +166,6 @@ class CollectiveClock:
         self._last_raw_return: Any = reference
         self._last_return: Any = reference  # after any injected delay
         self._carried = 0.0  # an injected delay of the call the reference was taken at: collective time
-
-    def _seconds(self, start: Any, end: Any) -> float:
-        if isinstance(start, float):
-            return end - start
-        return start.elapsed_time(end) / 1000.0
 
     # -- recording --------------------------------------------------------------------------------------
     def _group_name(self, group: Any) -> str:
@@ -206,13 +195,13 @@ class CollectiveClock:
         for delay in self.late_starts:
             delay(kind)
         host_start = time.perf_counter()
-        arrived = self._now() if not asynchronous else None
+        arrived = self.clock.mark() if not asynchronous else None
         result = function(*args, **kwargs)
         if arrived is not None:
-            self._last_raw_return = self._now()
+            self._last_raw_return = self.clock.mark()
             for delay in self.delays:
                 delay(kind)
-            returned = self._now() if self.delays else self._last_raw_return
+            returned = self.clock.mark() if self.delays else self._last_raw_return
             self._last_return = returned
             self._sync.append((key, arrived, returned))
         totals = self._totals[key]
@@ -227,19 +216,18 @@ class CollectiveClock:
     def mark_reference(self) -> None:
         """The return of the last synchronous call (before any injected delay) becomes the next window's
         reference: call it right after a collective every rank left together."""
-        delayed = self._seconds(self._last_raw_return, self._last_return) if self.delays else 0.0
+        delayed = Clock.seconds(self._last_raw_return, self._last_return) if self.delays else 0.0
         self._reset(self._last_raw_return)
         self._carried = delayed  # the slow link's wait after that call falls in the new window: not busy time
 
     def take(self) -> Window:
         """This window's figures, then start the next one from now (until `mark_reference`)."""
-        end = self._now()
-        if self.cuda:
-            end.synchronize()
-        wall = self._seconds(self._reference, end)
+        end = self.clock.mark()
+        Clock.wait(end)
+        wall = Clock.seconds(self._reference, end)
         arrivals = returns = collective = 0.0
         for key, arrived, returned in self._sync:
-            start, stop = self._seconds(self._reference, arrived), self._seconds(self._reference, returned)
+            start, stop = Clock.seconds(self._reference, arrived), Clock.seconds(self._reference, returned)
             arrivals += start
             returns += stop
             collective += stop - start
