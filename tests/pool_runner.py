@@ -56,23 +56,48 @@ def run_matrix_cell(config: str, overrides: list[str], run_dir: Path) -> dict:
     return {"losses": losses}
 
 
+def replaced_collectives() -> list[str]:
+    """Collectives of torch.distributed and of DeepSpeed's backend object that are not the libraries' own."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from mmpt.engine import deepspeed_private
+
+    names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
+    backend = deepspeed_private.comm_backend()
+    return [f"torch.distributed.{n}" for n in names if getattr(dist, n) is not getattr(distributed_c10d, n)] + [
+        f"cdb.{n}"
+        for n in names
+        if backend is not None and n in vars(backend)  # DeepSpeed's are class methods
+    ]
+
+
 def run_scenario(scenario: dict, results: Path) -> None:
     from mmpt import distributed as mdist
     from mmpt.config_loader import load_config
     from mmpt.engine import train
+    from mmpt.engine.hooks import observing
 
     started = time.perf_counter()
     run_dir = Path(scenario["run_dir"])
-    if scenario["kind"] == "matrix":
-        record = run_matrix_cell(scenario["config"], scenario["overrides"], run_dir)
-    else:
-        train(load_config(scenario["config"], [*scenario["overrides"], f"run.output_dir={run_dir}"]))
-        record = {}
+    replaced: set[str] = set()  # what stood in for a library's collective while a step ran
+
+    def during_step(point: str, step: int) -> None:
+        if point == "backward":
+            replaced.update(replaced_collectives())
+
+    with observing(during_step):
+        if scenario["kind"] == "matrix":
+            record = run_matrix_cell(scenario["config"], scenario["overrides"], run_dir)
+        else:
+            train(load_config(scenario["config"], [*scenario["overrides"], f"run.output_dir={run_dir}"]))
+            record = {}
     if mdist.get_rank() == 0:
         record = {
             "name": scenario["name"],
             "run_dir": str(run_dir),
             "seconds": round(time.perf_counter() - started, 1),
+            "replaced_collectives": sorted(replaced),
             **record,
         }
         with results.open("a") as out:

@@ -71,6 +71,8 @@ def test_deepspeed_two_ranks_lower_the_loss(rank_pool, name):
     assert (run_dir / "checkpoints/latest").read_text() == "step_000000024"
     assert {f"rank_{r}.pt" for r in (0, 1)} <= {p.name for p in (run_dir / "checkpoints/step_000000024").iterdir()}
     assert (run_dir / "model.safetensors").is_file() and (run_dir / "config.yaml").is_file()
+    # the default config on 2 ranks: torch.distributed's and DeepSpeed's collectives are the libraries' own
+    assert rank_pool.record(name)["replaced_collectives"] == []
 
 
 def test_torchrun_two_ranks_zero0_lowers_the_loss(tmp_path, digits_root):
