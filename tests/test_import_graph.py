@@ -169,7 +169,7 @@ def test_the_loop_and_the_checkpoints_name_no_test_scaffolding_and_no_method():
         assert word not in loop, f"mmpt/engine/trainer.py mentions {word!r}"
     for path in sorted((ROOT / "mmpt/engine/checkpoint").glob("*.py")):
         code = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith(("#", '"')))
-        for word in (*list_methods(), "momentum_copies", "ShardedCopies", "sharded_copies", "fault"):
+        for word in (*list_methods(), "momentum_copies", "ShardedCopies", "zero3.copies", "fault"):
             assert word.lower() not in code.lower(), f"{path.relative_to(ROOT)} names {word!r}"
 
 

@@ -1,4 +1,4 @@
-"""ZeRO-3 keeps its prefetch trace through GBA-ITC's pooled accumulation (`mmpt/engine/pool_trace.py`):
+"""ZeRO-3 keeps its prefetch trace through GBA-ITC's pooled accumulation (`mmpt/engine/zero3/pool_trace.py`):
 after the first two steps no period invalidates the trace, where the pool pass sharing the training trace
 invalidates it once every step. 2 gloo ranks, a tiny M²-Encoder, K = 2."""
 

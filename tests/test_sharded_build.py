@@ -1,4 +1,4 @@
-"""Models built partitioned under ZeRO-3 (`mmpt/engine/sharded_build.py`), on 2 gloo ranks.
+"""Models built partitioned under ZeRO-3 (`mmpt/engine/zero3/build.py`), on 2 gloo ranks.
 
 - The partitioned model starts from exactly the weights one process builds with the same seed: an open_clip
   ViT whose text tower's parent initialises its children's weights (what `zero.Init` alone would lose).
@@ -60,7 +60,7 @@ def _start(rank: int) -> None:
 def _peak_growth(work):
     """(what `work()` returned, how far this process's peak resident memory rose above its resident memory
     before it, in bytes). Linux: writing 5 to clear_refs resets the peak (VmHWM) to the current size."""
-    from mmpt.engine.sharded_build import release_freed_memory
+    from mmpt.engine.zero3.build import release_freed_memory
 
     release_freed_memory()  # what earlier work freed would otherwise hide what `work` allocates
     Path("/proc/self/clear_refs").write_text("5")
@@ -122,7 +122,7 @@ def check_memory_while_building_loading_and_writing(rank, tmp, kind):
     from mmpt.engine.checkpoint.weights import gathered_state_dict, write_weights
     from mmpt.engine.deepspeed_config import deepspeed_config
     from mmpt.engine.run import seed_everything
-    from mmpt.engine.sharded_build import build_partitioned
+    from mmpt.engine.zero3.build import build_partitioned
     from mmpt.methods import get_method
     from mmpt.methods.m2_encoder import official_state
 
@@ -204,7 +204,7 @@ def check_rank_0s_loading_error_is_raised_on_every_rank(rank, tmp, found_by):
     _start(rank)
     from mmpt.engine.checkpoint.weights import write_weights
     from mmpt.engine.deepspeed_config import deepspeed_config
-    from mmpt.engine.sharded_build import build_partitioned
+    from mmpt.engine.zero3.build import build_partitioned
     from mmpt.methods import get_method
     from mmpt.models.tensor_files import CheckpointMismatch
 

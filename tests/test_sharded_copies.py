@@ -1,4 +1,4 @@
-"""Momentum copies partitioned like ZeRO-3's parameters (mmpt/engine/sharded_copies.py), on 2 gloo ranks,
+"""Momentum copies partitioned like ZeRO-3's parameters (mmpt/engine/zero3/copies.py), on 2 gloo ranks,
 against a whole copy kept by hand: the forward, the EMA step, per-rank memory and re-cutting saved partitions."""
 
 import os
@@ -46,7 +46,7 @@ def check_sharded_copy_matches_a_whole_one(rank):
     import deepspeed
 
     from mmpt.engine.checkpoint.parts import whole_from_partitions
-    from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes
+    from mmpt.engine.zero3.copies import ShardedCopies, momentum_bytes
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.manual_seed(0)

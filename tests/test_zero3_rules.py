@@ -29,7 +29,7 @@ class ReadsItsWeightAsATensor(nn.Module):
 def check_guard_names_a_parameter_used_while_partitioned(rank):
     import deepspeed
 
-    from mmpt.engine.zero3_guard import PartitionedParameterError, partitioned_parameter_guard
+    from mmpt.engine.zero3.guard import PartitionedParameterError, partitioned_parameter_guard
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     model = ReadsItsWeightAsATensor()

@@ -30,15 +30,15 @@ from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.hooks import StepHooks
 from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
-from mmpt.engine.pool_trace import PoolTrace
 from mmpt.engine.preflight import check_inputs
 from mmpt.engine.resilience.adaptive_batch import BatchShares, check_adaptive_batch
 from mmpt.engine.sequence_parallel import split_sequences
-from mmpt.engine.sharded_build import build_partitioned
-from mmpt.engine.sharded_copies import ShardedCopies, momentum_bytes
 from mmpt.engine.summary import startup_summary
 from mmpt.engine.timing import Spans
 from mmpt.engine.watchdog import Watchdog
+from mmpt.engine.zero3.build import build_partitioned
+from mmpt.engine.zero3.copies import ShardedCopies, momentum_bytes
+from mmpt.engine.zero3.pool_trace import PoolTrace
 from mmpt.methods import EngineNeeds, Method, get_method
 
 log = logging.getLogger(__name__)

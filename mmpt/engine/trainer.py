@@ -21,7 +21,7 @@ from mmpt.engine.optim import SkippingAdamW
 from mmpt.engine.resilience import collective_timing
 from mmpt.engine.resilience.health import HealthMonitor
 from mmpt.engine.timing import Spans
-from mmpt.engine.zero3_guard import partitioned_parameter_guard
+from mmpt.engine.zero3.guard import partitioned_parameter_guard
 
 
 def train(cfg: Config) -> dict[str, Any]:

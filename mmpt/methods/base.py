@@ -58,7 +58,7 @@ class EngineNeeds:
     momentum_copies: EMA copies of parts of the model (`mmpt.models.momentum.MomentumCopy`). The engine keeps
         their state fp32 (as for `fp32_modules`), updates them after each applied optimizer step (before
         `after_step`), and under ZeRO-3 partitions them like the parameters they follow, so that no rank holds
-        a whole copy (see `mmpt.engine.sharded_copies`).
+        a whole copy (see `mmpt.engine.zero3.copies`).
     sequence_parallel: transformers the engine may split along the sequence (`train.sequence_parallel`, see
         `mmpt.engine.sequence_parallel`): each is called as `module(tokens [B, L, W], padding [B, L] or None)`,
         mixes tokens only in timm `Attention` layers and returns [B, L, W].

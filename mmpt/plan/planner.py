@@ -141,7 +141,7 @@ def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptio
     loader = cfg.data.train
     host = states.host + batch * (assume.pinned_batches + loader.num_workers * 4)
     whole = 4 * (params + profile.counts.momentum)  # the model as built, in fp32
-    # ZeRO-3 on several ranks builds partitioned (see engine/sharded_build.py): rank 0 alone holds a whole copy,
+    # ZeRO-3 on several ranks builds partitioned (see engine/zero3/build.py): rank 0 alone holds a whole copy,
     # unless the initial weights cover the model and are read tensor by tensor.
     partitioned = layout.stage == 3 and cluster.gpus > 1
     streamed = partitioned and get_method(cfg.method_name).initial_tensors(cfg) is not None

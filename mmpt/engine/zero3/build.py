@@ -15,7 +15,7 @@ of host memory per rank, eight times over on a node of eight). Here:
 3. rank 0's values go into the partitioned model one module at a time: the module's parameters are made
    whole for the copy and re-partitioned (`GatheredParameters` with rank 0 as the writer), buffers are
    broadcast, and momentum copies (their tensors partitioned like the parameters they follow, see
-   `sharded_copies.py`) receive only their own partition of each tensor.
+   `copies.py`) receive only their own partition of each tensor.
 
 Why rank 0 builds a plain copy when the weights do not cover the model, instead of every rank initialising
 under `zero.Init` alone: towers whose parent module initialises its children's weights directly (timm's ViT
@@ -38,7 +38,7 @@ from torch import nn
 from mmpt import distributed as mdist
 from mmpt.engine import deepspeed_private
 from mmpt.engine.checkpoint.weights import full_shapes
-from mmpt.engine.sharded_copies import ShardedCopies
+from mmpt.engine.zero3.copies import ShardedCopies
 from mmpt.models.momentum import MomentumCopy
 from mmpt.models.tensor_files import TensorReader, check_covers
 
