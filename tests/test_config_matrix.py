@@ -125,6 +125,7 @@ def test_bf16_at_zero_1_trains_resumes_and_exports_its_fp32_weights(rank_pool):
 
 
 @pytest.mark.extended
+@pytest.mark.matrix
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: str(c.relative_to(REPO / "configs").with_suffix("")))
 def test_full_matrix(config, corpora, tmp_path):
     cells = [cell(config, corpora, tmp_path / "runs", stage, accum, None) for stage in STAGES for accum in (1, 2)]

@@ -37,7 +37,12 @@ SMOKE = ("train.max_steps=4", "train.log_every=2", "train.save_every=4", "optim.
         pytest.param("configs/clip/demo.yaml", "runs/clip-demo", 0.80, 0.90, (), marks=pytest.mark.extended),
         # About 8 minutes (600 steps): the extended tier.
         pytest.param(
-            "configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo", 0.75, 0.65, (), marks=pytest.mark.extended
+            "configs/m2_encoder/demo.yaml",
+            "runs/m2-encoder-demo",
+            0.75,
+            0.65,
+            (),
+            marks=[pytest.mark.extended, pytest.mark.matrix],
         ),
     ],
 )
