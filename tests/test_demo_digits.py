@@ -71,3 +71,17 @@ def test_a_corpus_from_an_older_builder_is_refused_and_kept(tmp_path):
     with pytest.raises(RuntimeError, match=f"{root}.*version 1.*Delete {root}"):
         build_digits(root)
     assert sorted(path.name for path in root.iterdir()) == [COMPLETE_MARKER]
+
+
+def test_a_build_that_loses_the_race_to_publish_keeps_the_winners_corpus(tmp_path, monkeypatch):
+    """Two ranks build the corpus at once: the second to finish finds the first's copy of the same builder version
+    in place, keeps it and goes on (its own staging folder is removed)."""
+    import mmpt.demo.digits as digits
+
+    root = tmp_path / "digits"
+    build_digits(root)
+    winner = (root / COMPLETE_MARKER).read_text()
+    monkeypatch.setattr(digits, "is_built", lambda path, version: False)  # as if it looked before the winner finished
+    assert build_digits(root) == root
+    assert (root / COMPLETE_MARKER).read_text() == winner
+    assert [p.name for p in tmp_path.iterdir()] == ["digits"]

@@ -46,13 +46,14 @@ def fresh_staging(root: Path) -> Path:
     return staging
 
 
-def publish(staging: Path, root: Path) -> Path:
-    """Rename the finished `staging` to `root`; if another process got there first, keep its copy."""
+def publish(staging: Path, root: Path, version: int = 1) -> Path:
+    """Rename the finished `staging` to `root`; if another process got there first, keep its copy (built by the
+    same builder `version`)."""
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
         os.rename(staging, root)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
-        if not is_built(root):
+        if not is_built(root, version):
             raise
     return root

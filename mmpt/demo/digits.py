@@ -211,4 +211,4 @@ def build_digits(
         texts += [t.format(c=name) for language in LANGUAGES for t in prompts[language] for name in NAMES[language]]
     train_wordpiece(texts, staging / "tokenizer.json", vocab_size=1000)
     mark_complete(staging, f"train images: {len(train_ids)}, held-out images: {len(test_ids)}", VERSION)
-    return publish(staging, root)
+    return publish(staging, root, VERSION)
