@@ -475,7 +475,9 @@ EXTENDED = (
     "test_training.py::test_m2_encoder_trains_from_an_official_checkpoint_with_pooled_accumulation",
     "test_victor_sequence_parallel.py::*",
     "test_victor_training.py::*",
+    "test_wandb.py::test_scalars_evaluations_and_config_reach_wandb_and_a_resumed_run_continues_it",
     "test_your_data.py::test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields*",
+    "test_clip_benchmark.py::test_clip_benchmark_cli_reports_what_zeroshot_reports",
     "test_compile.py::test_compiled_step_matches_eager_at_zero0?[!c]*",  # clip's stays in the default tier
     "test_compile.py::*two_ranks*",
     "test_compile.py::test_resumed_compiled_run_continues_as_the_uninterrupted_one",

@@ -22,12 +22,18 @@ from conftest import REPO, free_port, launcher_env, write_config
 # name -> builder(corpora, run_dir) -> (config file or config dict, overrides, kind)
 Builder = Callable[[dict, Path], tuple[Path | dict, list[str], str]]
 SCENARIOS: dict[str, Builder] = {}
+FIRST: set[str] = set()  # scenarios trained before any other in the pool's processes
 
 
-def scenario(name: str) -> Callable[[Builder], Builder]:
+def scenario(name: str, first: bool = False) -> Callable[[Builder], Builder]:
+    """Register a scenario. `first`: train it before the others, in processes no other run has touched, as a
+    fresh launch would (a reference that another launch must equal bit for bit)."""
+
     def register(build: Builder) -> Builder:
         assert name not in SCENARIOS, f"scenario {name} registered twice"
         SCENARIOS[name] = build
+        if first:
+            FIRST.add(name)
         return build
 
     return register
@@ -58,7 +64,7 @@ def wanted(items) -> list[str]:
 
 def build_scenarios(names: list[str], corpora: dict, root: Path) -> list[dict]:
     scenarios = []
-    for name in names:
+    for name in sorted(names, key=lambda n: n not in FIRST):
         run_dir = root / name
         config, overrides, kind = SCENARIOS[name](corpora, run_dir)
         if isinstance(config, dict):

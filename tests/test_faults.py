@@ -30,7 +30,7 @@ pytestmark = pytest.mark.distributed
 STEPS = dict(zero_stage=2, max_steps=12, save_every=4, keep_last=5, log_every=1)
 
 
-@scenario("faults-reference")
+@scenario("faults-reference", first=True)  # the supervised runs below start fresh processes
 def uninterrupted(corpora, run_dir):
     return tiny_config(corpora["digits"], run_dir, train=STEPS), [], "train"
 
