@@ -8,10 +8,10 @@ step after the optimizer applied the first. Random ops in compiled code draw as 
 (`torch._inductor.config.fallback_random`), so dropout matches too. The compiled model keeps the eager
 model's state-dict keys.
 
-Default run: every method at ZeRO-0 in a world of one, in this process; m2_encoder (pooled accumulation: a
-compiled pass without gradient, then one with) at ZeRO-2 on 2 gloo ranks; a compiled clip run saved at step 2
-and resumed continues as the uninterrupted compiled run; the refused combinations. Every method at ZeRO-2 on
-2 ranks is in the extended run (`pytest -m matrix`).
+Default tier: clip at ZeRO-0 in a world of one, in this process, and the refused combinations. Extended tier
+(`pytest -m extended`): the other methods at ZeRO-0; m2_encoder (pooled accumulation: a compiled pass without
+gradient, then one with) and every other method at ZeRO-2 on 2 gloo ranks; a compiled clip run saved at step 2
+and resumed continues as the uninterrupted compiled run.
 """
 
 from __future__ import annotations
