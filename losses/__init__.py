@@ -1,5 +1,6 @@
 """Losses (installed as ``mmpt.losses``): take tensors and, where they gather, a process group."""
 
-from mmpt.losses.contrastive import ContrastiveLoss
+from mmpt.losses.grouped_itc import GroupedContrastiveLoss
+from mmpt.losses.sigmoid import SigmoidLoss
 
-__all__ = ["ContrastiveLoss"]
+__all__ = ["GroupedContrastiveLoss", "SigmoidLoss"]

@@ -26,7 +26,7 @@ class TwoLinears:
     def build_loss(self, cfg) -> nn.Module:
         return nn.Identity()
 
-    def engine_needs(self, model):
+    def engine_needs(self, model, cfg):
         from mmpt.methods import EngineNeeds
 
         return EngineNeeds()
@@ -53,7 +53,7 @@ def test_the_counted_step_matches_a_hand_count_of_its_matmuls(tmp_path):
 class PooledTwoLinears(TwoLinears):
     """The same step with a step pool: a forward pass without gradient over each micro-batch first."""
 
-    def engine_needs(self, model):
+    def engine_needs(self, model, cfg):
         from mmpt.methods import EngineNeeds
 
         return EngineNeeds(pool_features=lambda model, batch: model(batch["x"]), step_pool=lambda loss, features: None)

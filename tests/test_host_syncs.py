@@ -30,10 +30,10 @@ def first_batches(method, cfg, run_dir, count: int) -> list[dict]:
     return [next(batches) for _ in range(count)]
 
 
-def one_step(method, model, loss, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
+def one_step(method, cfg, model, loss, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
     """What the engine runs of a step on the device: the pool pass when the method pools micro-batches, then
     each micro-batch's `training_step` and the backward of its summed terms. Returns the last terms."""
-    needs = method.engine_needs(model)
+    needs = method.engine_needs(model, cfg)
     pool = None
     if needs.step_pool is not None:
         with torch.no_grad():
@@ -59,14 +59,14 @@ def test_training_step_has_no_host_sync(name, corpora, tmp_path):
     torch.manual_seed(0)
     model = method.build_model(cfg, run_dir).train()
     loss = method.build_loss(cfg)
-    per_step = 2 if method.engine_needs(model).step_pool is not None else 1
+    per_step = 2 if method.engine_needs(model, cfg).step_pool is not None else 1
     batches = first_batches(method, cfg, run_dir, 2 * per_step)
 
     # The first step makes what is made once per process (constants cached per device); the second is counted.
-    one_step(method, model, loss, batches[:per_step])
+    one_step(method, cfg, model, loss, batches[:per_step])
     model.zero_grad()
     with HostSyncs() as seen:
-        terms = one_step(method, model, loss, batches[per_step:])
+        terms = one_step(method, cfg, model, loss, batches[per_step:])
 
     assert terms, "the step returned no loss term"
     grads = [p.grad for p in model.parameters() if p.requires_grad]

@@ -190,7 +190,7 @@ def test_the_model_reads_what_the_float_pipeline_gave(tmp_path, digits_root, col
         seen = images_the_model_reads(model, tower, lambda: implementation.training_step(model, None, batch))
         assert seen.dtype == dtype and seen.shape == expected.shape
         torch.testing.assert_close(seen.float(), expected.to(dtype).float(), rtol=0, atol=1e-6)
-        needs = implementation.engine_needs(model)
+        needs = implementation.engine_needs(model, cfg)
         if needs.pool_features is not None:  # GBA-ITC's pool pass reads the same images
             pooled = images_the_model_reads(model, tower, lambda: needs.pool_features(model, batch))
             torch.testing.assert_close(pooled, seen, rtol=0, atol=0)

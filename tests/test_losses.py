@@ -11,7 +11,7 @@ from open_clip.loss import ClipLoss
 
 from conftest import free_port
 from mmpt.distributed import all_gather_with_grad
-from mmpt.losses import ContrastiveLoss
+from mmpt.losses import GroupedContrastiveLoss
 
 
 def features(seed, rows=6, dim=8):
@@ -24,7 +24,7 @@ def features(seed, rows=6, dim=8):
 def test_single_process_matches_open_clip():
     image, text = features(0)
     scale = torch.tensor([12.5], requires_grad=True)
-    ours = ContrastiveLoss()(image, text, scale)
+    ours = GroupedContrastiveLoss()(image, text, scale)
     ours.backward()
     grads = [t.grad.clone() for t in (image, text, scale)]
     for t in (image, text, scale):
@@ -42,7 +42,7 @@ def _worker(rank, world, port, queue):
     try:
         image, text = features(100 + rank)
         scale = torch.tensor([10.0], requires_grad=True)
-        ours = ContrastiveLoss()(image, text, scale)
+        ours = GroupedContrastiveLoss()(image, text, scale)
         ours.backward()
         mine = [ours.detach(), image.grad.clone(), text.grad.clone(), scale.grad.clone()]
         for t in (image, text, scale):
@@ -88,5 +88,5 @@ def test_two_ranks_match_open_clip_local_loss_with_gathered_gradients():
 @pytest.mark.parametrize("rows", [1, 5])
 def test_loss_is_log_batch_when_features_are_uninformative(rows):
     same = F.normalize(torch.ones(rows, 4), dim=-1)
-    loss = ContrastiveLoss()(same, same, torch.tensor([3.0]))
+    loss = GroupedContrastiveLoss()(same, same, torch.tensor([3.0]))
     torch.testing.assert_close(loss, torch.tensor(float(rows)).log())

@@ -116,7 +116,7 @@ def check_victor_step_matches_whole(rank, tokenizer_path, run_dir):
         torch.manual_seed(0)
         models.append((method.build_model(cfg, run_dir).train(), method.build_loss(cfg)))
     (whole, whole_loss), (split, split_loss) = models
-    split_sequences(method.engine_needs(split).sequence_parallel, dist.new_group([0, 1]), 2)
+    split_sequences(method.engine_needs(split, cfg).sequence_parallel, dist.new_group([0, 1]), 2)
     tokens = method.tokenizer(cfg, run_dir)(
         [
             "the digit seven moves to the left.",

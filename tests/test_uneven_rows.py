@@ -11,7 +11,6 @@ from test_space2_loss import features_and_labels, reference_view_loss
 
 from conftest import run_on_gloo_ranks
 from mmpt import distributed as mdist
-from mmpt.losses import ContrastiveLoss
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.losses.memory_queue import MemoryQueue
 from mmpt.losses.tree_contrastive import TreeContrastiveLoss
@@ -61,7 +60,7 @@ def check_global_loss(rank):
     images, texts = unit(1), unit(2)
     image, text = images[mine(rank)].clone().requires_grad_(), texts[mine(rank)].clone().requires_grad_()
     scale = torch.tensor(9.0, requires_grad=True)
-    loss = share(rank) * ContrastiveLoss()(image, text, scale)
+    loss = share(rank) * GroupedContrastiveLoss()(image, text, scale)
     g_image, g_text, g_scale = torch.autograd.grad(loss, (image, text, scale))
     ref_images, ref_texts = images.clone().requires_grad_(), texts.clone().requires_grad_()
     ref_scale = torch.tensor(9.0, requires_grad=True)

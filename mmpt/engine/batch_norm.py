@@ -71,3 +71,23 @@ def batch_norm_across_ranks(model: nn.Module, group: dist.ProcessGroup | None = 
             cast(_AcrossRanks, module).process_group = group
             converted += 1
     return converted
+
+
+class RunningStatisticsKept:
+    """Within it, batch norm in training mode normalises with each batch's statistics as always but leaves its
+    running statistics as they were: pooled accumulation's pool pass computes a micro-batch's features once more
+    than training does, and must not count the micro-batch twice in them."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+        self._saved: list[tuple[float | None, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self._saved = [(m.momentum, cast(torch.Tensor, m.num_batches_tracked).clone()) for m in self.layers]
+        for layer in self.layers:
+            layer.momentum = 0.0  # running = (1 - 0) * running + 0 * batch: unchanged
+
+    def __exit__(self, *exc) -> None:
+        for layer, (momentum, tracked) in zip(self.layers, self._saved):
+            layer.momentum = momentum
+            cast(torch.Tensor, layer.num_batches_tracked).copy_(tracked)

@@ -111,7 +111,7 @@ def step_flops(method: Method, cfg: Config, run_dir: Path, batch: Any) -> int:
             loss = method.build_loss(cfg)
     except (NotImplementedError, RuntimeError):  # a model that moves its weights itself (open_clip): on the host
         model, loss = method.build_model(cfg, run_dir), method.build_loss(cfg)
-    needs = method.engine_needs(model)
+    needs = method.engine_needs(model, cfg)
     precision = policy(cfg.train.precision, cfg.train.zero_stage)
     counter = FlopCounterMode(display=False)
     with FakeTensorMode(allow_non_fake_inputs=True):

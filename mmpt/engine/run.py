@@ -20,7 +20,7 @@ from mmpt.artifacts import WEIGHTS
 from mmpt.config import Config, ConfigError, save_config
 from mmpt.data.loader import SkipPolicy, StatefulLoader
 from mmpt.engine import deepspeed_private, precision
-from mmpt.engine.batch_norm import batch_norm_across_ranks
+from mmpt.engine.batch_norm import RunningStatisticsKept, batch_norm_across_ranks
 from mmpt.engine.checkpoint import Checkpointer, RngState, deepspeed_io, find_resume, saved_world_size
 from mmpt.engine.compile import check_compile, compile_towers
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
@@ -75,9 +75,10 @@ class TrainingModule(nn.Module):
     def _pool(self, micro_batches: list[Any]) -> Any:
         assert self.needs.pool_features is not None and self.needs.step_pool is not None
         features, self._replay = [], []
-        for batch in micro_batches:
-            self._replay.append(torch_rng())
-            features.append(self.needs.pool_features(self.model, batch))
+        with RunningStatisticsKept(self.model):
+            for batch in micro_batches:
+                self._replay.append(torch_rng())
+                features.append(self.needs.pool_features(self.model, batch))
         return self.needs.step_pool(self.loss, features)
 
 
@@ -331,20 +332,6 @@ def prepare_run_dir(cfg: Config, method: Method, run_dir: Path) -> None:
     method.prepare(cfg, run_dir)
 
 
-def check_pooled_accumulation(method: Method, model: nn.Module, grad_accum: int) -> None:
-    """Pooled accumulation is exact only if both passes over a micro-batch compute the same features. Random
-    draws are replayed (`TrainingModule`); batch norm in training mode would update its statistics twice."""
-    if method.engine_needs(model).step_pool is None or grad_accum == 1:
-        return
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-            raise ConfigError(
-                f"method '{method.name}' pools train.grad_accum={grad_accum} micro-batches per step, which "
-                f"runs each micro-batch twice, but model module '{name}' has batch norm in training mode (its "
-                "statistics would count each batch twice): put it in evaluation mode or set train.grad_accum=1"
-            )
-
-
 def set_training_precision(engine: Any, cfg: Config) -> torch.dtype:
     """The engine's module in the run's precision: buffers in the model's float type, the modules a method keeps
     in fp32 (and the momentum copies) computing in fp32. Returns the float type the batches take."""
@@ -375,14 +362,14 @@ def build_engine(
             build,
             lambda whole: method.load_initial_weights(whole, cfg),
             method.initial_tensors(cfg),
-            lambda built: method.engine_needs(built).momentum_copies,
+            lambda built: method.engine_needs(built, cfg).momentum_copies,
             deepspeed_config(cfg, world_size, load_universal=load_universal),
         )
     else:
         model = build()
         loaded = method.load_initial_weights(model, cfg)
-    check_pooled_accumulation(method, model.train(), cfg.train.grad_accum)
-    needs = method.engine_needs(model)
+    model.train()
+    needs = method.engine_needs(model, cfg)
     if needs.batch_norm_across_ranks:
         batch_norm_across_ranks(model, mdist.data_parallel_group())
     if layout.sequence_parallel > 1:

@@ -189,8 +189,10 @@ def optimizer_step(
         last = index == len(micro_batches) - 1
         if reduction is not None:
             reduction.reduce_during_backward(last)
-        # With a pool every micro-batch loss is the step's loss: sum gradients, don't average.
-        engine.backward(total, scale_wrt_gas=pool is None)
+        # With a pool every micro-batch loss is the step's loss: its gradients are summed, not averaged. DeepSpeed
+        # divides by the accumulation steps, at ZeRO-0 even when told not to (`scale_wrt_gas=False`: its forward's
+        # output hooks divide instead), so the pooled loss is multiplied by them first.
+        engine.backward(total * engine.gradient_accumulation_steps() if pool is not None else total)
         if reduction is not None and last:
             engine.optimizer.take_found_inf(reduction.finish())
         hooks.reached("step", step)

@@ -51,7 +51,8 @@ class EngineNeeds:
         features: the engine replays each micro-batch's random draws (torch's generators, as
         `pool_features` found them) for its `training_step`, so dropout, drop-path and patch dropout draw the
         same masks in both, provided `training_step` makes the model's random draws in the order
-        `pool_features` does. Batch norm in training mode would count each batch twice: refused.
+        `pool_features` does. Batch norm normalises each pass with its batch's statistics; the pool pass leaves
+        its running statistics alone (`mmpt.engine.batch_norm.RunningStatisticsKept`), so they count each batch once.
     fp32_modules: modules whose state stays fp32 under bf16/fp16 training; the engine runs their forward
         under autocast to the training precision and hands their outputs back in it.
     after_step: work after each applied optimizer step, in order.
@@ -239,8 +240,8 @@ class Method(Generic[SectionT]):
     def check_config(self, cfg: Config) -> None:
         """Cross-section checks the schema cannot express; raise ValueError naming the keys."""
 
-    def engine_needs(self, model: nn.Module) -> EngineNeeds:
-        """What this method needs from the engine for `model` (the one place the engine learns it)."""
+    def engine_needs(self, model: nn.Module, cfg: Config) -> EngineNeeds:
+        """What this method needs from the engine for `model` built from `cfg` (the one place the engine learns it)."""
         return EngineNeeds()
 
     def training_step(

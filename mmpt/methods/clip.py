@@ -20,10 +20,17 @@ from torchvision import transforms as T
 
 from mmpt.config import Config
 from mmpt.data.tokenizer import TextTokenizer
-from mmpt.losses import ContrastiveLoss
 from mmpt.methods import register
 from mmpt.methods.base import EngineNeeds, MethodConfig, OpenClipFolder, count
-from mmpt.methods.image_text import TINY_IMAGE_TEXT_DATA, ImageTextMethod, PlacementAugment, eval_batch_size_field
+from mmpt.methods.image_text import (
+    TINY_IMAGE_TEXT_DATA,
+    ImageTextLossConfig,
+    ImageTextMethod,
+    PlacementAugment,
+    eval_batch_size_field,
+    image_text_loss_field,
+    initial_logits,
+)
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
 
@@ -45,6 +52,7 @@ class ClipConfig(MethodConfig):
         default_factory=PlacementAugment, description="added to open_clip's training transform (crop 0.9-1)"
     )
     eval_batch_size: int = eval_batch_size_field()
+    loss: ImageTextLossConfig = image_text_loss_field()
 
 
 class ClipMethod(ImageTextMethod[ClipConfig]):
@@ -80,13 +88,13 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
         text = m.text
         if text.vocab_size is None:
             text = text.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
-        return ClipModel(m.image, text, m.embed_dim, image_mean=m.image_mean, image_std=m.image_std)
+        return ClipModel(
+            m.image, text, m.embed_dim, image_mean=m.image_mean, image_std=m.image_std, **initial_logits(m.loss)
+        )
 
-    def build_loss(self, cfg: Config) -> nn.Module:
-        return ContrastiveLoss()
-
-    def engine_needs(self, model: ClipModel) -> EngineNeeds:
-        return EngineNeeds(compilable=(model.visual, model.text))  # the timm image tower, the BERT text tower
+    def engine_needs(self, model: ClipModel, cfg: Config) -> EngineNeeds:
+        # the timm image tower, the BERT text tower
+        return EngineNeeds(compilable=(model.visual, model.text), **self.pooled_needs(cfg))
 
     # --- export ---
 
@@ -175,7 +183,7 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
         }
         for key, value in m.image.timm_kwargs.items():
             vision[OPEN_CLIP_TIMM_KWARGS[key]] = value
-        config = {
+        config: dict[str, Any] = {
             "embed_dim": m.embed_dim,
             "vision_cfg": vision,
             "text_cfg": {
@@ -187,6 +195,8 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
                 "context_length": tokenizer.context_length,
             },
         }
+        if clip.logit_bias is not None:  # open_clip then makes a `logit_bias` parameter (the value is the state's)
+            config["init_logit_bias"] = float(clip.logit_bias)
         state = {}
         for key, value in clip.state_dict().items():  # open_clip's names: CustomTextCLIP, TimmModel, HFTextEncoder
             if key.startswith("visual."):
@@ -197,7 +207,7 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
                 state["text.transformer." + key[len("text.") :]] = value
             elif key == "text_projection.weight":
                 state["text.proj.weight"] = value
-            elif key == "logit_scale":
+            elif key in ("logit_scale", "logit_bias"):  # open_clip keeps both 0-D
                 state[key] = value.reshape(())
             else:
                 raise KeyError(f"{key}: no open_clip counterpart known for this clip parameter")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
 
 import torch
 from pydantic import Field
@@ -20,13 +20,72 @@ from mmpt.data.shards import DataError
 from mmpt.eval import DEMO_SETS, resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
-from mmpt.methods.base import Method, copy_tokenizer, eval_record, stream_spec
+from mmpt.losses.grouped_itc import GroupedContrastiveLoss
+from mmpt.losses.sigmoid import INIT_LOGIT_BIAS, INIT_LOGIT_SCALE, Exchange, SigmoidLoss
+from mmpt.methods.base import EngineNeeds, Method, copy_tokenizer, eval_record, stream_spec
 
 
 def eval_batch_size_field():
     """`method.eval_batch_size` of every image-text method: how many images or captions one forward of an
     evaluation reads (what is evaluated is `data.eval`)."""
     return Field(default=256, gt=0, description="images or captions per forward when evaluating the data.eval sets")
+
+
+def pooled_accumulation_field():
+    return Field(
+        default=True,
+        description="with train.grad_accum K > 1, the loss sees the K micro-batches of a step as one batch (K times "
+        "the negatives; exact, at one extra forward without gradient per micro-batch); false: K small "
+        "batches whose gradients are averaged",
+    )
+
+
+def loss_tile_field():
+    return Field(
+        default=None, gt=0, description="columns of logits computed at a time, recomputed in backward (null: all)"
+    )
+
+
+class ContrastiveLossConfig(Section):
+    """CLIP's InfoNCE over every rank's pairs, both directions (`mmpt.losses.grouped_itc`, one group)."""
+
+    name: Literal["contrastive"] = "contrastive"
+    tile_size: int | None = loss_tile_field()
+    pooled_accumulation: bool = pooled_accumulation_field()
+
+
+class SigmoidLossConfig(Section):
+    """SigLIP's pairwise sigmoid loss with a learnable bias (`mmpt.losses.sigmoid`); a model built for it starts
+    at the paper's logit scale 10 and bias -10."""
+
+    name: Literal["sigmoid"] = "sigmoid"
+    exchange: Exchange = Field(
+        default="bidirectional",
+        description="how texts reach the other ranks: bidirectional or ring (neighbour to neighbour, one block "
+        "of texts at a time), or gather (all at once)",
+    )
+    tile_size: int | None = loss_tile_field()
+    pooled_accumulation: bool = pooled_accumulation_field()
+
+
+ImageTextLossConfig = Annotated[ContrastiveLossConfig | SigmoidLossConfig, Field(discriminator="name")]
+
+
+def image_text_loss_field():
+    return Field(default_factory=ContrastiveLossConfig, description="the training loss: contrastive or sigmoid")
+
+
+def build_image_text_loss(spec: ContrastiveLossConfig | SigmoidLossConfig) -> nn.Module:
+    if isinstance(spec, SigmoidLossConfig):
+        return SigmoidLoss(spec.exchange, spec.tile_size)
+    return GroupedContrastiveLoss(None, tile_size=spec.tile_size or 0)
+
+
+def initial_logits(spec: ContrastiveLossConfig | SigmoidLossConfig) -> dict[str, float]:
+    """A new model's logit scale (and bias) for `spec`'s loss: CLIP's 1/0.07, or SigLIP's 10 and -10."""
+    if isinstance(spec, SigmoidLossConfig):
+        return {"init_logit_scale": INIT_LOGIT_SCALE, "init_logit_bias": INIT_LOGIT_BIAS}
+    return {}
 
 
 class PlacementAugment(Section):
@@ -76,6 +135,9 @@ class ImageTextSettings(Protocol):
 
     @property
     def eval_batch_size(self) -> int: ...
+
+    @property
+    def loss(self) -> Any: ...
 
 
 SettingsT = TypeVar("SettingsT", bound=ImageTextSettings)
@@ -151,14 +213,41 @@ class ImageTextMethod(Method[SettingsT]):
         decoder = ImageTextDecoder(transform, self.tokenizer(cfg, run_dir), attention_mask=self.uses_attention_mask)
         return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size), decoder)
 
+    def loss_spec(self, cfg: Config) -> ContrastiveLossConfig | SigmoidLossConfig:
+        """The loss a run trains with (`method.loss`)."""
+        return self.settings(cfg).loss
+
+    def build_loss(self, cfg: Config) -> nn.Module:
+        return build_image_text_loss(self.loss_spec(cfg))
+
+    def pooled_needs(self, cfg: Config) -> dict[str, Any]:
+        """`EngineNeeds` keys for pooled accumulation, where the loss config asks for it."""
+        if not self.loss_spec(cfg).pooled_accumulation:
+            return {}
+        return {"pool_features": self.pool_features, "step_pool": self.step_pool}
+
+    def engine_needs(self, model: nn.Module, cfg: Config) -> EngineNeeds:
+        return EngineNeeds(**self.pooled_needs(cfg))
+
+    def pool_features(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image then text features, in the order `training_step` (the model's forward) computes them."""
+        encode_image, encode_text = cast(Any, model).encode_image, cast(Any, model).encode_text
+        return encode_image(model_images(model, batch["image"])), encode_text(
+            batch["input_ids"], batch.get("attention_mask")
+        )
+
+    def step_pool(self, loss: Any, features: list[tuple[torch.Tensor, torch.Tensor]]):
+        return loss.pool([image for image, _ in features], [text for _, text in features])
+
     def training_step(
         self, model: nn.Module, loss: nn.Module, batch: dict[str, Any], pool: Any = None, index: int = 0
     ) -> dict[str, torch.Tensor]:
+        """The model gives (image features, text features, logit scale) and, built for the sigmoid loss, its bias."""
         images = model_images(model, batch["image"])
-        image_features, text_features, scale = model(images, batch["input_ids"], batch.get("attention_mask"))
+        image_features, text_features, *logits = model(images, batch["input_ids"], batch.get("attention_mask"))
         if pool is None:
-            return {"contrastive": loss(image_features, text_features, scale)}
-        return {"contrastive": loss(image_features, text_features, scale, pool=pool, slot=index)}
+            return {"contrastive": loss(image_features, text_features, *logits)}
+        return {"contrastive": loss(image_features, text_features, *logits, pool=pool, slot=index)}
 
     sample_fields = ("caption", "image")
     eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")

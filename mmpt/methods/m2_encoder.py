@@ -31,7 +31,6 @@ from mmpt.methods.image_text import (
     ImageTextMethod,
     PlacementAugment,
     eval_batch_size_field,
-    model_images,
 )
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
@@ -268,7 +267,7 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
             size = spec.group_size
         return GroupedContrastiveLoss(mdist.contiguous_group(size), tile_size=spec.tile_size)
 
-    def engine_needs(self, model: M2Encoder) -> EngineNeeds:
+    def engine_needs(self, model: M2Encoder, cfg: Config) -> EngineNeeds:
         # GBA-ITC: the step's K micro-batches form one negative pool. The towers: the modality-expert stack
         # and the shared top (both images and texts run through each, selecting their expert by name).
         return EngineNeeds(
@@ -276,14 +275,6 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
             step_pool=self.step_pool,
             compilable=(model.backbone.encoder, model.backbone_vl),
         )
-
-    def pool_features(self, model: M2Encoder, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Image then text features, in the order `training_step` (the model's forward) computes them."""
-        images = model.encode_image(model_images(model, batch["image"]))
-        return images, model.encode_text(batch["input_ids"], batch["attention_mask"])
-
-    def step_pool(self, loss: GroupedContrastiveLoss, features: list[tuple[torch.Tensor, torch.Tensor]]):
-        return loss.pool([image for image, _ in features], [text for _, text in features])
 
     # --- export ---
 

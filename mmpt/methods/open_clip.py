@@ -11,15 +11,22 @@ import copy
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import open_clip
 from open_clip import image_transform
 from pydantic import Field
 from torch import nn
 
 from mmpt.config import Config
-from mmpt.losses import ContrastiveLoss
 from mmpt.methods import register
 from mmpt.methods.base import EngineNeeds, MethodConfig, OpenClipFolder
-from mmpt.methods.image_text import ImageTextMethod, eval_batch_size_field
+from mmpt.methods.image_text import (
+    ContrastiveLossConfig,
+    ImageTextLossConfig,
+    ImageTextMethod,
+    SigmoidLossConfig,
+    eval_batch_size_field,
+    initial_logits,
+)
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer, preprocess_settings, register_model_config
 from mmpt.models.switches import TowerSwitches
@@ -34,6 +41,11 @@ class OpenClipConfig(MethodConfig, TowerSwitches):
         default=None, gt=0, description="force this input resolution (open_clip's force_image_size)"
     )
     eval_batch_size: int = eval_batch_size_field()
+    loss: ImageTextLossConfig | None = Field(
+        default=None,
+        description="the training loss: contrastive or sigmoid (null: the architecture's own, sigmoid for the "
+        "SigLIP architectures that have a logit bias, contrastive otherwise)",
+    )
 
 
 class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
@@ -79,17 +91,30 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         """open_clip's preprocessing settings of the model; the model normalises training images with the same."""
         return preprocess_settings(self.settings(cfg).model, self.settings(cfg).image_size)
 
+    def _has_logit_bias(self, cfg: Config) -> bool:
+        config = open_clip.get_model_config(register_model_config(self.settings(cfg).model)) or {}
+        return config.get("init_logit_bias") is not None
+
+    def loss_spec(self, cfg: Config) -> ContrastiveLossConfig | SigmoidLossConfig:
+        chosen = self.settings(cfg).loss
+        if chosen is not None:
+            return chosen
+        return SigmoidLossConfig() if self._has_logit_bias(cfg) else ContrastiveLossConfig()
+
     def build_model(self, cfg: Config, run_dir: Path) -> OpenClipModel:
-        settings = self.settings(cfg)
-        return OpenClipModel(settings.model, settings.image_size, settings)
+        settings, loss = self.settings(cfg), self.loss_spec(cfg)
+        if isinstance(loss, ContrastiveLossConfig):
+            logits: dict[str, Any] = {"init_logit_bias": None}  # no bias, whatever the architecture says
+        elif self._has_logit_bias(cfg):
+            logits = {}  # the architecture's own scale and bias
+        else:
+            logits = initial_logits(loss)
+        return OpenClipModel(settings.model, settings.image_size, settings, logits)
 
-    def build_loss(self, cfg: Config) -> nn.Module:
-        return ContrastiveLoss()
-
-    def engine_needs(self, model: OpenClipModel) -> EngineNeeds:
+    def engine_needs(self, model: OpenClipModel, cfg: Config) -> EngineNeeds:
         # open_clip's image tower, and its text transformer (`text` in its custom-text models)
         text = model.clip.text if hasattr(model.clip, "text") else model.clip.transformer
-        return EngineNeeds(compilable=(model.clip.visual, text))
+        return EngineNeeds(compilable=(model.clip.visual, text), **self.pooled_needs(cfg))
 
     # --- export ---
 
@@ -120,18 +145,20 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     def open_clip_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> OpenClipFolder:
         """open_clip's own network: its parameters renamed back (`clip.` dropped, `logit_scale` 0-D again), its
         model config with the forced image size applied; a Hugging Face tokenizer it names is saved in `out`."""
-        import open_clip
-
         m = self.settings(cfg)
         name = register_model_config(m.model)
         config: dict[str, Any] = copy.deepcopy(open_clip.get_model_config(name) or {})
         if m.image_size:
             config["vision_cfg"]["image_size"] = m.image_size
+        bias = getattr(cast(OpenClipModel, model).clip, "logit_bias", None)  # as trained, whatever the architecture
+        config.pop("init_logit_bias", None)
+        if bias is not None:
+            config["init_logit_bias"] = float(bias)
         if config.get("text_cfg", {}).get("hf_tokenizer_name"):
             tokenizer: Any = open_clip.get_tokenizer(name)  # an HFTokenizer: local-dir: reads it from the folder
             tokenizer.save_pretrained(str(out))
         state = {
-            key[len("clip.") :]: (value.reshape(()) if key == "clip.logit_scale" else value)
+            key[len("clip.") :]: (value.reshape(()) if key in ("clip.logit_scale", "clip.logit_bias") else value)
             for key, value in model.state_dict().items()
         }
         return OpenClipFolder(config, state)

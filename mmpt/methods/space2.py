@@ -177,7 +177,7 @@ class Space2Method(Method[Space2Config]):
         )
         return Space2Loss(contrastive, m.mlm_weight, m.supervised)
 
-    def engine_needs(self, model: Space2Encoder) -> EngineNeeds:
+    def engine_needs(self, model: Space2Encoder, cfg: Config) -> EngineNeeds:
         return EngineNeeds(compilable=(model.backbone.encoder,))  # the dialog encoder's transformer layers
 
     # --- export ---

@@ -237,7 +237,7 @@ class VictorMethod(Method[VictorConfig]):
             load_backbone_weights(backbone, weights)
             model.key.reset()  # the key network starts from the loaded weights too
 
-    def engine_needs(self, model: VictorModel) -> EngineNeeds:
+    def engine_needs(self, model: VictorModel, cfg: Config) -> EngineNeeds:
         # The key network is an EMA with m close to 1: an update moves a weight by (1 - m) of its distance
         # to the query weight, below bf16's resolution for most steps. As a momentum copy the engine keeps
         # it fp32, updates it from the query towers after every optimizer step, and shards it under ZeRO-3.

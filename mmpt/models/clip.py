@@ -78,6 +78,7 @@ class ClipModel(nn.Module):
         text: TextTowerConfig,
         embed_dim: int,
         init_logit_scale: float = math.log(1 / 0.07),
+        init_logit_bias: float | None = None,
         image_mean: Sequence[float] = OPENAI_DATASET_MEAN,
         image_std: Sequence[float] = OPENAI_DATASET_STD,
     ):
@@ -89,6 +90,8 @@ class ClipModel(nn.Module):
         self.text_projection = nn.Linear(text.width, embed_dim, bias=False)
         # Shape [1], not 0-D: DeepSpeed cannot flatten 0-D parameters.
         self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))
+        # The sigmoid loss's bias, kept with the model (as open_clip and transformers keep SigLIP's)
+        self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.full([1], float(init_logit_bias)))
 
     @property
     def grad_checkpointing(self) -> bool:
@@ -112,9 +115,8 @@ class ClipModel(nn.Module):
         return F.normalize(features, dim=-1) if normalize else features
 
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """(image features, text features, logit scale multiplier clamped at 100)."""
-        return (
-            self.encode_image(images),
-            self.encode_text(input_ids, attention_mask),
-            self.logit_scale.exp().clamp(max=100.0),
-        )
+        """(image features, text features, logit scale multiplier clamped at 100), and the logit bias where the
+        model has one."""
+        scale = self.logit_scale.exp().clamp(max=100.0)
+        features = self.encode_image(images), self.encode_text(input_ids, attention_mask)
+        return (*features, scale) if self.logit_bias is None else (*features, scale, self.logit_bias)

@@ -1,7 +1,7 @@
 """Any open_clip architecture as an mmpt image-text model, built from its name or a JSON model config.
 
-open_clip keeps `logit_scale` as a 0-D parameter, which DeepSpeed cannot flatten; it is re-made
-with shape [1] (same value), and every other parameter is open_clip's own.
+open_clip keeps `logit_scale` (and SigLIP's `logit_bias`) as 0-D parameters, which DeepSpeed cannot flatten; they
+are re-made with shape [1] (same values), and every other parameter is open_clip's own.
 """
 
 from __future__ import annotations
@@ -51,21 +51,31 @@ def preprocess_settings(model: str, image_size: int | None = None) -> dict:
 class OpenClipModel(nn.Module):
     """An open_clip model; images are expected normalised with `image_mean` / `image_std` (its preprocessing's)."""
 
-    def __init__(self, model: str, image_size: int | None = None, switches: TowerSwitches | None = None):
+    def __init__(
+        self,
+        model: str,
+        image_size: int | None = None,
+        switches: TowerSwitches | None = None,
+        logits: dict[str, Any] | None = None,
+    ):
+        """`logits`: open_clip's `init_logit_scale` / `init_logit_bias` where the loss wants others than the
+        architecture's (a bias makes open_clip keep `logit_bias`)."""
         super().__init__()
         switches = switches or TowerSwitches()
         # open_clip builds one of several CLIP classes; all have encode_image, encode_text and logit_scale
         self.clip: Any = open_clip.create_model(
-            register_model_config(model), pretrained=None, force_image_size=image_size
+            register_model_config(model), pretrained=None, force_image_size=image_size, **(logits or {})
         )
         if switches.patch_dropout:
             self._swap_patch_dropout(model, switches.patch_dropout)
         self.set_grad_checkpointing(switches.grad_checkpointing)
         settings = preprocess_settings(model, image_size)
         self.image_mean, self.image_std = settings["mean"], settings["std"]
-        scale = self.clip.logit_scale.detach().reshape(1).clone()
-        del self.clip.logit_scale
-        self.clip.logit_scale = nn.Parameter(scale)
+        for name in ("logit_scale", "logit_bias"):
+            if getattr(self.clip, name, None) is not None:
+                value = getattr(self.clip, name).detach().reshape(1).clone()
+                delattr(self.clip, name)
+                setattr(self.clip, name, nn.Parameter(value))
 
     def _swap_patch_dropout(self, model: str, prob: float) -> None:
         """open_clip's patch dropout draws its patch choice on the host and indexes the device tensor with it
@@ -97,8 +107,11 @@ class OpenClipModel(nn.Module):
         return self.clip.encode_text(input_ids, normalize=normalize)  # open_clip pools at the end token itself
 
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        """(image features, text features, logit scale multiplier clamped at 100), as open_clip trains."""
-        return self.encode_image(images), self.encode_text(input_ids), self.clip.logit_scale.exp().clamp(max=100.0)
+        """(image features, text features, logit scale multiplier clamped at 100) and, for a model with one (SigLIP
+        architectures, or built for the sigmoid loss), the logit bias: as open_clip trains."""
+        features = self.encode_image(images), self.encode_text(input_ids)
+        scale, bias = self.clip.logit_scale.exp().clamp(max=100.0), getattr(self.clip, "logit_bias", None)
+        return (*features, scale) if bias is None else (*features, scale, bias)
 
 
 class OpenClipTokenizer:

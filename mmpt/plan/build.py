@@ -71,7 +71,7 @@ def built(cfg: Config, device: str | torch.device = "meta") -> Iterator[Built]:
             # one, not what the build tripped over without it (a tokenizer's os error, a hub repo-id error).
             reason = _first_line(missing) if missing is not None else _first_line(exc)
             raise ConfigError(f"cannot build the model of {cfg.method_name} to plan it: {reason}") from None
-        yield Built(cfg, method, model, loss, method.engine_needs(model))
+        yield Built(cfg, method, model, loss, method.engine_needs(model, cfg))
 
 
 def count(b: Built) -> Counts:

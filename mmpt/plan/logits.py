@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mmpt.losses import ContrastiveLoss
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
+from mmpt.losses.sigmoid import SigmoidLoss
 from mmpt.losses.tree_contrastive import TreeContrastiveLoss
 
 LIVE_MATRICES = 3
@@ -27,7 +27,7 @@ class Gathering:
 
     ranks: int
     group: int  # GBA-ITC's gathering group (ranks per node for `auto`)
-    pooled: int  # micro-batches pooled per step (GBA-ITC)
+    pooled: int  # micro-batches pooled per step (pooled accumulation)
     sources: int = 1  # sub-batches per micro-batch (per_source data)
 
 
@@ -38,8 +38,13 @@ def logits_bytes(loss: nn.Module, micro: int, g: Gathering) -> int:
         if 0 < loss.tile_size < columns:
             columns = loss.tile_size
         return 2 * micro * columns * FP32 * LIVE_MATRICES
-    if isinstance(loss, ContrastiveLoss):
-        return 2 * micro * micro * g.ranks * FP32 * LIVE_MATRICES
+    if isinstance(loss, SigmoidLoss):  # one direction; the rows are the pooled micro-batches
+        rows = g.pooled * micro
+        blocks = {"gather": g.ranks, "ring": 1, "bidirectional": min(2, g.ranks - 1) or 1}[loss.exchange]
+        columns = rows * blocks
+        if loss.tile_size is not None and loss.tile_size < columns:
+            columns = loss.tile_size
+        return rows * columns * FP32 * LIVE_MATRICES
     tree = getattr(loss, "contrastive", loss)
     if isinstance(tree, TreeContrastiveLoss):
         per_source = max(1, micro // g.sources)

@@ -4,13 +4,13 @@ micro-batch fits, the largest one that does, FLOPs, bytes sent, and the predicte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from mmpt.config import Config
 from mmpt.engine.deepspeed_config import gpu_reduction
 from mmpt.engine.resilience.adaptive_batch import largest_share
-from mmpt.losses import ContrastiveLoss
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
+from mmpt.losses.sigmoid import SigmoidLoss
 from mmpt.methods import get_method
 from mmpt.plan.comm import Traffic, feature_bytes, zero_bytes
 from mmpt.plan.hardware import Assumptions, Gpu
@@ -64,16 +64,17 @@ class Plan:
 def gathering(cfg: Config, profile: Profile, cluster: Cluster) -> tuple[Gathering, str]:
     """How the loss gathers features on `cluster`, and the kind of feature traffic."""
     sources = len(cfg.data.train.sources) if cfg.data.train.compose == "per_source" else 1
-    loss, pooled = profile.loss, cfg.train.grad_accum
+    loss, spec = profile.loss, getattr(cast(Any, cfg.method), "loss", None)  # the method's own loss section
+    pooled = cfg.train.grad_accum if getattr(spec, "pooled_accumulation", True) else 1
     data_ranks = cluster.gpus // cfg.train.sequence_parallel
     if isinstance(loss, GroupedContrastiveLoss):
-        settings: Any = cfg.method  # the method's own section, typed by its method only
-        spec = settings.loss
-        group = {"world": data_ranks, "auto": min(cluster.gpus_per_node, data_ranks)}.get(spec.group_size)
-        group = int(group if group is not None else spec.group_size)
-        return Gathering(data_ranks, group, pooled, sources), "grouped"
-    kind = "global" if isinstance(loss, ContrastiveLoss) else "none"
-    return Gathering(data_ranks, data_ranks, 1, sources), kind
+        size = getattr(spec, "group_size", "world")  # GBA-ITC's; one group of all ranks otherwise
+        group = {"world": data_ranks, "auto": min(cluster.gpus_per_node, data_ranks)}.get(size)
+        group = int(group if group is not None else size)
+        return Gathering(data_ranks, group, pooled, sources), "grouped" if pooled > 1 else "global"
+    if isinstance(loss, SigmoidLoss):
+        return Gathering(data_ranks, data_ranks, pooled, sources), "global"
+    return Gathering(data_ranks, data_ranks, 1, sources), "none"
 
 
 def working_bytes(profile: Profile, cfg: Config, cluster: Cluster, micro: int) -> tuple[int, int, int]:
