@@ -21,6 +21,7 @@ from test_config_matrix import shrink
 from test_every_method import demo_config
 
 from mmpt.methods import list_methods
+from mmpt.methods.base import loss_terms
 
 
 def first_batches(method, cfg, run_dir, count: int) -> list[dict]:
@@ -41,7 +42,7 @@ def one_step(method, cfg, model, loss, micro_batches: list[dict]) -> dict[str, t
     terms = {}
     for index, batch in enumerate(micro_batches):
         terms = method.training_step(model, loss, batch, pool, index)
-        functools.reduce(operator.add, terms.values()).backward()
+        functools.reduce(operator.add, loss_terms(terms).values()).backward()
     return terms
 
 

@@ -48,3 +48,21 @@ def test_open_clip_method_trains_on_two_ranks(rank_pool):
     records = read_metrics(rank_pool.run_dir("open-clip-two-ranks"))
     assert all(math.isfinite(r["loss/total"]) for r in records if "loss/total" in r)
     assert 0 <= records[-1]["eval/zeroshot/en/acc1"] <= 1
+    # the diagnostics fine-tuners watch, in every window; not part of the loss
+    windows = [r for r in records if "loss/total" in r]
+    for record in windows:
+        assert 0 <= record["train/i2t_acc"] <= 1 and 0 <= record["train/t2i_acc"] <= 1
+        assert record["loss/total"] == pytest.approx(record["loss/contrastive"])
+    assert windows[0]["train/logit_scale"] == pytest.approx(1 / 0.07, rel=1e-2)
+
+
+def test_in_batch_diagnostics_count_each_side_s_best_match():
+    from mmpt.methods.image_text import in_batch_diagnostics
+
+    images = torch.eye(4)
+    texts = torch.eye(4)[[0, 1, 3, 2]] + 0.1 * torch.eye(4)  # images 2 and 3 best match each other's caption
+    texts[0, 1] = 2.0  # and text 0 is image 1's best match
+    found = in_batch_diagnostics(images, texts, [torch.tensor([20.0]), torch.tensor([-10.0])])
+    assert float(found["i2t_acc"]) == 0.25  # image 0 finds its caption
+    assert float(found["t2i_acc"]) == 0.25  # text 1 finds its image (text 0's best is image 1)
+    assert float(found["logit_scale"]) == 20.0 and float(found["logit_bias"]) == -10.0

@@ -114,3 +114,14 @@ def test_settings_are_checked():
         SigmoidLoss(tile_size=0)
     with pytest.raises(ValueError, match="exchange"):
         SigmoidLoss("all_to_all")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("method", ["clip", "open_clip"])
+def test_a_tile_size_of_zero_is_a_config_error_naming_the_key(method):
+    from mmpt.config import ConfigError
+    from mmpt.config_loader import validate_config
+
+    section = {"name": method, "loss": {"name": "sigmoid", "tile_size": 0}}
+    section.update({"tokenizer": "t.json"} if method == "clip" else {"model": "ViT-B-32"})
+    with pytest.raises(ConfigError, match=r"method\.loss\.(sigmoid\.)?tile_size"):
+        validate_config({"method": section, "data": {"train": {"sources": [{"shards": "x.tar"}]}}})

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mmpt.config import Config
 from mmpt.engine.precision import policy
 from mmpt.methods import EngineNeeds, Method
+from mmpt.methods.base import loss_terms
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def run_step(
             with torch.no_grad():
                 pool = needs.pool(model, loss, [batch])
         terms = method.training_step(model, loss, batch, pool, 0)
-    torch.stack([t.float() for t in terms.values()]).sum().backward()
+    torch.stack([t.float() for t in loss_terms(terms).values()]).sum().backward()
 
 
 def step_flops(method: Method, cfg: Config, run_dir: Path, batch: Any) -> int:

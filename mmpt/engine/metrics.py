@@ -156,7 +156,9 @@ class MetricLogger:
         per_rank = mdist.all_gather_floats(
             [elapsed / count, times.get("data", 0.0) / count, forward / count, *(memory or ())]
         )
-        record: dict = {"step": step, "lr": lr, **{f"loss/{n}": v for n, v in zip(names, means)}}
+        # loss terms as loss/<name>; a method's diagnostics ("train/i2t_acc") under their own names
+        named = {n if n.startswith("train/") else f"loss/{n}": v for n, v in zip(names, means)}
+        record: dict = {"step": step, "lr": lr, **named}
         record["samples_per_s"] = self._count * self.global_batch / max(elapsed, 1e-9)
         if self.flops_per_sample is not None and self.peak_tflops is not None:
             # Achieved TFLOP/s per GPU: the window's FLOPs over all ranks, over its wall time and the ranks.
@@ -202,6 +204,11 @@ class MetricLogger:
                         self._writer.add_scalar(f"{key}/rank{rank}", item, step)
             self._writer.flush()
         losses = " ".join(f"{k.removeprefix('loss/')}={v:.4f}" for k, v in record.items() if k.startswith("loss/"))
+        diagnostics = " ".join(
+            f"{k.removeprefix('train/')}={v:.3g}" for k, v in record.items() if k.startswith("train/")
+        )
+        if diagnostics:
+            losses += f" {diagnostics}"
         message = f"step {step} {losses} lr={record['lr']:.2e} samples/s={record['samples_per_s']:.1f}"
         if "perf/mfu" in record:
             message += f" tflops={record['perf/tflops']:.1f} mfu={100 * record['perf/mfu']:.1f}%"

@@ -71,6 +71,7 @@ def check_inputs(cfg: Config, method: Method) -> None:
         method.check_eval_sets(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    method.check_initial_weights(cfg)
 
 
 def literal_prefix(pattern: str) -> str:

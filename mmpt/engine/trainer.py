@@ -22,6 +22,7 @@ from mmpt.engine.resilience import collective_timing
 from mmpt.engine.resilience.health import HealthMonitor
 from mmpt.engine.timing import Spans
 from mmpt.engine.zero3.guard import partitioned_parameter_guard
+from mmpt.methods.base import diagnostics, loss_terms
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -180,7 +181,8 @@ def optimizer_step(
     for index, batch in enumerate(micro_batches):
         hooks.reached("forward", step)
         spans.start("forward")
-        losses = engine(batch, pool, index)
+        terms = engine(batch, pool, index)
+        losses = loss_terms(terms)
         if weight != 1.0:
             losses = {name: value * weight for name, value in losses.items()}
         spans.stop("forward")
@@ -197,10 +199,10 @@ def optimizer_step(
             engine.optimizer.take_found_inf(reduction.finish())
         hooks.reached("step", step)
         engine.step()
-        for name, value in losses.items():
+        for name, value in {**diagnostics(terms), **losses}.items():
             share = value.detach() / len(micro_batches)
             sums[name] = sums[name] + share if name in sums else share
-    sums["total"] = functools.reduce(operator.add, sums.values())
+    sums["total"] = functools.reduce(operator.add, (v for k, v in sums.items() if not k.startswith("train/")))
     return sums
 
 

@@ -39,6 +39,19 @@ class AfterStep:
     reads: Callable[[], Iterable[nn.Parameter]] = tuple
 
 
+DIAGNOSTICS = "train"  # the key of `training_step`'s diagnostics
+
+
+def loss_terms(terms: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The terms of `training_step` that make up the loss."""
+    return {name: value for name, value in terms.items() if name != DIAGNOSTICS}
+
+
+def diagnostics(terms: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """`training_step`'s diagnostics, named as they are logged ("train/<name>")."""
+    return {f"{DIAGNOSTICS}/{name}": value for name, value in terms.get(DIAGNOSTICS, {}).items()}
+
+
 @dataclass(frozen=True)
 class EngineNeeds:
     """Everything a method asks of the engine besides running `training_step` (see `Method.engine_needs`).
@@ -184,6 +197,10 @@ class Method(Generic[SectionT]):
         """Read what each configured evaluation set needs before it can be evaluated (class names, prompts) and
         raise ValueError naming its config key if it cannot be: found before training, not after it."""
 
+    def check_initial_weights(self, cfg: Config) -> None:
+        """Find the initial weights and raise ConfigError naming the key where they cannot be read or do not fit
+        the model (before any process group starts)."""
+
     def load_initial_weights(self, model: nn.Module, cfg: Config) -> str | None:
         """Start training from existing weights (e.g. an official checkpoint); not used when loading a run.
         Returns one line saying what was loaded from where (logged at the start of training), or None."""
@@ -246,8 +263,10 @@ class Method(Generic[SectionT]):
 
     def training_step(
         self, model: nn.Module, loss: nn.Module, batch: dict[str, Any], pool: Any = None, index: int = 0
-    ) -> dict[str, torch.Tensor]:
-        """One micro-batch (`index` of the step, `pool` from `EngineNeeds.step_pool`): named loss terms to sum.
+    ) -> dict[str, Any]:
+        """One micro-batch (`index` of the step, `pool` from `EngineNeeds.step_pool`): named loss terms to sum,
+        and optionally, under the key "train", a dict of diagnostics: device tensors without gradient, logged as
+        train/<name> and averaged like the losses, neither summed nor backpropagated.
 
         The rule for parameters: `training_step` and the step pool are the only method code that computes
         with the model's parameters during training. The engine runs both inside DeepSpeed's forward,

@@ -88,6 +88,26 @@ def initial_logits(spec: ContrastiveLossConfig | SigmoidLossConfig) -> dict[str,
     return {}
 
 
+@torch.no_grad()
+def in_batch_diagnostics(
+    images: torch.Tensor, texts: torch.Tensor, logits: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`training_step`'s diagnostics (logged as train/<name>), what fine-tuners watch (a logit scale stuck at its
+    start, retrieval inside the batch not improving): the share of this micro-batch's images whose best text is
+    their own caption and the other way round, the logit scale multiplier, and the bias where the loss has one.
+    Device tensors: read only when a window is logged."""
+    scores = images.detach().float() @ texts.detach().float().T
+    targets = torch.arange(scores.shape[0], device=scores.device)
+    found = {
+        "i2t_acc": (scores.argmax(1) == targets).float().mean(),
+        "t2i_acc": (scores.argmax(0) == targets).float().mean(),
+        "logit_scale": logits[0].detach().float().reshape(()),
+    }
+    if len(logits) > 1:
+        found["logit_bias"] = logits[1].detach().float().reshape(())
+    return found
+
+
 class PlacementAugment(Section):
     """Random scale and translation at training time (torchvision's RandomAffine, black fill), so a model
     does not learn one size and position of its objects; off unless configured."""
@@ -241,13 +261,15 @@ class ImageTextMethod(Method[SettingsT]):
 
     def training_step(
         self, model: nn.Module, loss: nn.Module, batch: dict[str, Any], pool: Any = None, index: int = 0
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, Any]:
         """The model gives (image features, text features, logit scale) and, built for the sigmoid loss, its bias."""
         images = model_images(model, batch["image"])
         image_features, text_features, *logits = model(images, batch["input_ids"], batch.get("attention_mask"))
         if pool is None:
-            return {"contrastive": loss(image_features, text_features, *logits)}
-        return {"contrastive": loss(image_features, text_features, *logits, pool=pool, slot=index)}
+            value = loss(image_features, text_features, *logits)
+        else:
+            value = loss(image_features, text_features, *logits, pool=pool, slot=index)
+        return {"contrastive": value, "train": in_batch_diagnostics(image_features, text_features, logits)}
 
     sample_fields = ("caption", "image")
     eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")

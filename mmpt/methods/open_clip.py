@@ -28,7 +28,14 @@ from mmpt.methods.image_text import (
     initial_logits,
 )
 from mmpt.methods.towers import Tower, image_text_towers
-from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer, preprocess_settings, register_model_config
+from mmpt.models.open_clip_model import (
+    OpenClipModel,
+    OpenClipTokenizer,
+    create_open_clip,
+    preprocess_settings,
+    register_model_config,
+)
+from mmpt.models.open_clip_weights import fit_to, read_weights, tag_preprocessing, tag_settings, weights_file
 from mmpt.models.switches import TowerSwitches
 
 
@@ -45,6 +52,12 @@ class OpenClipConfig(MethodConfig, TowerSwitches):
         default=None,
         description="the training loss: contrastive or sigmoid (null: the architecture's own, sigmoid for the "
         "SigLIP architectures that have a logit bias, contrastive otherwise)",
+    )
+    pretrained: str | None = Field(
+        default=None,
+        description="initial weights: a pretrained tag of method.model (open_clip's cache, else a download), "
+        "hf-hub:org/name, or a local file (a state dict .pt/.bin/.safetensors, or an open_clip_train checkpoint); "
+        "a tag's preprocessing (mean, std, resize) is used with it",
     )
 
 
@@ -88,8 +101,17 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         )
 
     def _preprocess(self, cfg: Config) -> dict:
-        """open_clip's preprocessing settings of the model; the model normalises training images with the same."""
-        return preprocess_settings(self.settings(cfg).model, self.settings(cfg).image_size)
+        """open_clip's preprocessing settings of the model (a pretrained tag's where one is named); the model
+        normalises training images with the same."""
+        m = self.settings(cfg)
+        return {**preprocess_settings(m.model, m.image_size), **tag_preprocessing(self._name(cfg), m.pretrained)}
+
+    def _name(self, cfg: Config) -> str:
+        return register_model_config(self.settings(cfg).model)
+
+    def _quick_gelu(self, cfg: Config) -> bool:
+        """OpenAI's weights were trained with QuickGELU; open_clip's tags say so."""
+        return bool(tag_settings(self._name(cfg), self.settings(cfg).pretrained).get("quick_gelu", False))
 
     def _has_logit_bias(self, cfg: Config) -> bool:
         config = open_clip.get_model_config(register_model_config(self.settings(cfg).model)) or {}
@@ -102,14 +124,37 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         return SigmoidLossConfig() if self._has_logit_bias(cfg) else ContrastiveLossConfig()
 
     def build_model(self, cfg: Config, run_dir: Path) -> OpenClipModel:
-        settings, loss = self.settings(cfg), self.loss_spec(cfg)
+        settings, logits = self.settings(cfg), self._logits(cfg)
+        model = OpenClipModel(settings.model, settings.image_size, settings, logits, self._quick_gelu(cfg))
+        preprocess = self._preprocess(cfg)
+        model.image_mean, model.image_std = preprocess["mean"], preprocess["std"]
+        return model
+
+    def _logits(self, cfg: Config) -> dict[str, Any]:
+        loss = self.loss_spec(cfg)
         if isinstance(loss, ContrastiveLossConfig):
-            logits: dict[str, Any] = {"init_logit_bias": None}  # no bias, whatever the architecture says
-        elif self._has_logit_bias(cfg):
-            logits = {}  # the architecture's own scale and bias
-        else:
-            logits = initial_logits(loss)
-        return OpenClipModel(settings.model, settings.image_size, settings, logits)
+            return {"init_logit_bias": None}  # no bias, whatever the architecture says
+        return {} if self._has_logit_bias(cfg) else initial_logits(loss)
+
+    def check_initial_weights(self, cfg: Config) -> None:
+        pretrained = self.settings(cfg).pretrained
+        if pretrained is None:
+            return
+        path = weights_file(self._name(cfg), pretrained)
+        meta = create_open_clip(
+            self.settings(cfg).model, self.settings(cfg).image_size, self._logits(cfg), self._quick_gelu(cfg), "meta"
+        )
+        fit_to(meta, read_weights(path), path, f"open_clip model {self.settings(cfg).model}")
+
+    def load_initial_weights(self, model: nn.Module, cfg: Config) -> str | None:
+        pretrained = self.settings(cfg).pretrained
+        if pretrained is None:
+            return None
+        path = weights_file(self._name(cfg), pretrained)
+        clip = cast(OpenClipModel, model).clip
+        state = fit_to(clip, read_weights(path), path, f"open_clip model {self.settings(cfg).model}")
+        clip.load_state_dict(state, strict=True)
+        return f"initialised {len(state)} of {len(state)} tensors from {path} (open_clip weights, strict)"
 
     def engine_needs(self, model: OpenClipModel, cfg: Config) -> EngineNeeds:
         # open_clip's image tower, and its text transformer (`text` in its custom-text models)
@@ -150,6 +195,8 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         config: dict[str, Any] = copy.deepcopy(open_clip.get_model_config(name) or {})
         if m.image_size:
             config["vision_cfg"]["image_size"] = m.image_size
+        if self._quick_gelu(cfg):
+            config["quick_gelu"] = True  # as the model was built for OpenAI's weights
         bias = getattr(cast(OpenClipModel, model).clip, "logit_bias", None)  # as trained, whatever the architecture
         config.pop("init_logit_bias", None)
         if bias is not None:

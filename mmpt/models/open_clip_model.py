@@ -48,6 +48,20 @@ def preprocess_settings(model: str, image_size: int | None = None) -> dict:
     }
 
 
+def create_open_clip(
+    model: str, image_size: int | None, logits: dict[str, Any], quick_gelu: bool = False, device: str = "cpu"
+) -> Any:
+    """open_clip's network for `model`, randomly initialised (weights are mmpt's to load)."""
+    return open_clip.create_model(
+        register_model_config(model),
+        pretrained=None,
+        force_image_size=image_size,
+        force_quick_gelu=quick_gelu,
+        device=device,
+        **logits,
+    )
+
+
 class OpenClipModel(nn.Module):
     """An open_clip model; images are expected normalised with `image_mean` / `image_std` (its preprocessing's)."""
 
@@ -57,15 +71,14 @@ class OpenClipModel(nn.Module):
         image_size: int | None = None,
         switches: TowerSwitches | None = None,
         logits: dict[str, Any] | None = None,
+        quick_gelu: bool = False,
     ):
         """`logits`: open_clip's `init_logit_scale` / `init_logit_bias` where the loss wants others than the
-        architecture's (a bias makes open_clip keep `logit_bias`)."""
+        architecture's (a bias makes open_clip keep `logit_bias`); `quick_gelu`: as OpenAI's weights need."""
         super().__init__()
         switches = switches or TowerSwitches()
         # open_clip builds one of several CLIP classes; all have encode_image, encode_text and logit_scale
-        self.clip: Any = open_clip.create_model(
-            register_model_config(model), pretrained=None, force_image_size=image_size, **(logits or {})
-        )
+        self.clip: Any = create_open_clip(model, image_size, logits or {}, quick_gelu)
         if switches.patch_dropout:
             self._swap_patch_dropout(model, switches.patch_dropout)
         self.set_grad_checkpointing(switches.grad_checkpointing)
