@@ -127,6 +127,7 @@ def test_a_siglip_architecture_keeps_its_bias_and_trains_with_the_sigmoid_loss(w
         ("laion2b_s99z_b1k", "tiny-clip", "open_clip has no pretrained tag 'laion2b_s99z_b1k' for tiny-clip"),
         ("{root}/tiny-clip.json", "tiny-clip", "as open_clip weights"),
     ],
+    ids=["wrong-shape", "missing-tensor", "missing-file", "unknown-tag", "not-weights"],
 )
 def test_weights_that_do_not_fit_stop_before_training_naming_the_key(weights, pretrained, model, message):
     root, files, _, _ = weights
@@ -138,24 +139,26 @@ def test_weights_that_do_not_fit_stop_before_training_naming_the_key(weights, pr
     assert re.search(message, str(error.value)) and "\n" not in str(error.value), str(error.value)
 
 
-@scenario("open-clip-pretrained-sigmoid")
-def open_clip_pretrained_sigmoid(corpora, run_dir):
-    """configs/open_clip/demo.yaml from a state dict file, sigmoid loss round a ring, tiled, pooled over 2 micro-
-    batches at ZeRO-3: trained, resumed, exported and loaded back (a matrix cell)."""
+DEMO = REPO / "configs/open_clip/demo.yaml"
+
+
+def from_weights(corpora, run_dir):
+    """configs/open_clip/demo.yaml at test size, from weights saved by open_clip in `run_dir`'s parent."""
     from test_config_matrix import shrink
 
-    demo = REPO / "configs/open_clip/demo.yaml"
     torch.manual_seed(5)
     start = open_clip.create_model(register_model_config(str(REPO / "benchmarks/configs/bench-vit-tiny.json")))
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     torch.save(start.state_dict(), run_dir.parent / "bench-vit-tiny.pt")
-    extra = [
-        f"method.pretrained={run_dir.parent / 'bench-vit-tiny.pt'}",
-        "method.loss={name: sigmoid, exchange: ring, tile_size: 3}",
-        "train.zero_stage=3",
-        "train.grad_accum=2",
-    ]
-    return demo, [*shrink(demo, corpora), *extra], "matrix"
+    return [*shrink(DEMO, corpora), f"method.pretrained={run_dir.parent / 'bench-vit-tiny.pt'}"]
+
+
+@scenario("open-clip-pretrained-sigmoid")
+def open_clip_pretrained_sigmoid(corpora, run_dir):
+    """configs/open_clip/demo.yaml from a state dict file, sigmoid loss round a ring, tiled, pooled over 2 micro-
+    batches at ZeRO-3: trained, resumed, exported and loaded back (a matrix cell)."""
+    extra = ["method.loss={name: sigmoid, exchange: ring, tile_size: 3}", "train.zero_stage=3", "train.grad_accum=2"]
+    return DEMO, [*from_weights(corpora, run_dir), *extra], "matrix"
 
 
 @pytest.mark.pool("open-clip-pretrained-sigmoid")
@@ -185,3 +188,60 @@ def test_a_tag_brings_its_preprocessing_and_activation_and_an_unreachable_one_is
     monkeypatch.setattr(open_clip, "download_pretrained", offline)
     with pytest.raises(ConfigError, match=r"^config key 'method.pretrained': cannot fetch ViT-B-32 openai: We have no"):
         method.check_initial_weights(openai)
+
+
+LOCKED = {  # scenario: (ZeRO overrides, lock overrides)
+    "open-clip-locked-image-zero0": (["train.zero_stage=0"], ["method.lock_image=0"]),
+    "open-clip-locked-image-zero1": (["train.zero_stage=1"], ["method.lock_image=0"]),
+    "open-clip-locked-image-zero2": (["train.zero_stage=2"], ["method.lock_image=0"]),
+    "open-clip-locked-image-zero3": (["train.zero_stage=3"], ["method.lock_image=0"]),
+    "open-clip-locked-image-zero3-offload": (
+        ["train.zero_stage=3", "train.offload_optimizer=true"],
+        ["method.lock_image=0"],
+    ),
+    "open-clip-partly-locked-zero3": (["train.zero_stage=3"], ["method.lock_image=2", "method.lock_text=0"]),
+}
+
+
+def locked_scenario(name):
+    @scenario(name)
+    def build(corpora, run_dir):
+        stage, lock = LOCKED[name]
+        if "partly" in name:  # trained, resumed, exported and loaded back (a matrix cell)
+            return DEMO, [*from_weights(corpora, run_dir), *stage, *lock], "matrix"
+        overrides = [*stage, *lock, "train.max_steps=2", "data.eval=[]", "train.eval_every=0"]
+        return DEMO, [*from_weights(corpora, run_dir), *overrides], "train"
+
+
+for _name in LOCKED:
+    locked_scenario(_name)
+
+
+def changed_tensors(run_dir):
+    """The names (open_clip's) of the tensors training changed, against the weights it started from."""
+    from safetensors.torch import load_file
+
+    start = torch.load(run_dir.parent / "bench-vit-tiny.pt", weights_only=True)
+    final = {k.removeprefix("clip."): v for k, v in load_file(str(run_dir / "model.safetensors")).items()}
+    assert final.keys() == start.keys()
+    return {k for k, v in final.items() if not torch.equal(v.reshape(start[k].shape), start[k])}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.pool(n), id=n) for n in LOCKED if "partly" not in n]
+)
+def test_a_locked_tower_ends_bit_identical(rank_pool, name):
+    """open_clip's lock at every ZeRO stage, optimizer offload included (frozen parameters are where DeepSpeed
+    has crashed): the image tower's weights as they were loaded, to the bit; the text tower trained."""
+    changed = changed_tensors(rank_pool.run_dir(name))
+    assert not {k for k in changed if k.startswith("visual.")}, sorted(changed)[:5]
+    assert {"token_embedding.weight", "text_projection"} <= changed  # the text tower trained
+
+
+@pytest.mark.pool("open-clip-partly-locked-zero3")
+def test_all_but_the_last_groups_locked_changes_exactly_those(rank_pool):
+    changed = changed_tensors(rank_pool.run_dir("open-clip-partly-locked-zero3"))
+    last = {"visual.proj", "visual.ln_post.weight", "visual.ln_post.bias"}  # open_clip's last two groups
+    last |= {k for k in changed if k.startswith("visual.transformer.resblocks.5.")}
+    assert last <= changed and {k for k in changed if k.startswith("visual.")} == last, sorted(changed)
+    assert not {k for k in changed if not k.startswith("visual.") and k != "logit_scale"}, sorted(changed)

@@ -5,7 +5,7 @@ invalidates it once every step. 2 gloo ranks, a tiny M²-Encoder, K = 2."""
 import os
 
 import torch.distributed as dist
-from test_gba_itc_engine import ROWS, make_config, split, step_batch
+from test_gba_itc_engine import ROWS, m2_section, make_config, split, step_batch
 
 from conftest import run_on_gloo_ranks
 
@@ -32,7 +32,7 @@ def count_invalidations(rank, tmp):
     try:
         late = {}
         for own in (True, False):
-            cfg = make_config(f"{tmp}/{own}", 3, 2, ROWS * 2, 1, 0)
+            cfg = make_config(f"{tmp}/{own}", 3, 2, ROWS * 2, m2_section(1, 0))
             engine, _, _ = build_engine(cfg, get_method("m2_encoder"), mdist.layout(), WORLD)
             assert engine.module.pool_trace is not None
             if not own:

@@ -59,6 +59,18 @@ class OpenClipConfig(MethodConfig, TowerSwitches):
         "hf-hub:org/name, or a local file (a state dict .pt/.bin/.safetensors, or an open_clip_train checkpoint); "
         "a tag's preprocessing (mean, std, resize) is used with it",
     )
+    lock_image: int | None = Field(
+        default=None,
+        ge=0,
+        description="lock the image tower but its last N layer groups (0: all of it; batch norm statistics frozen "
+        "too), as open_clip_train's --lock-image / --lock-image-unlocked-groups; null: train it",
+    )
+    lock_text: int | None = Field(
+        default=None,
+        ge=0,
+        description="lock the text tower but its last N layers (0: all of it), as open_clip_train's --lock-text / "
+        "--lock-text-unlocked-layers; null: train it",
+    )
 
 
 class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
@@ -126,6 +138,10 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     def build_model(self, cfg: Config, run_dir: Path) -> OpenClipModel:
         settings, logits = self.settings(cfg), self._logits(cfg)
         model = OpenClipModel(settings.model, settings.image_size, settings, logits, self._quick_gelu(cfg))
+        if settings.lock_image is not None:  # open_clip's own locking: the parameters stop requiring gradients
+            model.clip.lock_image_tower(unlocked_groups=settings.lock_image, freeze_bn_stats=True)
+        if settings.lock_text is not None:
+            model.clip.lock_text_tower(unlocked_layers=settings.lock_text)
         preprocess = self._preprocess(cfg)
         model.image_mean, model.image_std = preprocess["mean"], preprocess["std"]
         return model

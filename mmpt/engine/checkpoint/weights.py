@@ -27,16 +27,21 @@ def full_weights(
     comes).
 
     Parameters come from the optimizer's fp32 master copy where one exists (bf16/fp16, any ZeRO stage),
-    so no rank ever holds more than one full parameter besides its own shard.
+    so no rank ever holds more than one full parameter besides its own shard. A parameter without one (fp32 at
+    ZeRO 0, a locked one at any stage) is the module's own, gathered first where ZeRO-3 partitions it.
     """
+    import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
     params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
     for name, value in model.state_dict(keep_vars=True).items():
         if name in params:
             tensor = safe_get_full_fp32_param(params[name])
-            if tensor is None:
-                tensor = value  # a parameter without a master copy (fp32 at ZeRO 0)
+            if tensor is None and hasattr(params[name], "ds_id"):  # partitioned, not in the optimizer
+                with deepspeed.zero.GatheredParameters([params[name]]):
+                    tensor = params[name].detach().clone() if mdist.get_rank() == 0 else params[name]
+            elif tensor is None:
+                tensor = value
         elif partitioned is not None and partitioned.is_partition(value):
             tensor = partitioned.full(value)
         else:
