@@ -198,6 +198,20 @@ class OptimConfig(Section):
         default_factory=lambda: ["bias", "norm", "logit_scale", "pos_embed", "position_embeddings", "cls_token"],
         description="parameters whose name contains one of these (or that are 1-D) get no weight decay",
     )
+    lr_scales: dict[str, float] = Field(
+        default_factory=dict,
+        description="learning-rate multipliers by parameter name pattern (fnmatch on the names model.safetensors "
+        "has, e.g. 'clip.visual.*': 0.1), applied through warmup and decay; the first matching pattern counts, "
+        "unmatched parameters keep lr",
+    )
+
+    @field_validator("lr_scales")
+    @classmethod
+    def _positive_scales(cls, scales: dict[str, float]) -> dict[str, float]:
+        for pattern, scale in scales.items():
+            if scale <= 0:
+                raise ValueError(f"the scale of {pattern!r} is {scale}; lock a tower to stop training it")
+        return scales
 
 
 class TrainConfig(Section):

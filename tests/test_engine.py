@@ -73,6 +73,44 @@ def test_weight_decay_groups():
     assert plain["weight_decay"] == 0.0 and len(plain["params"]) == 5
 
 
+def test_per_part_rates_step_as_adamw_at_each_parts_rate_through_the_schedule():
+    """`optim.lr_scales`: each parameter moves as torch's AdamW moves it alone at lr x its scale (weight decay by
+    the usual rule), one step in fp32; the schedule multiplies every group's rate alike."""
+    from mmpt.config import OptimConfig
+    from mmpt.engine.optim import build_optimizer, warmup_cosine
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"visual": nn.Linear(3, 4), "text": nn.Linear(4, 2)})
+    scales = {"visual.*": 0.1, "text.bias": 3.0}
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.2, lr_scales=scales)
+    expected = {"visual.weight": (1e-3, 0.2), "visual.bias": (1e-3, 0.0), "text.weight": (1e-2, 0.2)}
+    expected["text.bias"] = (3e-2, 0.0)
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+    optimizer = build_optimizer(model, cfg)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(2, 10))  # 0.5 at step 0
+    for name, p in model.named_parameters():
+        p.grad = grads[name].clone()
+    optimizer.step()
+    for name, p in model.named_parameters():
+        lr, decay = expected[name]
+        alone = nn.Parameter(start[name].clone())
+        alone.grad = grads[name].clone()
+        torch.optim.AdamW([alone], lr=0.5 * lr, weight_decay=decay, foreach=False).step()
+        torch.testing.assert_close(p.detach(), alone.detach(), rtol=1e-6, atol=1e-7, msg=name)
+    schedule.step()  # warmup: 1.0
+    assert sorted(g["lr"] for g in optimizer.param_groups) == pytest.approx([1e-3, 1e-3, 1e-2, 3e-2])
+
+
+def test_a_rate_pattern_matching_nothing_is_a_config_error():
+    from mmpt.config import ConfigError, OptimConfig
+    from mmpt.engine.optim import build_optimizer
+
+    model = nn.ModuleDict({"visual": nn.Linear(3, 4)})
+    with pytest.raises(ConfigError, match="config key 'optim.lr_scales': 'vision.\\*' matches no trainable"):
+        build_optimizer(model, OptimConfig(lr=1e-3, lr_scales={"vision.*": 0.1}))
+
+
 def test_deepspeed_config_is_explicit(tmp_path, digits_root):
     cfg_dict = tiny_config(
         digits_root,

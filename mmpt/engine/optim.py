@@ -4,28 +4,41 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
 
-from mmpt.config import OptimConfig
+from mmpt.config import ConfigError, OptimConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> list[dict]:
-    """Biases, norms, 1-D parameters and names matching `no_decay` get no weight decay."""
-    decay, plain = [], []
+def param_groups(
+    model: nn.Module, weight_decay: float, no_decay: list[str], lr: float | None = None, lr_scales: dict | None = None
+) -> list[dict]:
+    """Biases, norms, 1-D parameters and names matching `no_decay` get no weight decay; names matching a pattern of
+    `lr_scales` (fnmatch, the first that matches) get `lr` times its scale. Frozen parameters are left out."""
+    scales = lr_scales or {}
+    unused = set(scales)
+    groups: dict[tuple[bool, float], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         dims = len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 partition is flat: its full shape counts
-        if dims <= 1 or any(pattern in name.lower() for pattern in no_decay):
-            plain.append(param)
-        else:
-            decay.append(param)
+        decays = not (dims <= 1 or any(pattern in name.lower() for pattern in no_decay))
+        pattern = next((p for p in scales if fnmatchcase(name, p)), None)
+        unused.discard(pattern)
+        groups.setdefault((decays, scales[pattern] if pattern else 1.0), []).append(param)
+    if unused:
+        example = next((name for name, _ in model.named_parameters()), "")
+        raise ConfigError(
+            f"config key 'optim.lr_scales': {sorted(unused)[0]!r} matches no trainable parameter (names look like "
+            f"{example!r})"
+        )
+    ordered = sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1] != 1.0, item[0][1]))
     return [
-        g
-        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0})
-        if g["params"]
+        {"params": params, "weight_decay": weight_decay if decays else 0.0}
+        | ({"lr": lr * scale} if scale != 1.0 and lr is not None else {})
+        for (decays, scale), params in ordered
     ]
 
 
@@ -66,7 +79,7 @@ class SkippingAdamW(torch.optim.AdamW):
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay, cfg.no_decay)
+    groups = param_groups(model, cfg.weight_decay, cfg.no_decay, cfg.lr, cfg.lr_scales)
     # ZeRO accepts only known optimizer classes (and has its own overflow check).
     kind = SkippingAdamW if zero_stage == 0 else torch.optim.AdamW
     # The fused kernel (CPU and CUDA) updates all parameters in one pass instead of a Python loop.

@@ -43,6 +43,8 @@ def startup_summary(
         f"batch: {batch} per rank x {accum} micro-batch(es) x {layout.data_size} data-parallel rank(s) = "
         f"{batch * accum * layout.data_size} samples per step, {cfg.train.max_steps} steps",
         f"parameters: {total:,} ({trainable:,} trainable)",
+        f"learning rate {cfg.optim.lr:g}"
+        + "".join(f", x{scale:g} for {pattern}" for pattern, scale in cfg.optim.lr_scales.items()),
         f"initial weights: {initial_weights or 'random (no init_from)'}",
     ]
     if resumed_from is not None:
