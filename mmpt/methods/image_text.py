@@ -269,7 +269,8 @@ class ImageTextMethod(Method[SettingsT]):
             value = loss(image_features, text_features, *logits)
         else:
             value = loss(image_features, text_features, *logits, pool=pool, slot=index)
-        return {"contrastive": value, "train": in_batch_diagnostics(image_features, text_features, logits)}
+        term = "sigmoid" if isinstance(loss, SigmoidLoss) else "contrastive"
+        return {term: value, "train": in_batch_diagnostics(image_features, text_features, logits)}
 
     sample_fields = ("caption", "image")
     eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")
