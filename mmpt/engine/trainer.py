@@ -175,6 +175,7 @@ def optimizer_step(
         with torch.no_grad(), trace.pool_pass() if trace is not None else contextlib.nullcontext():
             pool = engine(micro_batches, pool_pass=True)
     sums: dict[str, torch.Tensor] = {}
+    loss_names: set[str] = set()  # the loss terms among the sums (the rest are the method's diagnostics)
     reduction = engine.module.gradient_reduction
     if reduction is not None:
         reduction.start_step()
@@ -183,6 +184,7 @@ def optimizer_step(
         spans.start("forward")
         terms = engine(batch, pool, index)
         losses = loss_terms(terms)
+        loss_names.update(losses)
         if weight != 1.0:
             losses = {name: value * weight for name, value in losses.items()}
         spans.stop("forward")
@@ -202,7 +204,7 @@ def optimizer_step(
         for name, value in {**diagnostics(terms), **losses}.items():
             share = value.detach() / len(micro_batches)
             sums[name] = sums[name] + share if name in sums else share
-    sums["total"] = functools.reduce(operator.add, (v for k, v in sums.items() if not k.startswith("train/")))
+    sums["total"] = functools.reduce(operator.add, (v for k, v in sums.items() if k in loss_names))
     return sums
 
 
