@@ -141,11 +141,11 @@ class GroupedContrastiveLoss(nn.Module):
         rows_i, rows_t, scale, offset = image_features, text_features, logit_scale, gathered.offset
         if pool is not None:
             k, mine = pool.micro_batches, (len(image_features),)
-            rows_i = _with_slot(pool.images, image_features, slot, k, mine)
-            rows_t = _with_slot(pool.texts, text_features, slot, k, mine)
-            group_images = _with_slot(pool.group_images, group_images, slot, k, gathered.counts)
-            group_texts = _with_slot(pool.group_texts, group_texts, slot, k, gathered.counts)
-            scale = logit_scale.detach() + (logit_scale - logit_scale.detach()) / k
+            rows_i = with_slot(pool.images, image_features, slot, k, mine)
+            rows_t = with_slot(pool.texts, text_features, slot, k, mine)
+            group_images = with_slot(pool.group_images, group_images, slot, k, gathered.counts)
+            group_texts = with_slot(pool.group_texts, group_texts, slot, k, gathered.counts)
+            scale = pass_share(logit_scale, k)
             offset *= k  # a rank's K micro-batches sit together in the pool
         targets = torch.arange(len(rows_i), device=rows_i.device) + offset
         return 0.5 * (
@@ -154,7 +154,13 @@ class GroupedContrastiveLoss(nn.Module):
         )
 
 
-def _with_slot(
+def pass_share(value: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    """`value` unchanged, with 1/K of its gradient: a parameter that enters every one of a pooled step's K
+    losses whole then gets its gradient once in the sum."""
+    return value.detach() + (value - value.detach()) / micro_batches
+
+
+def with_slot(
     pool: torch.Tensor, fresh: torch.Tensor, slot: int, micro_batches: int, counts: tuple[int, ...]
 ) -> torch.Tensor:
     """`pool` laid out (rank, micro-batch, row) with every rank's micro-batch `slot` replaced by `fresh`

@@ -33,6 +33,7 @@ from torch import nn
 
 from mmpt.distributed import gather_rows_with_grad, get_world_size, rows_per_rank
 from mmpt.losses.contrastive import upcast
+from mmpt.losses.grouped_itc import pass_share, with_slot
 
 Exchange = Literal["bidirectional", "ring", "gather"]
 EXCHANGES: tuple[Exchange, ...] = ("bidirectional", "ring", "gather")
@@ -185,9 +186,9 @@ class SigmoidLoss(nn.Module):
         images, texts, scale, bias = upcast(image_features), upcast(text_features), logit_scale, logit_bias
         if pool is not None:
             k = pool.micro_batches
-            images, texts = _in_slot(pool.images, images, slot, k), _in_slot(pool.texts, texts, slot, k)
-            scale = logit_scale.detach() + (logit_scale - logit_scale.detach()) / k
-            bias = logit_bias.detach() + (logit_bias - logit_bias.detach()) / k
+            mine = (images.shape[0],)
+            images, texts = with_slot(pool.images, images, slot, k, mine), with_slot(pool.texts, texts, slot, k, mine)
+            scale, bias = pass_share(logit_scale, k), pass_share(logit_bias, k)
         return self._sum_over_texts(images, texts, scale, bias) / images.shape[0]
 
     def _sum_over_texts(self, images, texts, scale, bias) -> torch.Tensor:
@@ -210,12 +211,3 @@ class SigmoidLoss(nn.Module):
             (ahead,) = _Shift.apply(self.group, (1,), (counts[(rank - step) % size],), ahead)
             total = total + sigmoid_block(images, ahead, scale, bias, None, tile)
         return total
-
-
-def _in_slot(pool: torch.Tensor, fresh: torch.Tensor, slot: int, micro_batches: int) -> torch.Tensor:
-    """This rank's pool with micro-batch `slot` replaced by `fresh` (the pool's micro-batches are one size)."""
-    rows = fresh.shape[0]
-    if pool.shape[0] != micro_batches * rows:
-        raise ValueError(f"the pool has {pool.shape[0]} rows, not {micro_batches} micro-batches of {rows} rows")
-    where = torch.arange(rows, device=pool.device) + slot * rows
-    return pool.index_copy(0, where, fresh)
