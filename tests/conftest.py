@@ -64,7 +64,10 @@ SMALL_MOVING_DIGITS = {"clips_per_kind": 12, "test_clips_per_kind": 6, "shard_si
 
 @pytest.fixture(scope="session")
 def corpora(digits_root, moving_digits_root, tmp_path_factory) -> dict:
-    """Every test corpus by the name configs' overrides use (`{digits}`, `{video}`, `{dialogs}`, `{bert}`)."""
+    """Every test corpus by the name configs' overrides use (`{digits}`, `{video}`, `{dialogs}`, `{bert}`,
+    `{transformers_clip}`)."""
+    import tiny_dual_encoders
+
     from mmpt.demo.dialogs import build_dialog_shards
 
     return {
@@ -72,6 +75,7 @@ def corpora(digits_root, moving_digits_root, tmp_path_factory) -> dict:
         "video": moving_digits_root,
         "dialogs": build_dialog_shards(tmp_path_factory.mktemp("dialogs") / "dialogs"),
         "bert": tiny_bert(tmp_path_factory.mktemp("bert") / "bert"),
+        "transformers_clip": tiny_dual_encoders.build("clip", tmp_path_factory.mktemp("transformers") / "clip"),
         "repo": REPO,
     }
 

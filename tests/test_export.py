@@ -34,8 +34,10 @@ CAPTIONS = ["a handwritten digit seven", "手写的数字三", "the digit two  w
 def demo_config(name: str, corpora: dict, run_dir: Path, *extra: str):
     from mmpt.config_loader import load_config
 
+    from test_every_method import demo_config as config_of
+
     overrides = [*COMMON, *(o.format(**corpora) for o in get_method(name).tiny_overrides), *extra]
-    return load_config(REPO / "configs" / name / "demo.yaml", [*overrides, f"run.output_dir={run_dir}"])
+    return load_config(config_of(name), [*overrides, f"run.output_dir={run_dir}"])
 
 
 def demo_release(name: str, corpora: dict, root: Path, *extra: str) -> Path:
@@ -74,6 +76,7 @@ ONNX_CASES = {
     "m2_encoder-glm": ("m2_encoder", ("method.tokenizer={glm}", "method.arch.vocab_size=null")),
     "victor": ("victor", ()),
     "space2": ("space2", ()),
+    "transformers": ("transformers", ()),
 }
 
 

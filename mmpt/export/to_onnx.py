@@ -56,6 +56,15 @@ def describe_image_transform(transform: Any) -> list[dict[str, Any]]:
             )
         elif kind == "CenterCrop":
             steps.append({"op": "center_crop", "size": list(step.size), "about": "the central [height, width]"})
+        elif kind == "CenterCropFloor":
+            steps.append(
+                {
+                    "op": "center_crop",
+                    "size": [step.height, step.width],
+                    "offsets": "floor",
+                    "about": "the central [height, width], its offsets rounded down (transformers' processors)",
+                }
+            )
         elif kind in ("MaybeConvertMode", "_convert_to_rgb") or getattr(step, "__name__", "") == "_convert_to_rgb":
             steps.append({"op": "convert_rgb", "about": 'PIL image.convert("RGB")'})
         elif kind == "PILToTensor":
@@ -84,6 +93,10 @@ def torchvision_code(steps: list[dict[str, Any]]) -> str:
             mode = f"T.InterpolationMode.{step['interpolation'].upper()}"
             size = tuple(step["size"]) if isinstance(step["size"], list) else step["size"]
             parts.append(f"T.Resize({size}, interpolation={mode}, antialias={step['antialias']})")
+        elif step["op"] == "center_crop" and step.get("offsets") == "floor":
+            h, w = step["size"]
+            box = f"((i.width - {w}) // 2, (i.height - {h}) // 2, (i.width - {w}) // 2 + {w}, (i.height - {h}) // 2 + {h})"
+            parts.append(f"T.Lambda(lambda i: i.crop({box}))")
         elif step["op"] == "center_crop":
             parts.append(f"T.CenterCrop({tuple(step['size'])})")
         elif step["op"] == "convert_rgb":
@@ -104,8 +117,12 @@ def describe_tokenizer(model: LoadedModel, out: Path) -> dict[str, Any]:
     from mmpt.data.glm_tokenizer import GLMTokenizer
     from mmpt.data.tokenizer import TextTokenizer
     from mmpt.models.open_clip_model import OpenClipTokenizer
+    from mmpt.models.transformers_dual import TransformersTokenizer
 
     tokenizer = model.preprocessors()["tokenizer"]
+    if isinstance(tokenizer, TransformersTokenizer):
+        tokenizer._tokenizer.save_pretrained(out / "tokenizer")
+        return huggingface_tokenizer(tokenizer.context_length)
     if isinstance(tokenizer, TextTokenizer):
         shutil.copyfile(tokenizer.path, out / "tokenizer.json")
         pad = tokenizer._tokenizer.padding["pad_id"] if tokenizer._tokenizer.padding else 0
@@ -146,15 +163,19 @@ def describe_tokenizer(model: LoadedModel, out: Path) -> dict[str, Any]:
             }
         if isinstance(inner, HFTokenizer):
             inner.save_pretrained(out / "tokenizer")
-            return {
-                "kind": "huggingface",
-                "files": ["tokenizer/"],
-                "context_length": inner.context_length,
-                "about": "a Hugging Face tokenizer (AutoTokenizer.from_pretrained('tokenizer')), padded to "
-                "max_length=context_length and truncated",
-            }
+            return huggingface_tokenizer(inner.context_length)
         return {"kind": type(inner).__name__, "files": [], "about": f"open_clip.get_tokenizer({tokenizer.model!r})"}
     return {"kind": type(tokenizer).__name__, "files": [], "about": "see the method's preprocessors()"}
+
+
+def huggingface_tokenizer(context_length: int) -> dict[str, Any]:
+    return {
+        "kind": "huggingface",
+        "files": ["tokenizer/"],
+        "context_length": context_length,
+        "about": "a Hugging Face tokenizer (AutoTokenizer.from_pretrained('tokenizer')), padded to "
+        "max_length=context_length and truncated",
+    }
 
 
 def contract(model: LoadedModel, built: list[Tower], out: Path, opset: int) -> dict[str, Any]:
@@ -343,6 +364,14 @@ def onnxruntime_code(record: dict[str, Any], out: Path) -> str:
                 f'tokenizer = SimpleTokenizer(f"{{folder}}/{tokenizer["files"][0]}", '
                 f"context_length={tokenizer['context_length']})",
                 'input_ids = tokenizer(["a photo of a cat"]).numpy()',
+            ]
+        elif kind == "huggingface":
+            imports.append("from transformers import AutoTokenizer")
+            lines += [
+                'tokenizer = AutoTokenizer.from_pretrained(f"{folder}/tokenizer")',
+                f'tokens = tokenizer(["a photo of a cat"], padding="max_length", max_length={tokenizer["context_length"]}, '
+                'truncation=True, return_tensors="np")',
+                'input_ids, attention_mask = tokens["input_ids"], tokens["attention_mask"]',
             ]
         else:
             lines.append(f"input_ids = ...  # {tokenizer.get('about')}")

@@ -19,6 +19,7 @@ METHODS: Registry[Method] = Registry(
         "m2_encoder": "mmpt.methods.m2_encoder",
         "open_clip": "mmpt.methods.open_clip",
         "space2": "mmpt.methods.space2",
+        "transformers": "mmpt.methods.transformers_dual",
         "victor": "mmpt.methods.victor",
     },
 )

@@ -1,0 +1,218 @@
+"""The dual encoders transformers ships (CLIPModel, ChineseCLIPModel, SiglipModel, Siglip2Model, AltCLIPModel) as
+mmpt image-text models: transformers' own modelling code, its tokenizer, and its image processor's steps as a
+torchvision transform.
+
+The model is built from its config (`from_config`); pretrained weights are loaded by the method, through
+transformers' `from_pretrained` (safetensors or pickles read with `weights_only`; remote modelling code only
+where `trust_remote_code` says so).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+from torchvision.transforms import functional as TF
+
+from mmpt.config import ConfigError
+
+KEY = "method.model"
+# model_type -> whether its text tower reads the padding mask: the BERT-family ones (bidirectional attention) do;
+# CLIP's pools at the end token with causal attention, which no later padding reaches; SigLIP's pools the last
+# token of a fixed-length, unmasked sequence, as it was trained.
+DUAL_ENCODERS = {"clip": False, "chinese_clip": True, "altclip": True, "siglip": False, "siglip2": False}
+SIGMOID_TYPES = ("siglip", "siglip2")
+LONGEST_CONTEXT = 77  # CLIP's; BERT-family text towers allow 512 but were trained on short captions
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_config(source: str, trust_remote_code: bool = False) -> Any:
+    """The transformers config of `source` (a folder, or a hub name: its cache, or a download where a network
+    exists); ConfigError naming `method.model` where it cannot be read or is not one of `DUAL_ENCODERS`."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # no such folder or repository, offline, remote code refused
+        raise ConfigError(f"config key '{KEY}': cannot read a transformers config from {source}: {_first_line(exc)}") from None
+    if config.model_type not in DUAL_ENCODERS:
+        known = ", ".join(DUAL_ENCODERS)
+        raise ConfigError(
+            f"config key '{KEY}': {source} is a '{config.model_type}' model, not a dual encoder mmpt trains ({known})"
+        )
+    return config
+
+
+def check_weights(source: str) -> None:
+    """A local folder must hold weights in one of transformers' layouts (a hub name is fetched when loaded)."""
+    folder = Path(source).expanduser()
+    if folder.is_dir() and not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise ConfigError(f"config key '{KEY}': {folder} holds no weights (none of {', '.join(WEIGHT_FILES)})")
+
+
+def context_length(config: Any, chosen: int | None) -> int:
+    """Tokens per caption: `chosen`, else the text tower's position table capped at CLIP's 77."""
+    longest = int(config.text_config.max_position_embeddings)
+    if chosen is not None and chosen > longest:
+        raise ConfigError(f"config key 'method.context_length': {chosen} exceeds the text tower's {longest} positions")
+    return chosen or min(longest, LONGEST_CONTEXT)
+
+
+class TransformersDualEncoder(nn.Module):
+    """`hf` is the transformers model; its 0-D `logit_scale` is re-made with shape [1] (DeepSpeed flattens no 0-D
+    parameter). `logit_bias`: where the loss wants one and the checkpoint has none, a new one starting there."""
+
+    def __init__(self, config: Any, logit_bias: float | None = None, grad_checkpointing: bool = False):
+        from transformers import AutoModel
+
+        super().__init__()
+        self.model_type: str = config.model_type
+        self.hf: Any = AutoModel.from_config(config)
+        self.reads_mask = DUAL_ENCODERS[self.model_type]
+        scale = self.hf.logit_scale
+        self.scale_shape = scale.shape  # the checkpoint's: 0-D, or [1] (SigLIP's)
+        del self.hf.logit_scale
+        self.hf.logit_scale = nn.Parameter(scale.detach().reshape(1).clone())
+        self.bias: nn.Parameter | None = getattr(self.hf, "logit_bias", None)
+        if logit_bias is not None and self.bias is None:
+            self.logit_bias = self.bias = nn.Parameter(torch.full((1,), float(logit_bias)))
+        elif logit_bias is None and self.bias is not None:
+            self.bias.requires_grad_(False)  # the contrastive loss reads no bias
+            self.bias = None
+        self.patch_size = int(config.vision_config.patch_size)
+        self.set_grad_checkpointing(grad_checkpointing)
+        self.image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+        self.image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    def set_grad_checkpointing(self, enabled: bool = True) -> None:
+        if enabled:
+            self.hf.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            self.hf.activation_checkpointing_disable()
+        self.grad_checkpointing = enabled
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The transformers model's own state dict (its logit scale 0-D again)."""
+        state = {name: value.detach() for name, value in self.hf.state_dict().items()}
+        state["logit_scale"] = state["logit_scale"].reshape(self.scale_shape)
+        return state
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a transformers model's state dict (0-D or [1] logit scale) strictly."""
+        state = dict(state)
+        state["logit_scale"] = state["logit_scale"].reshape(1)
+        self.hf.load_state_dict(state, strict=True)
+
+    def _image_inputs(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.model_type != "siglip2":
+            return {"pixel_values": images}
+        # SigLIP 2 reads patches [B, N, p*p*C] (channels last inside a patch), a patch mask and the patch grid
+        b, c, h, w = images.shape
+        p = self.patch_size
+        patches = images.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(b, -1, p * p * c)
+        grid = torch.tensor([[h // p, w // p]], device=images.device).expand(b, 2)
+        mask = torch.ones(patches.shape[:2], dtype=torch.long, device=images.device)
+        return {"pixel_values": patches, "pixel_attention_mask": mask, "spatial_shapes": grid}
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        features = self.hf.get_image_features(**self._image_inputs(images)).pooler_output
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def encode_text(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, normalize: bool = True
+    ) -> torch.Tensor:
+        mask = None
+        if self.reads_mask and attention_mask is not None:
+            # given as the additive [B, 1, 1, L] mask: transformers then skips its check whether any token is
+            # padding, which reads the device from the host
+            dtype = self.hf.text_projection.weight.dtype
+            mask = (1 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+        features = self.hf.get_text_features(input_ids=input_ids, attention_mask=mask).pooler_output
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """(image features, text features, logit scale multiplier clamped at 100) and the bias where the loss
+        reads one, as `OpenClipModel` gives them."""
+        features = self.encode_image(images), self.encode_text(input_ids, attention_mask)
+        scale = self.hf.logit_scale.exp().clamp(max=100.0)
+        return (*features, scale) if self.bias is None else (*features, scale, self.bias)
+
+
+class TransformersTokenizer:
+    """The checkpoint's tokenizer as mmpt's tokenizers are called: texts -> {"input_ids", "attention_mask"}, padded
+    to `context_length` (SigLIP's text tower was trained on padded, unmasked sequences of that length)."""
+
+    def __init__(self, folder: str | Path, context_length: int):
+        self.folder, self.context_length = str(folder), context_length
+        self._tokenizer = read_tokenizer(self.folder)
+
+    def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        found = self._tokenizer(
+            list(texts), padding="max_length", truncation=True, max_length=self.context_length, return_tensors="pt"
+        )
+        return {"input_ids": found["input_ids"], "attention_mask": found["attention_mask"]}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    def __getstate__(self):
+        return {"folder": self.folder, "context_length": self.context_length}
+
+    def __setstate__(self, state):
+        self.__init__(state["folder"], state["context_length"])
+
+
+class CenterCropFloor:
+    """A center crop whose offsets round down, as transformers' image processors crop (torchvision rounds)."""
+
+    def __init__(self, height: int, width: int):
+        self.height, self.width = height, width
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        w, h = image.size
+        return TF.crop(image, (h - self.height) // 2, (w - self.width) // 2, self.height, self.width)
+
+    def __repr__(self) -> str:
+        return f"CenterCropFloor({self.height}, {self.width})"
+
+
+def read_image_processor(folder: str | Path) -> Any:
+    """The checkpoint's image processor, PIL backend: the resizing mmpt's PIL pipeline reproduces exactly."""
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+    except Exception as exc:  # no preprocessor_config.json
+        raise ConfigError(f"config key '{KEY}': cannot read an image processor from {folder}: {_first_line(exc)}") from None
+
+
+def read_tokenizer(folder: str | Path, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except Exception as exc:  # no tokenizer files
+        raise ConfigError(f"config key '{KEY}': cannot read a tokenizer from {folder}: {_first_line(exc)}") from None
+
+
+def image_size(processor: Any) -> tuple[int, int]:
+    """(height, width) of the images the processor gives; SigLIP 2's as a square of its most patches."""
+    if getattr(processor, "max_num_patches", None):
+        side = int(math.isqrt(int(processor.max_num_patches))) * int(processor.patch_size)
+        return side, side
+    crop = processor.crop_size if getattr(processor, "do_center_crop", False) else None
+    size = crop or processor.size
+    if size.height:
+        return int(size.height), int(size.width)
+    return int(size.shortest_edge), int(size.shortest_edge)

@@ -1,0 +1,131 @@
+"""The `transformers` method from a folder of each dual encoder class transformers ships (tiny, saved with
+`save_pretrained`): before any step, mmpt's embeddings of the same images and captions equal transformers' own
+(its model, its tokenizer, its image processor's "pil" backend) to 1e-5; the checkpoint's logit scale and bias
+are kept and its loss chosen; a folder that is no dual encoder, or has no weights, stops in one line naming the
+key; on two ranks a SigLIP run with pooled accumulation trains, resumes and exports."""
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from conftest import REPO, read_metrics
+from mmpt.config import ConfigError
+from mmpt.engine.preflight import check_inputs
+from mmpt.methods import get_method
+from mmpt.methods.image_text import SigmoidLossConfig
+from pool import scenario
+from tiny_dual_encoders import KINDS, build
+
+CAPTIONS = ["a photo of the digit seven", "数字七", "nine"]
+CONFIG = REPO / "configs/transformers/clip_finetune.yaml"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dual_encoders")
+    return {kind: build(kind, root / kind) for kind in KINDS}
+
+
+def config(model, **method):
+    from mmpt.config_loader import validate_config
+
+    return validate_config(
+        {
+            "method": {"name": "transformers", "model": str(model), **method},
+            "data": {"train": {"sources": [{"shards": str(REPO / "README.md")}], "batch_size": 2}},
+            "optim": {"lr": 1e-4},
+            "train": {"max_steps": 1, "zero_stage": 0, "grad_clip": 1.0},
+            "run": {"output_dir": str(model.parent / "run")},
+        }
+    )
+
+
+def images(kind):
+    """Odd sizes, so that resizing and cropping (by an odd margin) are exercised (SigLIP 2 keeps aspect: squares for it)."""
+    rng = np.random.RandomState(0)
+    sizes = [(40, 40), (56, 56)] if kind == "siglip2" else [(48, 37), (32, 51)]
+    return [Image.fromarray(rng.randint(0, 256, (h, w, 3)).astype(np.uint8)) for h, w in sizes]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_embeddings_equal_transformers_own(checkpoints, kind, tmp_path):
+    from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+
+    folder, method = checkpoints[kind], get_method("transformers")
+    cfg = config(folder)
+    method.resolve_defaults(cfg)
+    method.prepare(cfg, tmp_path)  # the run keeps the checkpoint's config, tokenizer and processor: built from it
+    model = method.build_model(cfg, tmp_path).eval()
+    method.load_initial_weights(model, cfg)
+    transform, tokens = method.image_transform(cfg, train=False), method.tokenizer(cfg, tmp_path)(CAPTIONS)
+    with torch.no_grad():
+        ours_images = model.encode_image(torch.stack([transform(image) for image in images(kind)]))
+        ours_texts = model.encode_text(tokens["input_ids"], tokens["attention_mask"])
+        _, _, scale, *bias = model(torch.stack([transform(image) for image in images(kind)]), tokens["input_ids"])
+
+    reference = AutoModel.from_pretrained(folder).eval()
+    processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    sigmoid = kind in ("siglip", "siglip2")  # trained on padded, unmasked captions of the tower's full length
+    padding = {"padding": "max_length", "max_length": 16, "truncation": True} if sigmoid else {"padding": True}
+    text = tokenizer(CAPTIONS, return_tensors="pt", **padding)
+    with torch.no_grad():
+        theirs_images = reference.get_image_features(**processor(images=images(kind), return_tensors="pt"))
+        mask = None if sigmoid else text["attention_mask"]
+        theirs_texts = reference.get_text_features(input_ids=text["input_ids"], attention_mask=mask)
+    torch.testing.assert_close(ours_images, F.normalize(theirs_images.pooler_output, dim=-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours_texts, F.normalize(theirs_texts.pooler_output, dim=-1), atol=1e-5, rtol=0)
+    assert scale.item() == pytest.approx(np.exp(2.5))  # the checkpoint's, not a new model's
+    assert isinstance(method.loss_spec(cfg), SigmoidLossConfig) == sigmoid  # the checkpoint's own loss
+    assert [b.item() for b in bias] == ([-3.0] if sigmoid else [])
+
+
+def test_sigmoid_loss_on_a_clip_checkpoint_adds_siglips_bias(checkpoints, tmp_path):
+    cfg = config(checkpoints["clip"], loss={"name": "sigmoid"})
+    method = get_method("transformers")
+    model = method.build_model(cfg, tmp_path)
+    method.load_initial_weights(model, cfg)
+    assert model.bias is not None and model.bias.item() == -10.0 and model.hf.logit_scale.item() == 2.5
+
+
+def test_what_cannot_be_trained_stops_before_training_naming_the_key(checkpoints, tmp_path):
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8)).save_pretrained(
+        tmp_path / "bert"
+    )
+    for name, leave_out in (("no-weights", "model.safetensors"), ("no-processor", "preprocessor_config.json")):
+        shutil.copytree(checkpoints["clip"], tmp_path / name, ignore=shutil.ignore_patterns(leave_out))
+    cases = {
+        tmp_path / "bert": r"is a 'bert' model, not a dual encoder mmpt trains \(clip, ",
+        tmp_path / "missing": r"cannot read a transformers config from .*missing",
+        tmp_path / "no-weights": r"no-weights holds no weights \(none of model.safetensors",
+        tmp_path / "no-processor": r"cannot read an image processor from .*no-processor",
+    }
+    for folder, message in cases.items():
+        with pytest.raises(ConfigError, match="^config key 'method.model'") as error:
+            check_inputs(config(folder), get_method("transformers"))
+        assert re.search(message, str(error.value)) and "\n" not in str(error.value), str(error.value)
+
+
+@scenario("transformers-siglip-pooled")
+def transformers_siglip_pooled(corpora, run_dir):
+    """configs/transformers/clip_finetune.yaml on a tiny SigLIP folder: its sigmoid loss, pooled over 2 micro-
+    batches at ZeRO-2, trained, resumed, exported and loaded back (a matrix cell)."""
+    from test_config_matrix import shrink
+
+    folder = build("siglip", run_dir.parent / "siglip")
+    overrides = ["method.loss=null", "train.zero_stage=2", "train.grad_accum=2", f"method.model={folder}"]
+    return CONFIG, [*shrink(CONFIG, corpora), *overrides], "matrix"
+
+
+@pytest.mark.pool("transformers-siglip-pooled")
+def test_a_siglip_run_trains_resumes_and_exports(rank_pool):
+    rank_pool.record("transformers-siglip-pooled")  # the checks run in the pool (pool_runner.run_matrix_cell)
+    windows = [r for r in read_metrics(rank_pool.run_dir("transformers-siglip-pooled")) if "loss/total" in r]
+    assert "loss/sigmoid" in windows[0] and windows[0]["train/logit_bias"] == pytest.approx(-3.0, abs=0.05)
