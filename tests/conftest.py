@@ -466,6 +466,8 @@ EXTENDED = (
     "test_gba_itc_engine.py::test_image_text_methods_pool_micro_batches_into_one_big_batch?3?",
     "test_sigmoid_loss.py::*?4?",
     "test_open_clip_pretrained.py::test_a_locked_tower_ends_bit_identical?open-clip-locked-image-zero[123]?",
+    "test_transformers_method.py::test_a_siglip_run_trains_resumes_and_exports",
+    "test_transformers_method.py::test_a_locked_tower_ends_as_the_checkpoint_had_it",
     "test_host_reads.py::*",
     "test_plan.py::test_planned_model_states_are_what_deepspeed_ranks_hold",
     "test_plan.py::test_adaptive_batches_are_planned_at_the_largest_share",

@@ -129,3 +129,25 @@ def test_a_siglip_run_trains_resumes_and_exports(rank_pool):
     rank_pool.record("transformers-siglip-pooled")  # the checks run in the pool (pool_runner.run_matrix_cell)
     windows = [r for r in read_metrics(rank_pool.run_dir("transformers-siglip-pooled")) if "loss/total" in r]
     assert "loss/sigmoid" in windows[0] and windows[0]["train/logit_bias"] == pytest.approx(-3.0, abs=0.05)
+
+
+@scenario("transformers-locked-image-zero3-offload")
+def transformers_locked_image(corpora, run_dir):
+    """A tiny CLIP checkpoint with its image tower locked, at ZeRO-3 with the optimizer offloaded (frozen
+    parameters are where DeepSpeed has crashed), 2 steps."""
+    from test_config_matrix import shrink
+
+    stage = ["train.zero_stage=3", "train.offload_optimizer=true", "train.precision=fp32", "train.max_steps=2"]
+    rest = ["method.lock_image=0", "data.eval=[]", "train.eval_every=0"]
+    return CONFIG, [*shrink(CONFIG, corpora), *stage, *rest], "train"
+
+
+@pytest.mark.pool("transformers-locked-image-zero3-offload")
+def test_a_locked_tower_ends_as_the_checkpoint_had_it(rank_pool, corpora):
+    from safetensors.torch import load_file
+
+    start = load_file(str(corpora["transformers_clip"] / "model.safetensors"))
+    final = load_file(str(rank_pool.run_dir("transformers-locked-image-zero3-offload") / "model.safetensors"))
+    image = [k for k in start if k.startswith(("vision_model.", "visual_projection."))]
+    assert image and all(torch.equal(final[f"hf.{k}"], start[k]) for k in image)
+    assert not torch.equal(final["hf.text_projection.weight"], start["text_projection.weight"])  # the text trained

@@ -21,6 +21,7 @@ from torchvision import transforms as T
 from mmpt.config import Config
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.methods import register
+from mmpt.models.locking import TowerLocks, layered_groups, lock_towers, timm_groups
 from mmpt.methods.base import EngineNeeds, MethodConfig, OpenClipFolder, count
 from mmpt.methods.image_text import (
     TINY_IMAGE_TEXT_DATA,
@@ -40,7 +41,7 @@ from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
 OPEN_CLIP_TIMM_KWARGS = {"drop_path_rate": "timm_drop_path"}
 
 
-class ClipConfig(MethodConfig):
+class ClipConfig(MethodConfig, TowerLocks):
     name: Literal["clip"] = "clip"
     image: ImageTowerConfig = Field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = Field(default_factory=TextTowerConfig)
@@ -88,9 +89,15 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
         text = m.text
         if text.vocab_size is None:
             text = text.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
-        return ClipModel(
+        model = ClipModel(
             m.image, text, m.embed_dim, image_mean=m.image_mean, image_std=m.image_std, **initial_logits(m.loss)
         )
+        towers = {
+            "image": timm_groups(model.visual, model.image_projection),
+            "text": layered_groups(model.text, model.text.encoder.layer, model.text_projection),
+        }
+        lock_towers(towers, m, model)
+        return model
 
     def engine_needs(self, model: ClipModel, cfg: Config) -> EngineNeeds:
         # the timm image tower, the BERT text tower

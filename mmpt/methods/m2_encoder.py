@@ -25,6 +25,7 @@ from mmpt.data.tokenizer import TextTokenizer
 from mmpt.eval.retrieval import official_caption_normalization
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.methods import register
+from mmpt.models.locking import TowerGroups, TowerLocks, lock_towers
 from mmpt.methods.base import EngineNeeds, MethodConfig, OfficialFolder, count
 from mmpt.methods.image_text import (
     TINY_IMAGE_TEXT_DATA,
@@ -62,7 +63,7 @@ class AugmentConfig(PlacementAugment):
     randaugment: bool = True
 
 
-class M2Config(MethodConfig):
+class M2Config(MethodConfig, TowerLocks):
     name: Literal["m2_encoder"] = "m2_encoder"
     model: str = Field(default="m2-encoder-0.4b", description=f"architecture preset: {', '.join(PRESETS.names())}")
     arch: M2EncoderConfig = Field(
@@ -213,7 +214,9 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
         arch = self.settings(cfg).arch
         if arch.vocab_size is None:
             arch = arch.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
-        return M2Encoder(arch)
+        model = M2Encoder(arch)
+        lock_towers({"image": m2_tower_groups(model, "A"), "text": m2_tower_groups(model, "B")}, self.settings(cfg), model)
+        return model
 
     def resolve_defaults(self, cfg: Config) -> None:
         init = self.settings(cfg).init_from
@@ -361,6 +364,21 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
                 (OFFICIAL_ARCH, "the architecture (mmpt's `method.arch` keys)"),
             ),
         )
+
+
+def m2_tower_groups(model: M2Encoder, expert: str) -> TowerGroups:
+    """A tower's own parameters: its embeddings, its expert (`A` vision, `B` text) in each lower layer, its final
+    norm and projections. The shared top layers serve both towers and belong to neither."""
+    encoder = model.backbone.encoder
+
+    def own(module: nn.Module) -> list[nn.Parameter]:
+        return [p for name, p in module.named_parameters() if expert in name.split(".")]
+
+    vision = expert == "A"
+    embed = list((model.backbone.vision_embed if vision else model.backbone.text_embed).parameters())
+    heads = (model.itc_image_proj, model.itc_vl_image_proj) if vision else (model.itc_text_proj, model.itc_vl_text_proj)
+    last = own(encoder.layer_norm) + [p for head in heads for p in head.parameters()]
+    return [embed + own(encoder.embed_positions), *(own(layer) for layer in encoder.layers), last]
 
 
 METHOD = register(M2EncoderMethod())

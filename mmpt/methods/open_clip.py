@@ -28,6 +28,7 @@ from mmpt.methods.image_text import (
     initial_logits,
 )
 from mmpt.methods.towers import Tower, image_text_towers
+from mmpt.models.locking import TowerLocks
 from mmpt.models.open_clip_model import (
     OpenClipModel,
     OpenClipTokenizer,
@@ -39,8 +40,9 @@ from mmpt.models.open_clip_weights import fit_to, read_weights, tag_preprocessin
 from mmpt.models.switches import TowerSwitches
 
 
-class OpenClipConfig(MethodConfig, TowerSwitches):
-    """`grad_checkpointing` covers both towers (open_clip's switch); `patch_dropout` the ViT image tower."""
+class OpenClipConfig(MethodConfig, TowerSwitches, TowerLocks):
+    """`grad_checkpointing` covers both towers (open_clip's switch); `patch_dropout` the ViT image tower; the locks
+    are open_clip's own (`lock_image_tower`, `lock_text_tower`), as open_clip_train's --lock-image / --lock-text."""
 
     name: Literal["open_clip"] = "open_clip"
     model: str = Field(description="open_clip model name (e.g. ViT-B-32) or a path to a model config .json")
@@ -58,18 +60,6 @@ class OpenClipConfig(MethodConfig, TowerSwitches):
         description="initial weights: a pretrained tag of method.model (open_clip's cache, else a download), "
         "hf-hub:org/name, or a local file (a state dict .pt/.bin/.safetensors, or an open_clip_train checkpoint); "
         "a tag's preprocessing (mean, std, resize) is used with it",
-    )
-    lock_image: int | None = Field(
-        default=None,
-        ge=0,
-        description="lock the image tower but its last N layer groups (0: all of it; batch norm statistics frozen "
-        "too), as open_clip_train's --lock-image / --lock-image-unlocked-groups; null: train it",
-    )
-    lock_text: int | None = Field(
-        default=None,
-        ge=0,
-        description="lock the text tower but its last N layers (0: all of it), as open_clip_train's --lock-text / "
-        "--lock-text-unlocked-layers; null: train it",
     )
 
 

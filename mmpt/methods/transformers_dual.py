@@ -28,6 +28,7 @@ from mmpt.methods.image_text import (
     eval_batch_size_field,
 )
 from mmpt.methods.towers import Tower, image_text_towers
+from mmpt.models.locking import TowerLocks, lock_towers
 from mmpt.models.transformers_dual import (
     SIGMOID_TYPES,
     CenterCropFloor,
@@ -58,7 +59,7 @@ class ImagePreprocessing(Section):
     std: tuple[float, float, float]
 
 
-class TransformersConfig(MethodConfig):
+class TransformersConfig(MethodConfig, TowerLocks):
     name: Literal["transformers"] = "transformers"
     model: str = Field(description="a transformers dual encoder: a local folder (save_pretrained's) or a hub name")
     trust_remote_code: bool = Field(default=False, description="let transformers run modelling code the checkpoint ships")
@@ -172,6 +173,7 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
         model = TransformersDualEncoder(self._run_config(run_dir, cfg), bias, m.grad_checkpointing)
         image = self._image(cfg)
         model.image_mean, model.image_std = image.mean, image.std
+        lock_towers(model.tower_groups(), m, model)
         return model
 
     def load_initial_weights(self, model: nn.Module, cfg: Config) -> str | None:

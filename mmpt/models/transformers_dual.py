@@ -20,6 +20,7 @@ from torch import nn
 from torchvision.transforms import functional as TF
 
 from mmpt.config import ConfigError
+from mmpt.models.locking import TowerGroups, largest_layer_list, layered_groups
 
 KEY = "method.model"
 # model_type -> whether its text tower reads the padding mask: the BERT-family ones (bidirectional attention) do;
@@ -93,6 +94,18 @@ class TransformersDualEncoder(nn.Module):
         self.set_grad_checkpointing(grad_checkpointing)
         self.image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
         self.image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    def tower_groups(self) -> dict[str, TowerGroups]:
+        """Each tower's parameters by block (for locking): its embeddings, its layers, its final norm, head and
+        projection (SigLIP's towers hold theirs; the others' projections sit beside them)."""
+        towers = {}
+        for name, tower, projection in (
+            ("image", self.hf.vision_model, "visual_projection"),
+            ("text", self.hf.text_model, "text_projection"),
+        ):
+            after = [getattr(self.hf, projection)] if hasattr(self.hf, projection) else []
+            towers[name] = layered_groups(tower, largest_layer_list(tower), *after)
+        return towers
 
     def set_grad_checkpointing(self, enabled: bool = True) -> None:
         if enabled:
