@@ -32,9 +32,9 @@ CAPTIONS = ["a handwritten digit seven", "手写的数字三", "the digit two  w
 
 
 def demo_config(name: str, corpora: dict, run_dir: Path, *extra: str):
-    from mmpt.config_loader import load_config
-
     from test_every_method import demo_config as config_of
+
+    from mmpt.config_loader import load_config
 
     overrides = [*COMMON, *(o.format(**corpora) for o in get_method(name).tiny_overrides), *extra]
     return load_config(config_of(name), [*overrides, f"run.output_dir={run_dir}"])

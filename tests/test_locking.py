@@ -5,14 +5,13 @@ ResNet's batch norm keeps its running statistics (open_clip's frozen batch norm)
 under every ZeRO stage, with optimizer offload, is exercised by the open_clip and transformers scenarios."""
 
 import pytest
-from PIL import Image
 import torch
-
-from conftest import REPO
-from mmpt.config import ConfigError
-from mmpt.methods import get_method
+from PIL import Image
 from test_config_matrix import shrink
 from test_every_method import demo_config
+
+from mmpt.config import ConfigError
+from mmpt.methods import get_method
 
 CASES = {  # method: (its image tower's parameter-name prefixes, its text tower's)
     "clip": (("visual.", "image_projection."), ("text.", "text_projection.")),
@@ -64,7 +63,9 @@ def test_a_locked_image_tower_is_bit_identical_and_the_text_tower_trains(name, c
     train_steps(method, cfg, model, tmp_path)
     moved = changed(model, start)
     image, text = CASES[name]
-    image_names = [k for k in start if k.startswith(image) or (name == "m2_encoder" and ".A." in k and "backbone.encoder." in k)]
+    image_names = [
+        k for k in start if k.startswith(image) or (name == "m2_encoder" and ".A." in k and "backbone.encoder." in k)
+    ]
     assert image_names and not moved & set(image_names), sorted(moved & set(image_names))[:5]
     assert any(k.startswith(text) for k in moved), "the text tower did not train"
 

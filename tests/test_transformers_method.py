@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from tiny_dual_encoders import KINDS, build
 
 from conftest import REPO, read_metrics
 from mmpt.config import ConfigError
@@ -19,7 +20,6 @@ from mmpt.engine.preflight import check_inputs
 from mmpt.methods import get_method
 from mmpt.methods.image_text import SigmoidLossConfig
 from pool import scenario
-from tiny_dual_encoders import KINDS, build
 
 CAPTIONS = ["a photo of the digit seven", "数字七", "nine"]
 CONFIG = REPO / "configs/transformers/clip_finetune.yaml"
@@ -46,7 +46,8 @@ def config(model, **method):
 
 
 def images(kind):
-    """Odd sizes, so that resizing and cropping (by an odd margin) are exercised (SigLIP 2 keeps aspect: squares for it)."""
+    """Odd sizes, so that resizing and cropping (by an odd margin) are exercised (SigLIP 2 keeps the aspect ratio:
+    squares for it)."""
     rng = np.random.RandomState(0)
     sizes = [(40, 40), (56, 56)] if kind == "siglip2" else [(48, 37), (32, 51)]
     return [Image.fromarray(rng.randint(0, 256, (h, w, 3)).astype(np.uint8)) for h, w in sizes]
@@ -96,9 +97,9 @@ def test_sigmoid_loss_on_a_clip_checkpoint_adds_siglips_bias(checkpoints, tmp_pa
 def test_what_cannot_be_trained_stops_before_training_naming_the_key(checkpoints, tmp_path):
     from transformers import BertConfig, BertModel
 
-    BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8)).save_pretrained(
-        tmp_path / "bert"
-    )
+    BertModel(
+        BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8)
+    ).save_pretrained(tmp_path / "bert")
     for name, leave_out in (("no-weights", "model.safetensors"), ("no-processor", "preprocessor_config.json")):
         shutil.copytree(checkpoints["clip"], tmp_path / name, ignore=shutil.ignore_patterns(leave_out))
     cases = {

@@ -21,7 +21,9 @@ def build(kind: str, directory: Path) -> Path:
     text = {**WIDTH, "vocab_size": VOCAB, "pad_token_id": PAD, "bos_token_id": CLS, "eos_token_id": SEP}
     vision = {**WIDTH, "image_size": 32, "patch_size": 8}
     if kind == "clip":
-        config = tf.CLIPConfig(text_config={**text, "max_position_embeddings": 40}, vision_config=vision, projection_dim=24)
+        config = tf.CLIPConfig(
+            text_config={**text, "max_position_embeddings": 40}, vision_config=vision, projection_dim=24
+        )
         processor = tf.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     elif kind == "chinese_clip":
         config = tf.ChineseCLIPConfig(text_config=text, vision_config=vision, projection_dim=24)

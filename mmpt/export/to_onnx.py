@@ -95,8 +95,8 @@ def torchvision_code(steps: list[dict[str, Any]]) -> str:
             parts.append(f"T.Resize({size}, interpolation={mode}, antialias={step['antialias']})")
         elif step["op"] == "center_crop" and step.get("offsets") == "floor":
             h, w = step["size"]
-            box = f"((i.width - {w}) // 2, (i.height - {h}) // 2, (i.width - {w}) // 2 + {w}, (i.height - {h}) // 2 + {h})"
-            parts.append(f"T.Lambda(lambda i: i.crop({box}))")
+            left, top = f"(i.width - {w}) // 2", f"(i.height - {h}) // 2"
+            parts.append(f"T.Lambda(lambda i: i.crop(({left}, {top}, {left} + {w}, {top} + {h})))")
         elif step["op"] == "center_crop":
             parts.append(f"T.CenterCrop({tuple(step['size'])})")
         elif step["op"] == "convert_rgb":
@@ -168,7 +168,7 @@ def describe_tokenizer(model: LoadedModel, out: Path) -> dict[str, Any]:
     return {"kind": type(tokenizer).__name__, "files": [], "about": "see the method's preprocessors()"}
 
 
-def huggingface_tokenizer(context_length: int) -> dict[str, Any]:
+def huggingface_tokenizer(context_length: int | None) -> dict[str, Any]:
     return {
         "kind": "huggingface",
         "files": ["tokenizer/"],
@@ -369,8 +369,8 @@ def onnxruntime_code(record: dict[str, Any], out: Path) -> str:
             imports.append("from transformers import AutoTokenizer")
             lines += [
                 'tokenizer = AutoTokenizer.from_pretrained(f"{folder}/tokenizer")',
-                f'tokens = tokenizer(["a photo of a cat"], padding="max_length", max_length={tokenizer["context_length"]}, '
-                'truncation=True, return_tensors="np")',
+                'tokens = tokenizer(["a photo of a cat"], padding="max_length", truncation=True, return_tensors="np", '
+                f"max_length={tokenizer['context_length']})",
                 'input_ids, attention_mask = tokens["input_ids"], tokens["attention_mask"]',
             ]
         else:

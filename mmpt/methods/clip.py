@@ -21,7 +21,6 @@ from torchvision import transforms as T
 from mmpt.config import Config
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.methods import register
-from mmpt.models.locking import TowerLocks, layered_groups, lock_towers, timm_groups
 from mmpt.methods.base import EngineNeeds, MethodConfig, OpenClipFolder, count
 from mmpt.methods.image_text import (
     TINY_IMAGE_TEXT_DATA,
@@ -34,6 +33,7 @@ from mmpt.methods.image_text import (
 )
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
+from mmpt.models.locking import TowerLocks, layered_groups, lock_towers, timm_groups
 
 # A `clip` image tower's timm arguments that open_clip's timm adapter sets itself (as `vision_cfg` keys); they
 # are training-time regularisers and change no weight. Any other argument (img_size, depth, patch_size, ...)

@@ -25,7 +25,6 @@ from mmpt.data.tokenizer import TextTokenizer
 from mmpt.eval.retrieval import official_caption_normalization
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.methods import register
-from mmpt.models.locking import TowerGroups, TowerLocks, lock_towers
 from mmpt.methods.base import EngineNeeds, MethodConfig, OfficialFolder, count
 from mmpt.methods.image_text import (
     TINY_IMAGE_TEXT_DATA,
@@ -34,6 +33,7 @@ from mmpt.methods.image_text import (
     eval_batch_size_field,
 )
 from mmpt.methods.towers import Tower, image_text_towers
+from mmpt.models.locking import TowerGroups, TowerLocks, lock_towers
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 from mmpt.models.m2_official import SCALARS, OfficialTensors, load_official, load_release_weights
 from mmpt.models.tensor_files import SafetensorsTensors, TensorReader
@@ -215,7 +215,9 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
         if arch.vocab_size is None:
             arch = arch.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
         model = M2Encoder(arch)
-        lock_towers({"image": m2_tower_groups(model, "A"), "text": m2_tower_groups(model, "B")}, self.settings(cfg), model)
+        lock_towers(
+            {"image": m2_tower_groups(model, "A"), "text": m2_tower_groups(model, "B")}, self.settings(cfg), model
+        )
         return model
 
     def resolve_defaults(self, cfg: Config) -> None:

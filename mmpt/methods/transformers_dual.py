@@ -62,7 +62,9 @@ class ImagePreprocessing(Section):
 class TransformersConfig(MethodConfig, TowerLocks):
     name: Literal["transformers"] = "transformers"
     model: str = Field(description="a transformers dual encoder: a local folder (save_pretrained's) or a hub name")
-    trust_remote_code: bool = Field(default=False, description="let transformers run modelling code the checkpoint ships")
+    trust_remote_code: bool = Field(
+        default=False, description="let transformers run modelling code the checkpoint ships"
+    )
     loss: ImageTextLossConfig | None = Field(
         default=None,
         description="the training loss: contrastive or sigmoid (null: the checkpoint's own, sigmoid for SigLIP and "
@@ -83,7 +85,7 @@ def preprocessing_of(processor: Any) -> ImagePreprocessing:
     from PIL import Image
 
     if abs(float(processor.rescale_factor) - 1 / 255) > 1e-12 or not processor.do_normalize:
-        raise ConfigError(f"config key 'method.model': its image processor does not rescale by 1/255 and normalize")
+        raise ConfigError("config key 'method.model': its image processor does not rescale by 1/255 and normalize")
     height, width = image_size(processor)
     shortest = None
     if not getattr(processor, "max_num_patches", None) and not processor.size.height:
@@ -147,7 +149,9 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
     def tokenizer(self, cfg: Config, run_dir: Path) -> TransformersTokenizer:
         folder = run_dir / FOLDER
         source = folder if folder.is_dir() else Path(self.settings(cfg).model)
-        return TransformersTokenizer(source, context_length(self._run_config(run_dir, cfg), self.settings(cfg).context_length))
+        return TransformersTokenizer(
+            source, context_length(self._run_config(run_dir, cfg), self.settings(cfg).context_length)
+        )
 
     def _image(self, cfg: Config) -> ImagePreprocessing:
         m = self.settings(cfg)
@@ -187,7 +191,9 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
             )
         except Exception as exc:
             raise ConfigError(f"config key 'method.model': cannot load weights from {m.model}: {exc}") from None
-        problems = [(kind, names) for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") if (names := info[kind])]
+        problems = [
+            (kind, names) for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") if (names := info[kind])
+        ]
         if problems:
             kind, names = problems[0]
             raise ConfigError(f"config key 'method.model': {m.model}: {kind.replace('_', ' ')}: {sorted(names)[0]}")

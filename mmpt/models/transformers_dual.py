@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import nn
-from torchvision.transforms import functional as TF
 
 from mmpt.config import ConfigError
 from mmpt.models.locking import TowerGroups, largest_layer_list, layered_groups
@@ -29,7 +28,12 @@ KEY = "method.model"
 DUAL_ENCODERS = {"clip": False, "chinese_clip": True, "altclip": True, "siglip": False, "siglip2": False}
 SIGMOID_TYPES = ("siglip", "siglip2")
 LONGEST_CONTEXT = 77  # CLIP's; BERT-family text towers allow 512 but were trained on short captions
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -45,7 +49,9 @@ def load_config(source: str, trust_remote_code: bool = False) -> Any:
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as exc:  # no such folder or repository, offline, remote code refused
-        raise ConfigError(f"config key '{KEY}': cannot read a transformers config from {source}: {_first_line(exc)}") from None
+        raise ConfigError(
+            f"config key '{KEY}': cannot read a transformers config from {source}: {_first_line(exc)}"
+        ) from None
     if config.model_type not in DUAL_ENCODERS:
         known = ", ".join(DUAL_ENCODERS)
         raise ConfigError(
@@ -193,8 +199,8 @@ class CenterCropFloor:
         self.height, self.width = height, width
 
     def __call__(self, image: Image.Image) -> Image.Image:
-        w, h = image.size
-        return TF.crop(image, (h - self.height) // 2, (w - self.width) // 2, self.height, self.width)
+        left, top = (image.width - self.width) // 2, (image.height - self.height) // 2
+        return image.crop((left, top, left + self.width, top + self.height))
 
     def __repr__(self) -> str:
         return f"CenterCropFloor({self.height}, {self.width})"
@@ -207,7 +213,9 @@ def read_image_processor(folder: str | Path) -> Any:
     try:
         return AutoImageProcessor.from_pretrained(str(folder), backend="pil")
     except Exception as exc:  # no preprocessor_config.json
-        raise ConfigError(f"config key '{KEY}': cannot read an image processor from {folder}: {_first_line(exc)}") from None
+        raise ConfigError(
+            f"config key '{KEY}': cannot read an image processor from {folder}: {_first_line(exc)}"
+        ) from None
 
 
 def read_tokenizer(folder: str | Path, trust_remote_code: bool = False) -> Any:
@@ -222,7 +230,7 @@ def read_tokenizer(folder: str | Path, trust_remote_code: bool = False) -> Any:
 def image_size(processor: Any) -> tuple[int, int]:
     """(height, width) of the images the processor gives; SigLIP 2's as a square of its most patches."""
     if getattr(processor, "max_num_patches", None):
-        side = int(math.isqrt(int(processor.max_num_patches))) * int(processor.patch_size)
+        side = math.isqrt(int(processor.max_num_patches)) * int(processor.patch_size)
         return side, side
     crop = processor.crop_size if getattr(processor, "do_center_crop", False) else None
     size = crop or processor.size
