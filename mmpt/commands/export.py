@@ -84,6 +84,16 @@ def built_model(cfg, state: dict, files_from: Path):
     return PretrainedModel(model, cfg, files_from).eval()
 
 
+def adapters_merged(cfg, state: dict, files_from: Path):
+    """(`cfg` without `method.lora`, `state` with the adapters folded into the weights): the base architecture."""
+    from mmpt.models.lora import merge_lora
+
+    model = merge_lora(built_model(cfg, state, files_from).model)
+    merged = cfg.model_copy(deep=True)
+    merged.method.lora = None  # only methods with a `lora` key get here
+    return merged, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     from mmpt.export.formats import FORMATS
 
@@ -97,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--checkpoint", default=None, help="checkpoint tag (step_NNNNNNNNN) or 'latest'")
     parser.add_argument("--max-shard-size", default="2GB", help="weights are split into files of at most this size")
+    parser.add_argument(
+        "--keep-lora",
+        action="store_true",
+        help="a run with LoRA adapters: keep them in the export (default: as method.lora.merge_on_export says)",
+    )
     parser.add_argument(
         "--skip-check",
         action="store_true",
@@ -125,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             what = "complete checkpoint" if args.checkpoint else "model.safetensors and no complete checkpoint"
             raise ReleaseError(f"{run_dir}: no {what if checkpoint is None else checkpoint} to export")
         state, origin = consolidated_weights(run_dir, checkpoint.name), checkpoint.name
+    lora = getattr(cfg.method, "lora", None)
+    if lora is not None and lora.merge_on_export and not args.keep_lora:
+        cfg, state = adapters_merged(cfg, state, run_dir)
     if args.format == "release":
         written = save_release(out, cfg, state, run_dir, max_shard_size=args.max_shard_size)
     elif args.format == "official":

@@ -8,7 +8,10 @@ config key and the path, and exit code 2 (`mmpt.engine.stops`).
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 from pathlib import Path
+
+import torch
 
 from mmpt.artifacts import ReleaseError
 from mmpt.config import Config, ConfigError
@@ -72,6 +75,15 @@ def check_inputs(cfg: Config, method: Method) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     method.check_initial_weights(cfg)
+    if getattr(cfg.method, "lora", None) is not None:
+        check_adapters(cfg, method)
+
+
+def check_adapters(cfg: Config, method: Method) -> None:
+    """LoRA targets that match no layer are found by building the model without memory (on the meta device)."""
+    with tempfile.TemporaryDirectory() as scratch, torch.device("meta"):
+        method.prepare(cfg, Path(scratch))
+        method.build_model(cfg, Path(scratch))
 
 
 def literal_prefix(pattern: str) -> str:

@@ -34,6 +34,7 @@ from mmpt.methods.image_text import (
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
 from mmpt.models.locking import TowerLocks, layered_groups, lock_towers, timm_groups
+from mmpt.models.lora import LoraOption, add_lora
 
 # A `clip` image tower's timm arguments that open_clip's timm adapter sets itself (as `vision_cfg` keys); they
 # are training-time regularisers and change no weight. Any other argument (img_size, depth, patch_size, ...)
@@ -41,7 +42,7 @@ from mmpt.models.locking import TowerLocks, layered_groups, lock_towers, timm_gr
 OPEN_CLIP_TIMM_KWARGS = {"drop_path_rate": "timm_drop_path"}
 
 
-class ClipConfig(MethodConfig, TowerLocks):
+class ClipConfig(MethodConfig, TowerLocks, LoraOption):
     name: Literal["clip"] = "clip"
     image: ImageTowerConfig = Field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = Field(default_factory=TextTowerConfig)
@@ -97,6 +98,8 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
             "text": layered_groups(model.text, model.text.encoder.layer, model.text_projection),
         }
         lock_towers(towers, m, model)
+        if m.lora is not None:
+            add_lora(model, m.lora)
         return model
 
     def engine_needs(self, model: ClipModel, cfg: Config) -> EngineNeeds:

@@ -29,6 +29,7 @@ from mmpt.methods.image_text import (
 )
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.locking import TowerLocks
+from mmpt.models.lora import LoraOption, add_lora, load_base_state
 from mmpt.models.open_clip_model import (
     OpenClipModel,
     OpenClipTokenizer,
@@ -40,7 +41,7 @@ from mmpt.models.open_clip_weights import fit_to, read_weights, tag_preprocessin
 from mmpt.models.switches import TowerSwitches
 
 
-class OpenClipConfig(MethodConfig, TowerSwitches, TowerLocks):
+class OpenClipConfig(MethodConfig, TowerSwitches, TowerLocks, LoraOption):
     """`grad_checkpointing` covers both towers (open_clip's switch); `patch_dropout` the ViT image tower; the locks
     are open_clip's own (`lock_image_tower`, `lock_text_tower`), as open_clip_train's --lock-image / --lock-text."""
 
@@ -72,6 +73,7 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         'data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}]',
         'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [en]}}]',
         "method.model={repo}/benchmarks/configs/bench-vit-tiny.json",
+        "method.pretrained=null",  # a tag of the named architecture: none for the tiny one
     )
     uses_attention_mask = False  # open_clip's text tower pools at the end token
 
@@ -134,6 +136,8 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
             model.clip.lock_text_tower(unlocked_layers=settings.lock_text)
         preprocess = self._preprocess(cfg)
         model.image_mean, model.image_std = preprocess["mean"], preprocess["std"]
+        if settings.lora is not None:
+            add_lora(model.clip, settings.lora)
         return model
 
     def _logits(self, cfg: Config) -> dict[str, Any]:
@@ -159,7 +163,7 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         path = weights_file(self._name(cfg), pretrained)
         clip = cast(OpenClipModel, model).clip
         state = fit_to(clip, read_weights(path), path, f"open_clip model {self.settings(cfg).model}")
-        clip.load_state_dict(state, strict=True)
+        load_base_state(clip, state)
         return f"initialised {len(state)} of {len(state)} tensors from {path} (open_clip weights, strict)"
 
     def engine_needs(self, model: OpenClipModel, cfg: Config) -> EngineNeeds:

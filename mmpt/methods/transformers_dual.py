@@ -29,6 +29,7 @@ from mmpt.methods.image_text import (
 )
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.locking import TowerLocks, lock_towers
+from mmpt.models.lora import LoraOption, add_lora
 from mmpt.models.transformers_dual import (
     SIGMOID_TYPES,
     CenterCropFloor,
@@ -59,7 +60,7 @@ class ImagePreprocessing(Section):
     std: tuple[float, float, float]
 
 
-class TransformersConfig(MethodConfig, TowerLocks):
+class TransformersConfig(MethodConfig, TowerLocks, LoraOption):
     name: Literal["transformers"] = "transformers"
     model: str = Field(description="a transformers dual encoder: a local folder (save_pretrained's) or a hub name")
     trust_remote_code: bool = Field(
@@ -178,6 +179,8 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
         image = self._image(cfg)
         model.image_mean, model.image_std = image.mean, image.std
         lock_towers(model.tower_groups(), m, model)
+        if m.lora is not None:
+            add_lora(model.hf, m.lora)
         return model
 
     def load_initial_weights(self, model: nn.Module, cfg: Config) -> str | None:

@@ -19,6 +19,7 @@ import open_clip
 import torch
 
 from mmpt.config import ConfigError
+from mmpt.models.lora import base_state
 
 KEY = "method.pretrained"
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
@@ -83,7 +84,7 @@ def fit_to(model: torch.nn.Module, state: dict[str, torch.Tensor], path: Path, a
     """`state` shaped as `model` (open_clip's CLIP, scale and bias as [1]) holds it; ConfigError naming the first
     tensor that does not fit. The logit bias follows the loss: left out where the model has none (the contrastive
     loss chosen), the model's initial one (SigLIP's -10) where the weights have none (the sigmoid loss chosen)."""
-    expected = model.state_dict()
+    expected = base_state(model)  # the names without LoRA adapters, where the model has them
     if "logit_bias" not in expected:
         state = {name: tensor for name, tensor in state.items() if name != "logit_bias"}
     for name, tensor in expected.items():

@@ -20,6 +20,7 @@ from torch import nn
 
 from mmpt.config import ConfigError
 from mmpt.models.locking import TowerGroups, largest_layer_list, layered_groups
+from mmpt.models.lora import base_state, load_base_state
 
 KEY = "method.model"
 # model_type -> whether its text tower reads the padding mask: the BERT-family ones (bidirectional attention) do;
@@ -122,15 +123,15 @@ class TransformersDualEncoder(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The transformers model's own state dict (its logit scale 0-D again)."""
-        state = {name: value.detach() for name, value in self.hf.state_dict().items()}
+        state = {name: value.detach() for name, value in base_state(self.hf).items()}
         state["logit_scale"] = state["logit_scale"].reshape(self.scale_shape)
         return state
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a transformers model's state dict (0-D or [1] logit scale) strictly."""
+        """Load a transformers model's state dict (0-D or [1] logit scale) strictly (LoRA adapters aside)."""
         state = dict(state)
         state["logit_scale"] = state["logit_scale"].reshape(1)
-        self.hf.load_state_dict(state, strict=True)
+        load_base_state(self.hf, state)
 
     def _image_inputs(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.model_type != "siglip2":

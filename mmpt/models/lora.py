@@ -1,0 +1,81 @@
+"""LoRA adapters through peft: low-rank updates beside chosen linear layers, the only parameters that train.
+
+peft wraps each targeted `nn.Linear` in place (its weight becomes `<name>.base_layer.weight`, the adapter
+`<name>.lora_A.default.weight` and `<name>.lora_B.default.weight`); the adapter's B starts at zero, so the adapted
+model starts as the base model. `merge_lora` folds the updates back into plain linear layers with the base names.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from mmpt.config import ConfigError, Section
+
+KEY = "method.lora"
+
+
+class LoraSettings(Section):
+    """`method.lora`: which linear layers get adapters and how large they are (peft's LoraConfig)."""
+
+    targets: list[str] = Field(
+        min_length=1,
+        description="linear layers to adapt: module names or name suffixes (e.g. [q_proj, v_proj] in transformers "
+        "models, [c_fc, c_proj, out_proj] in open_clip's), peft's target_modules",
+    )
+    rank: int = Field(default=8, gt=0, description="rank r of each update")
+    alpha: int = Field(default=16, gt=0, description="updates are scaled by alpha / rank")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    merge_on_export: bool = Field(
+        default=True,
+        description="exports and releases made by launch/export.py fold the adapters into the weights (the "
+        "base architecture); false keeps them (the run's own layout)",
+    )
+
+
+class LoraOption(Section):
+    """The `method.lora` key of the methods that offer adapters."""
+
+    lora: LoraSettings | None = Field(default=None, description="train LoRA adapters only (null: no adapters)")
+
+
+def add_lora(model: nn.Module, settings: LoraSettings) -> None:
+    """Wrap the targeted linear layers of `model` with adapters; peft stops everything else training."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=settings.targets
+    )
+    try:
+        inject_adapter_in_model(config, model)
+    except ValueError as exc:  # no module matched
+        line = str(exc).strip().splitlines()[0]
+        raise ConfigError(f"config key '{KEY}.targets': {settings.targets} match no linear layer: {line}") from None
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """`model` with every adapted layer replaced by its base layer, the update added to its weight (in place)."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge(safe_merge=True)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    return model
+
+
+def base_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s state dict as the model without adapters names it (adapters left out)."""
+    return {k.replace(".base_layer.", "."): v for k, v in module.state_dict().items() if ".lora_" not in k}
+
+
+def load_base_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load the weights of the model without adapters into `module` (adapted or not), strictly: every tensor but
+    the adapters, which keep their initial values."""
+    names = {k.replace(".base_layer.", "."): k for k in module.state_dict() if ".lora_" not in k}
+    missing, extra = sorted(set(names) - set(state)), sorted(set(state) - set(names))
+    if missing or extra:
+        raise RuntimeError(f"weights do not fit the model: missing {missing[:5]}, unexpected {extra[:5]}")
+    module.load_state_dict({names[k]: v for k, v in state.items()}, strict=False)
