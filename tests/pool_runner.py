@@ -47,7 +47,8 @@ def run_matrix_cell(config: str, overrides: list[str], run_dir: Path) -> dict:
     release = run_dir.parent / f"{run_dir.name}-release"
     from mmpt.commands.export import main as export
 
-    assert export(["--run", str(run_dir), "--out", str(release), "--checkpoint", "latest"]) == 0
+    # --keep-lora: the run's own layout, so that it compares bit for bit (tests/test_lora.py checks the merge)
+    assert export(["--run", str(run_dir), "--out", str(release), "--checkpoint", "latest", "--keep-lora"]) == 0
     exported = mmpt.load(release).model.state_dict()
     final = load_file(str(run_dir / "model.safetensors"))
     assert exported.keys() == final.keys(), sorted(set(exported) ^ set(final))[:5]

@@ -30,6 +30,7 @@ VIT_TOWERS = {  # what makes each method's tiny tower a ViT (the demos' clip and
     "victor": ["method.video.backbone=vit_tiny_patch16_224", f"method.video.backbone_kwargs={TINY_VIT}"],
     "open_clip": [],  # its tiny config is a ViT
     "m2_encoder": [],  # patches in its own embedding
+    "transformers": [],  # its tiny checkpoint is a CLIP ViT
 }
 SWITCHED = [name for name in list_methods() if get_method(name).tower_switches]
 

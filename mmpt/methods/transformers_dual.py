@@ -30,6 +30,7 @@ from mmpt.methods.image_text import (
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.locking import TowerLocks, lock_towers
 from mmpt.models.lora import LoraOption, add_lora
+from mmpt.models.switches import TowerSwitches
 from mmpt.models.transformers_dual import (
     SIGMOID_TYPES,
     CenterCropFloor,
@@ -60,7 +61,10 @@ class ImagePreprocessing(Section):
     std: tuple[float, float, float]
 
 
-class TransformersConfig(MethodConfig, TowerLocks, LoraOption):
+class TransformersConfig(MethodConfig, TowerSwitches, TowerLocks, LoraOption):
+    """`grad_checkpointing` covers both towers (transformers' activation checkpointing); `patch_dropout` the image
+    tower's patch tokens after its embeddings (not SigLIP 2's, whose patches carry a mask)."""
+
     name: Literal["transformers"] = "transformers"
     model: str = Field(description="a transformers dual encoder: a local folder (save_pretrained's) or a hub name")
     trust_remote_code: bool = Field(
@@ -77,7 +81,6 @@ class TransformersConfig(MethodConfig, TowerLocks, LoraOption):
     image: ImagePreprocessing | None = Field(
         default=None, description="image preprocessing (null: the checkpoint's image processor's, filled in at start)"
     )
-    grad_checkpointing: bool = Field(default=False, description="recompute both towers' layers in backward")
     eval_batch_size: int = eval_batch_size_field()
 
 
@@ -104,6 +107,7 @@ def preprocessing_of(processor: Any) -> ImagePreprocessing:
 class TransformersMethod(ImageTextMethod[TransformersConfig]):
     name = "transformers"
     config_class = TransformersConfig
+    tower_switches = "method"
     tiny_overrides = (*TINY_IMAGE_TEXT_DATA, "method.model={transformers_clip}")
 
     def _config(self, cfg: Config) -> Any:
@@ -175,7 +179,9 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
     def build_model(self, cfg: Config, run_dir: Path) -> TransformersDualEncoder:
         loss, m = self.loss_spec(cfg), self.settings(cfg)
         bias = -10.0 if isinstance(loss, SigmoidLossConfig) else None  # SigLIP's start, where the checkpoint has none
-        model = TransformersDualEncoder(self._run_config(run_dir, cfg), bias, m.grad_checkpointing)
+        config = self._run_config(run_dir, cfg)
+        model = TransformersDualEncoder(config, bias, m)
+        model.context_length = context_length(config, m.context_length)
         image = self._image(cfg)
         model.image_mean, model.image_std = image.mean, image.std
         lock_towers(model.tower_groups(), m, model)

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from timm.layers.patch_dropout import PatchDropout
 from torch import nn
 
 from mmpt.config import ConfigError
 from mmpt.models.locking import TowerGroups, largest_layer_list, layered_groups
 from mmpt.models.lora import base_state, load_base_state
+from mmpt.models.switches import TowerSwitches
 
 KEY = "method.model"
 # model_type -> whether its text tower reads the padding mask: the BERT-family ones (bidirectional attention) do;
@@ -80,7 +82,7 @@ class TransformersDualEncoder(nn.Module):
     """`hf` is the transformers model; its 0-D `logit_scale` is re-made with shape [1] (DeepSpeed flattens no 0-D
     parameter). `logit_bias`: where the loss wants one and the checkpoint has none, a new one starting there."""
 
-    def __init__(self, config: Any, logit_bias: float | None = None, grad_checkpointing: bool = False):
+    def __init__(self, config: Any, logit_bias: float | None = None, switches: TowerSwitches | None = None):
         from transformers import AutoModel
 
         super().__init__()
@@ -98,9 +100,24 @@ class TransformersDualEncoder(nn.Module):
             self.bias.requires_grad_(False)  # the contrastive loss reads no bias
             self.bias = None
         self.patch_size = int(config.vision_config.patch_size)
-        self.set_grad_checkpointing(grad_checkpointing)
+        self.context_length = LONGEST_CONTEXT  # the method sets the run's
+        switches = switches or TowerSwitches()
+        self.set_grad_checkpointing(switches.grad_checkpointing)
+        if switches.patch_dropout:
+            self._add_patch_dropout(switches.patch_dropout)
         self.image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
         self.image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    def _add_patch_dropout(self, prob: float) -> None:
+        """timm's patch dropout on the image embeddings' output (the class token kept where there is one)."""
+        if self.model_type == "siglip2":
+            raise ConfigError(
+                "config key 'method.patch_dropout': SigLIP 2's image tower masks its patches itself; set it to 0"
+            )
+        embeddings = self.hf.vision_model.embeddings
+        prefix = 1 if hasattr(embeddings, "class_embedding") else 0
+        self.patch_dropout = PatchDropout(prob, num_prefix_tokens=prefix)
+        embeddings.register_forward_hook(lambda module, args, tokens: self.patch_dropout(tokens))
 
     def tower_groups(self) -> dict[str, TowerGroups]:
         """Each tower's parameters by block (for locking): its embeddings, its layers, its final norm, head and

@@ -36,10 +36,13 @@ def setting(section: Any, name: str) -> Any:
 
 def text_length(b: Built) -> int:
     try:
-        return int(setting(b.cfg.method, "context_length"))
+        chosen = setting(b.cfg.method, "context_length")
     except KeyError:
-        inner = getattr(b.model, "clip", b.model)  # an open_clip model keeps its own length
-        return int(getattr(inner, "context_length", 77))
+        chosen = None
+    if chosen is not None:
+        return int(chosen)
+    inner = getattr(b.model, "clip", b.model)  # open_clip and transformers models keep their own length
+    return int(getattr(inner, "context_length", 77))
 
 
 def image_shape(b: Built) -> tuple[int, ...]:
