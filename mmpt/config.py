@@ -205,6 +205,15 @@ class OptimConfig(Section):
         "unmatched parameters keep lr",
     )
 
+    layer_decay: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="layer-wise rate decay (as EVA-CLIP fine-tunes): a tower's group k blocks before its last trains "
+        "at lr x layer_decay^k (its last group, the head, at lr); parameters outside the towers keep lr; "
+        "multiplies lr_scales. Image-text methods",
+    )
+
     @field_validator("lr_scales")
     @classmethod
     def _positive_scales(cls, scales: dict[str, float]) -> dict[str, float]:

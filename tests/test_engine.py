@@ -102,6 +102,49 @@ def test_per_part_rates_step_as_adamw_at_each_parts_rate_through_the_schedule():
     assert sorted(g["lr"] for g in optimizer.param_groups) == pytest.approx([1e-3, 1e-3, 1e-2, 3e-2])
 
 
+def test_layer_decay_steps_each_group_as_adamw_at_its_decayed_rate():
+    """`optim.layer_decay` 0.5: a tower's group k blocks below its last moves as AdamW alone at lr x 0.5^k (times its
+    `lr_scales` scale); a parameter outside the towers at lr."""
+    from mmpt.config import OptimConfig
+    from mmpt.engine.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({f"layer{i}": nn.Linear(3, 3, bias=False) for i in range(5)})
+    towers = {"image": [[model["layer0"].weight], [model["layer1"].weight], [model["layer2"].weight]]}
+    towers["text"] = [[model["layer3"].weight], []]
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.0, layer_decay=0.5, lr_scales={"layer1.*": 3.0})
+    rates = {"layer0": 1e-2 * 0.25, "layer1": 1e-2 * 0.5 * 3.0, "layer2": 1e-2, "layer3": 1e-2 * 0.5, "layer4": 1e-2}
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+    optimizer = build_optimizer(model, cfg, towers=towers)
+    for name, p in model.named_parameters():
+        p.grad = grads[name].clone()
+    optimizer.step()
+    for name, p in model.named_parameters():
+        alone = nn.Parameter(start[name].clone())
+        alone.grad = grads[name].clone()
+        torch.optim.AdamW([alone], lr=rates[name.split(".")[0]], weight_decay=0.0, foreach=False).step()
+        torch.testing.assert_close(p.detach(), alone.detach(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_layer_decay_follows_each_image_text_methods_towers(corpora, tmp_path):
+    """On the transformers CLIP (2 blocks a tower): embeddings at decay^3, the blocks at decay^2 and decay, the final
+    norm and projection at lr, the logit scale (no tower's) at lr."""
+    from test_locking import tiny
+
+    from mmpt.engine.optim import build_optimizer
+
+    cfg, method, model = tiny("transformers", corpora, tmp_path, "optim.layer_decay=0.5", "optim.lr=1.0")
+    optimizer = build_optimizer(model, cfg.optim, towers=method.tower_groups(model))
+    rate = {id(p): g.get("lr", 1.0) for g in optimizer.param_groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    for tower in ("vision_model", "text_model"):
+        assert rate[id(named[f"hf.{tower}.embeddings.position_embedding.weight"])] == 0.125
+        assert rate[id(named[f"hf.{tower}.encoder.layers.0.mlp.fc1.weight"])] == 0.25
+        assert rate[id(named[f"hf.{tower}.encoder.layers.1.mlp.fc1.weight"])] == 0.5
+    assert rate[id(named["hf.text_projection.weight"])] == rate[id(named["hf.logit_scale"])] == 1.0
+
+
 def test_a_rate_pattern_matching_nothing_is_a_config_error():
     from mmpt.config import ConfigError, OptimConfig
     from mmpt.engine.optim import build_optimizer

@@ -13,11 +13,17 @@ from mmpt.config import ConfigError, OptimConfig
 
 
 def param_groups(
-    model: nn.Module, weight_decay: float, no_decay: list[str], lr: float | None = None, lr_scales: dict | None = None
+    model: nn.Module,
+    weight_decay: float,
+    no_decay: list[str],
+    lr: float | None = None,
+    lr_scales: dict | None = None,
+    layer_scales: dict[int, float] | None = None,
 ) -> list[dict]:
     """Biases, norms, 1-D parameters and names matching `no_decay` get no weight decay; names matching a pattern of
-    `lr_scales` (fnmatch, the first that matches) get `lr` times its scale. Frozen parameters are left out."""
-    scales = lr_scales or {}
+    `lr_scales` (fnmatch, the first that matches) get `lr` times its scale, and times `layer_scales[id(param)]`
+    where given. Frozen parameters are left out."""
+    scales, by_layer = lr_scales or {}, layer_scales or {}
     unused = set(scales)
     groups: dict[tuple[bool, float], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
@@ -27,7 +33,8 @@ def param_groups(
         decays = not (dims <= 1 or any(pattern in name.lower() for pattern in no_decay))
         pattern = next((p for p in scales if fnmatchcase(name, p)), None)
         unused.discard(pattern)
-        groups.setdefault((decays, scales[pattern] if pattern else 1.0), []).append(param)
+        scale = (scales[pattern] if pattern else 1.0) * by_layer.get(id(param), 1.0)
+        groups.setdefault((decays, scale), []).append(param)
     if unused:
         example = next((name for name, _ in model.named_parameters()), "")
         raise ConfigError(
@@ -78,8 +85,21 @@ class SkippingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay, cfg.no_decay, cfg.lr, cfg.lr_scales)
+def layer_scales(towers: dict[str, list[list[nn.Parameter]]], decay: float | None) -> dict[int, float]:
+    """{id(param): decay^k} for each tower's parameters, k groups before its last group (EVA-CLIP's layer decay)."""
+    if decay is None:
+        return {}
+    if not towers:
+        raise ConfigError("config key 'optim.layer_decay': this method declares no towers whose layers it could scale")
+    return {id(p): decay ** (len(gs) - 1 - k) for gs in towers.values() for k, group in enumerate(gs) for p in group}
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, zero_stage: int = 0, towers: dict[str, list[list[nn.Parameter]]] | None = None
+) -> torch.optim.Optimizer:
+    """AdamW over `param_groups`; `towers` (the method's `EngineNeeds.tower_groups`) for `cfg.layer_decay`."""
+    by_layer = layer_scales(towers or {}, cfg.layer_decay)
+    groups = param_groups(model, cfg.weight_decay, cfg.no_decay, cfg.lr, cfg.lr_scales, by_layer)
     # ZeRO accepts only known optimizer classes (and has its own overflow check).
     kind = SkippingAdamW if zero_stage == 0 else torch.optim.AdamW
     # The fused kernel (CPU and CUDA) updates all parameters in one pass instead of a Python loop.

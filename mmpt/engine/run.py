@@ -383,7 +383,7 @@ def build_engine(
     if cfg.train.compile:
         compile_towers(needs, method.name)  # in place: parameter names, so checkpoints, stay those of eager runs
     module = TrainingModule(method, model, method.build_loss(cfg), needs)
-    optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage)
+    optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage, needs.tower_groups)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio, cfg.optim.decay)
     )

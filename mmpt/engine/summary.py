@@ -44,7 +44,12 @@ def startup_summary(
         f"{batch * accum * layout.data_size} samples per step, {cfg.train.max_steps} steps",
         f"parameters: {total:,} ({trainable:,} trainable)",
         f"learning rate {cfg.optim.lr:g}"
-        + "".join(f", x{scale:g} for {pattern}" for pattern, scale in cfg.optim.lr_scales.items()),
+        + "".join(f", x{scale:g} for {pattern}" for pattern, scale in cfg.optim.lr_scales.items())
+        + (
+            f", layer decay {cfg.optim.layer_decay:g} (x{cfg.optim.layer_decay:g}^k, k blocks below a tower's head)"
+            if cfg.optim.layer_decay
+            else ""
+        ),
         f"initial weights: {initial_weights or 'random (no init_from)'}",
     ]
     if resumed_from is not None:

@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
@@ -79,6 +79,9 @@ class EngineNeeds:
     batch_norm_across_ranks: every BatchNorm in the model takes its batch statistics over all data-parallel
         ranks' samples (torch's SyncBatchNorm semantics, on CPU ranks too), so a model whose loss depends on
         batch statistics trains as on the global batch, and running statistics agree on every rank.
+    tower_groups: {tower name: its parameters in groups, input to output} (`mmpt.models.locking.TowerGroups`): the
+        engine scales each group's learning rate by `optim.layer_decay` to the power of its distance from the
+        tower's last group.
     compilable: the towers (image, video, text, dialog encoders) the engine compiles in place with
         `torch.compile` when a run sets `train.compile` (see `mmpt.engine.compile`). Each is compiled as a
         whole module, so its parameters keep their names; what runs between them (projections, pooling, the
@@ -93,6 +96,7 @@ class EngineNeeds:
     sequence_parallel: tuple[nn.Module, ...] = ()
     batch_norm_across_ranks: bool = False
     compilable: tuple[nn.Module, ...] = ()
+    tower_groups: dict[str, list[list[nn.Parameter]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.pool_features is None) != (self.step_pool is None):

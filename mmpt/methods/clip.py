@@ -33,7 +33,7 @@ from mmpt.methods.image_text import (
 )
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
-from mmpt.models.locking import TowerLocks, layered_groups, lock_towers, timm_groups
+from mmpt.models.locking import TowerGroups, TowerLocks, layered_groups, lock_towers, timm_groups
 from mmpt.models.lora import LoraOption, add_lora
 
 # A `clip` image tower's timm arguments that open_clip's timm adapter sets itself (as `vision_cfg` keys); they
@@ -93,18 +93,20 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
         model = ClipModel(
             m.image, text, m.embed_dim, image_mean=m.image_mean, image_std=m.image_std, **initial_logits(m.loss)
         )
-        towers = {
-            "image": timm_groups(model.visual, model.image_projection),
-            "text": layered_groups(model.text, model.text.encoder.layer, model.text_projection),
-        }
-        lock_towers(towers, m, model)
+        lock_towers(self.tower_groups(model), m, model)
         if m.lora is not None:
             add_lora(model, m.lora)
         return model
 
+    def tower_groups(self, model: ClipModel) -> dict[str, TowerGroups]:
+        return {
+            "image": timm_groups(model.visual, model.image_projection),
+            "text": layered_groups(model.text, model.text.encoder.layer, model.text_projection),
+        }
+
     def engine_needs(self, model: ClipModel, cfg: Config) -> EngineNeeds:
         # the timm image tower, the BERT text tower
-        return EngineNeeds(compilable=(model.visual, model.text), **self.pooled_needs(cfg))
+        return EngineNeeds(compilable=(model.visual, model.text), **self.image_text_needs(model, cfg))
 
     # --- export ---
 

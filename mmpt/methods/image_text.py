@@ -23,6 +23,7 @@ from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.losses.sigmoid import INIT_LOGIT_BIAS, INIT_LOGIT_SCALE, Exchange, SigmoidLoss
 from mmpt.methods.base import EngineNeeds, Method, copy_tokenizer, eval_record, stream_spec
+from mmpt.models.locking import TowerGroups
 
 
 def eval_batch_size_field():
@@ -240,14 +241,21 @@ class ImageTextMethod(Method[SettingsT]):
     def build_loss(self, cfg: Config) -> nn.Module:
         return build_image_text_loss(self.loss_spec(cfg))
 
-    def pooled_needs(self, cfg: Config) -> dict[str, Any]:
-        """`EngineNeeds` keys for pooled accumulation, where the loss config asks for it."""
-        if not self.loss_spec(cfg).pooled_accumulation:
-            return {}
-        return {"pool_features": self.pool_features, "step_pool": self.step_pool}
+    def tower_groups(self, model: nn.Module) -> dict[str, TowerGroups]:
+        """{"image": groups, "text": groups}: each tower's parameters from input to output (`mmpt.models.locking`),
+        what `method.lock_image` / `lock_text` lock and `optim.layer_decay` scales."""
+        return {}
+
+    def image_text_needs(self, model: nn.Module, cfg: Config) -> dict[str, Any]:
+        """`EngineNeeds` keys every image-text method has: its towers, and pooled accumulation where the loss config
+        asks for it."""
+        needs: dict[str, Any] = {"tower_groups": self.tower_groups(model)}
+        if self.loss_spec(cfg).pooled_accumulation:
+            needs |= {"pool_features": self.pool_features, "step_pool": self.step_pool}
+        return needs
 
     def engine_needs(self, model: nn.Module, cfg: Config) -> EngineNeeds:
-        return EngineNeeds(**self.pooled_needs(cfg))
+        return EngineNeeds(**self.image_text_needs(model, cfg))
 
     def pool_features(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Image then text features, in the order `training_step` (the model's forward) computes them."""

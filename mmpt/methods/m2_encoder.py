@@ -215,9 +215,7 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
         if arch.vocab_size is None:
             arch = arch.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
         model = M2Encoder(arch)
-        lock_towers(
-            {"image": m2_tower_groups(model, "A"), "text": m2_tower_groups(model, "B")}, self.settings(cfg), model
-        )
+        lock_towers(self.tower_groups(model), self.settings(cfg), model)
         return model
 
     def resolve_defaults(self, cfg: Config) -> None:
@@ -272,6 +270,9 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
             size = spec.group_size
         return GroupedContrastiveLoss(mdist.contiguous_group(size), tile_size=spec.tile_size)
 
+    def tower_groups(self, model: M2Encoder) -> dict[str, TowerGroups]:
+        return {"image": m2_tower_groups(model, "A"), "text": m2_tower_groups(model, "B")}
+
     def engine_needs(self, model: M2Encoder, cfg: Config) -> EngineNeeds:
         # GBA-ITC: the step's K micro-batches form one negative pool. The towers: the modality-expert stack
         # and the shared top (both images and texts run through each, selecting their expert by name).
@@ -279,6 +280,7 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
             pool_features=self.pool_features,
             step_pool=self.step_pool,
             compilable=(model.backbone.encoder, model.backbone_vl),
+            tower_groups=self.tower_groups(model),
         )
 
     # --- export ---

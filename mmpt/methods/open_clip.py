@@ -28,7 +28,7 @@ from mmpt.methods.image_text import (
     initial_logits,
 )
 from mmpt.methods.towers import Tower, image_text_towers
-from mmpt.models.locking import TowerLocks
+from mmpt.models.locking import TowerGroups, TowerLocks, largest_layer_list, layered_groups
 from mmpt.models.lora import LoraOption, add_lora, load_base_state
 from mmpt.models.open_clip_model import (
     OpenClipModel,
@@ -166,10 +166,22 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         load_base_state(clip, state)
         return f"initialised {len(state)} of {len(state)} tensors from {path} (open_clip weights, strict)"
 
+    def tower_groups(self, model: OpenClipModel) -> dict[str, TowerGroups]:
+        """The ViT or ResNet image tower by its blocks; the text transformer (in a custom-text model its own module,
+        else spread over the CLIP module: embeddings, blocks, final norm and projection)."""
+        clip = model.clip
+        image = layered_groups(clip.visual, largest_layer_list(clip.visual))
+        if hasattr(clip, "text"):
+            return {"image": image, "text": layered_groups(clip.text, largest_layer_list(clip.text))}
+        embeddings = [clip.token_embedding.weight, clip.positional_embedding]
+        blocks = [list(block.parameters()) for block in clip.transformer.resblocks]
+        head = [*clip.ln_final.parameters(), clip.text_projection]
+        return {"image": image, "text": [embeddings, *blocks, head]}
+
     def engine_needs(self, model: OpenClipModel, cfg: Config) -> EngineNeeds:
         # open_clip's image tower, and its text transformer (`text` in its custom-text models)
         text = model.clip.text if hasattr(model.clip, "text") else model.clip.transformer
-        return EngineNeeds(compilable=(model.clip.visual, text), **self.pooled_needs(cfg))
+        return EngineNeeds(compilable=(model.clip.visual, text), **self.image_text_needs(model, cfg))
 
     # --- export ---
 

@@ -28,7 +28,7 @@ from mmpt.methods.image_text import (
     eval_batch_size_field,
 )
 from mmpt.methods.towers import Tower, image_text_towers
-from mmpt.models.locking import TowerLocks, lock_towers
+from mmpt.models.locking import TowerGroups, TowerLocks, lock_towers
 from mmpt.models.lora import LoraOption, add_lora
 from mmpt.models.switches import TowerSwitches
 from mmpt.models.transformers_dual import (
@@ -184,7 +184,7 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
         model.context_length = context_length(config, m.context_length)
         image = self._image(cfg)
         model.image_mean, model.image_std = image.mean, image.std
-        lock_towers(model.tower_groups(), m, model)
+        lock_towers(self.tower_groups(model), m, model)
         if m.lora is not None:
             add_lora(model.hf, m.lora)
         return model
@@ -210,8 +210,11 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
         cast(TransformersDualEncoder, model).load_hf_state_dict(state)
         return f"initialised {len(state)} of {len(state)} tensors from {m.model} ({type(loaded).__name__}, strict)"
 
+    def tower_groups(self, model: TransformersDualEncoder) -> dict[str, TowerGroups]:
+        return model.tower_groups()
+
     def engine_needs(self, model: TransformersDualEncoder, cfg: Config) -> EngineNeeds:
-        return EngineNeeds(compilable=(model.hf.vision_model, model.hf.text_model), **self.pooled_needs(cfg))
+        return EngineNeeds(compilable=(model.hf.vision_model, model.hf.text_model), **self.image_text_needs(model, cfg))
 
     # --- export ---
 
