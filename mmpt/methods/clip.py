@@ -14,7 +14,7 @@ from typing import Any, Literal, cast
 
 from open_clip import image_transform
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 from torchvision import transforms as T
 
@@ -34,12 +34,14 @@ from mmpt.methods.image_text import (
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
 from mmpt.models.locking import TowerGroups, TowerLocks, layered_groups, lock_towers, timm_groups
-from mmpt.models.lora import LoraOption, add_lora
+from mmpt.models.lora import LoraOption, add_lora, load_base_state
+from mmpt.models.pretrained_towers import check_image_weights, image_weights, text_config, text_encoder, text_weights
 
 # A `clip` image tower's timm arguments that open_clip's timm adapter sets itself (as `vision_cfg` keys); they
 # are training-time regularisers and change no weight. Any other argument (img_size, depth, patch_size, ...)
 # builds a network open_clip cannot build, since its adapter passes no other timm.create_model arguments.
 OPEN_CLIP_TIMM_KWARGS = {"drop_path_rate": "timm_drop_path"}
+TEXT_ENCODER = "text_encoder"  # in the run directory: the pretrained text encoder's config
 
 
 class ClipConfig(MethodConfig, TowerLocks, LoraOption):
@@ -47,7 +49,11 @@ class ClipConfig(MethodConfig, TowerLocks, LoraOption):
     image: ImageTowerConfig = Field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = Field(default_factory=TextTowerConfig)
     embed_dim: int = Field(default=256, gt=0)
-    tokenizer: str = Field(description="path of a `tokenizers` tokenizer.json (copied into the run directory)")
+    tokenizer: str | None = Field(
+        default=None,
+        description="path of a `tokenizers` tokenizer.json (copied into the run directory); null with "
+        "text.pretrained: that checkpoint's tokenizer",
+    )
     image_mean: tuple[float, float, float] = OPENAI_DATASET_MEAN
     image_std: tuple[float, float, float] = OPENAI_DATASET_STD
     augment: PlacementAugment = Field(
@@ -55,6 +61,14 @@ class ClipConfig(MethodConfig, TowerLocks, LoraOption):
     )
     eval_batch_size: int = eval_batch_size_field()
     loss: ImageTextLossConfig = image_text_loss_field()
+
+    @model_validator(mode="after")
+    def _a_tokenizer(self) -> ClipConfig:
+        if self.tokenizer is None and self.text.pretrained is None:
+            raise ValueError(
+                "set method.tokenizer (a tokenizer.json), or method.text.pretrained to an encoder with one"
+            )
+        return self
 
 
 class ClipMethod(ImageTextMethod[ClipConfig]):
@@ -80,6 +94,43 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
     def load_tokenizer(self, path: Path, cfg: Config) -> TextTokenizer:
         return TextTokenizer(path, self.settings(cfg).text.context_length)
 
+    def input_paths(self, cfg: Config) -> dict[str, str | None]:
+        return {"method.tokenizer": self.settings(cfg).tokenizer}
+
+    def prepare(self, cfg: Config, run_dir: Path) -> None:
+        """The tokenizer (method.tokenizer's, or the pretrained text encoder's as a tokenizer.json) and the
+        pretrained text encoder's config, so that the run builds its model without the checkpoint."""
+        m = self.settings(cfg)
+        if m.tokenizer is not None:
+            super().prepare(cfg, run_dir)
+        elif m.text.pretrained is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(m.text.pretrained)
+            tokenizer.backend_tokenizer.save(str(run_dir / self.tokenizer_file_name(cfg)))
+        if m.text.pretrained is not None:
+            text_config(m.text.pretrained).save_pretrained(run_dir / TEXT_ENCODER)
+
+    def release_files(self, cfg: Config) -> list[str]:
+        return [*super().release_files(cfg), *([TEXT_ENCODER] if self.settings(cfg).text.pretrained else [])]
+
+    def check_initial_weights(self, cfg: Config) -> None:
+        m = self.settings(cfg)
+        if m.image.pretrained is not None:
+            check_image_weights(m.image.timm_name, m.image.pretrained)
+        if m.text.pretrained is not None:
+            text_config(m.text.pretrained)
+
+    def load_initial_weights(self, model: nn.Module, cfg: Config) -> str | None:
+        m, clip, loaded = self.settings(cfg), cast(ClipModel, model), []
+        if m.image.pretrained is not None:
+            load_base_state(clip.visual, image_weights(m.image.timm_name, m.image.pretrained, m.image.timm_kwargs))
+            loaded.append(f"image tower from {m.image.pretrained} ({m.image.timm_name})")
+        if m.text.pretrained is not None:
+            load_base_state(clip.text, text_weights(m.text.pretrained, clip.text.config))
+            loaded.append(f"text tower from {m.text.pretrained}")
+        return "; ".join(loaded) or None
+
     def image_transform(self, cfg: Config, train: bool):
         m = self.settings(cfg)
         transform = image_transform(m.image.image_size, is_train=train, mean=m.image_mean, std=m.image_std)
@@ -88,10 +139,20 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
     def build_model(self, cfg: Config, run_dir: Path) -> ClipModel:
         m = self.settings(cfg)
         text = m.text
-        if text.vocab_size is None:
+        if text.vocab_size is None and text.pretrained is None:
             text = text.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
+        encoder = None
+        if text.pretrained is not None:
+            saved = run_dir / TEXT_ENCODER
+            encoder = text_encoder(text_config(str(saved) if saved.is_dir() else text.pretrained))
         model = ClipModel(
-            m.image, text, m.embed_dim, image_mean=m.image_mean, image_std=m.image_std, **initial_logits(m.loss)
+            m.image,
+            text,
+            m.embed_dim,
+            image_mean=m.image_mean,
+            image_std=m.image_std,
+            text_encoder=encoder,
+            **initial_logits(m.loss),
         )
         lock_towers(self.tower_groups(model), m, model)
         if m.lora is not None:

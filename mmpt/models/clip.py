@@ -19,8 +19,11 @@ from mmpt.models.switches import TowerSwitches, timm_tower
 
 
 class ImageTowerConfig(TowerSwitches):
-    timm_name: str = Field(
-        default="vit_tiny_patch16_224", description="any timm model name; built without pretrained weights"
+    timm_name: str = Field(default="vit_tiny_patch16_224", description="any timm model name")
+    pretrained: str | None = Field(
+        default=None,
+        description="initial weights: 'timm' (timm's pretrained weights of timm_name: its cache, else a download) "
+        "or a local weights file timm reads; null: random",
     )
     image_size: int = Field(default=224, gt=0, description="input resolution of the image transforms")
     timm_kwargs: dict[str, Any] = Field(
@@ -36,8 +39,14 @@ class ImageTowerConfig(TowerSwitches):
 
 
 class TextTowerConfig(Section):
-    """A BERT-style encoder; `vocab_size: null` takes the tokenizer's size."""
+    """A BERT-style encoder; `vocab_size: null` takes the tokenizer's size. With `pretrained`, the encoder is that
+    checkpoint's architecture and weights, and its size keys are not read."""
 
+    pretrained: str | None = Field(
+        default=None,
+        description="a transformers encoder checkpoint (folder or hub name, e.g. a BERT or RoBERTa-wwm): its "
+        "architecture, weights and, unless method.tokenizer is set, its tokenizer; null: a new BERT of this size",
+    )
     vocab_size: int | None = Field(default=None, gt=0)
     width: int = Field(default=256, gt=0)
     layers: int = Field(default=4, gt=0)
@@ -81,13 +90,15 @@ class ClipModel(nn.Module):
         init_logit_bias: float | None = None,
         image_mean: Sequence[float] = OPENAI_DATASET_MEAN,
         image_std: Sequence[float] = OPENAI_DATASET_STD,
+        text_encoder: nn.Module | None = None,
     ):
+        """`text_encoder`: a transformers encoder of a pretrained architecture, instead of a BERT of `text`'s size."""
         super().__init__()
         self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
         self.visual = timm_tower(image.timm_name, image.timm_kwargs, image, "method.image")
         self.image_projection = nn.Linear(cast(int, self.visual.num_features), embed_dim, bias=False)
-        self.text = bert_text_encoder(text)
-        self.text_projection = nn.Linear(text.width, embed_dim, bias=False)
+        self.text: Any = text_encoder if text_encoder is not None else bert_text_encoder(text)
+        self.text_projection = nn.Linear(int(self.text.config.hidden_size), embed_dim, bias=False)
         # Shape [1], not 0-D: DeepSpeed cannot flatten 0-D parameters.
         self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))
         # The sigmoid loss's bias, kept with the model (as open_clip and transformers keep SigLIP's)
