@@ -1,0 +1,123 @@
+"""`mmpt-make-image-text-shards`: a folder with sidecar captions, a gb18030 csv with two caption columns, and
+Chinese-CLIP's tsv + jsonl become img2dataset-layout shards that mmpt's loader reads as they are (a caption column
+chosen by `json.<column>`), resized where asked; bad pairs are skipped by reason with exit 3 past the limit; an
+interrupted run, started again, ends with the same bytes; a missing column is one line and exit 2."""
+
+import base64
+import io
+import json
+import tarfile
+
+import pytest
+from PIL import Image
+
+from conftest import REPO
+from mmpt.cli import exit_code
+from mmpt.commands.make_image_text_shards import main as make_shards
+
+
+def jpeg(size, colour=(200, 30, 30), fmt="JPEG") -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, colour).save(out, format=fmt)
+    return out.getvalue()
+
+
+def members(tar_path):
+    with tarfile.open(tar_path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    photos = tmp_path / "photos"
+    (photos / "sub").mkdir(parents=True)
+    (photos / "a.jpg").write_bytes(jpeg((640, 480)))
+    (photos / "a.txt").write_text("a red square")
+    (photos / "sub/b.png").write_bytes(jpeg((100, 300), fmt="PNG"))
+    (photos / "sub/b.txt").write_text("绿色的图片", encoding="utf-8")
+    (photos / "broken.jpg").write_bytes(b"not an image")
+    (photos / "broken.txt").write_text("broken")
+    (photos / "uncaptioned.jpg").write_bytes(jpeg((50, 50)))
+    table = "path,caption,caption_zh\nphotos/a.jpg,a red square,红色方块\nphotos/sub/b.png,a tall one,高图\n"
+    (tmp_path / "pairs.csv").write_bytes(table.encode("gb18030"))
+    tsv = "".join(f"{i}\t{base64.urlsafe_b64encode(jpeg((80, 60))).decode()}\n" for i in (1001, 1002))
+    (tmp_path / "train_imgs.tsv").write_text(tsv)
+    texts = [{"text_id": 1, "text": "蓝色", "image_ids": [1001, 1002]}, {"text_id": 2, "text": "缺", "image_ids": [9]}]
+    (tmp_path / "train_texts.jsonl").write_text("\n".join(json.dumps(t, ensure_ascii=False) for t in texts) + "\n")
+    return tmp_path
+
+
+def test_a_table_becomes_shards_mmpt_trains_on_in_either_caption_column(inputs, digits_root):
+    from mmpt.config_loader import load_config
+    from mmpt.methods import get_method
+
+    out = inputs / "shards"
+    args = ["--table", str(inputs / "pairs.csv"), "--image-column", "path", "--caption-columns", "caption,caption_zh"]
+    assert make_shards([*args, "--encoding", "gb18030", "--out", str(out), "--resize", "64", "--processes", "1"]) == 0
+    files = members(out / "00000.tar")
+    assert sorted(files) == ["000000000.jpg", "000000000.json", "000000000.txt", "000000001.jpg", "000000001.json",
+                             "000000001.txt"]  # fmt: skip
+    record = json.loads(files["000000001.json"])
+    assert record["caption_zh"] == "高图" and files["000000001.txt"].decode() == "a tall one"
+    assert (record["original_width"], record["original_height"], record["width"], record["height"]) == (
+        100,
+        300,
+        64,
+        192,
+    )
+    assert Image.open(io.BytesIO(files["000000001.jpg"])).size == (64, 192)
+    assert json.loads((out / "00000_stats.json").read_text())["successes"] == 2
+
+    config = REPO / "configs/clip/demo.yaml"
+    source = f'data.train.sources=[{{shards: "{out}/*.tar", caption_key: json.caption_zh}}]'
+    small = ["data.prepare=null", "data.train.batch_size=2", "data.train.num_workers=0", "method.image.image_size=32"]
+    cfg = load_config(config, [source, f"method.tokenizer={digits_root / 'tokenizer.json'}", *small])
+    get_method("clip").prepare(cfg, inputs)
+    batch = next(iter(get_method("clip").train_data(cfg, inputs, rank=0, world_size=1))).batch
+    assert batch["image"].shape == (2, 3, 32, 32) and batch["input_ids"].shape[0] == 2
+
+
+def test_bad_pairs_are_counted_by_reason_and_a_rerun_keeps_finished_shards(inputs, capsys):
+    out = inputs / "shards"
+    args = ["--images", str(inputs / "photos"), "--out", str(out), "--shard-size", "2", "--processes", "1"]
+    with pytest.raises(Exception) as error:  # 2 of 4 skipped, past the default 1%
+        make_shards(args)
+    assert exit_code(error.value) == 3 and "1 no caption, 1 unreadable image" in str(error.value)
+    first = {p.name: p.read_bytes() for p in out.glob("*.tar")}
+    (out / "00001.tar").unlink()
+    (out / "00001_stats.json").unlink()
+    assert make_shards([*args, "--max-skip-rate", "0.5"]) == 0
+    assert "(1 kept from an earlier run)" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in out.glob("*.tar")} == first  # the same shards as one run
+
+
+def test_a_parquet_table_reads_as_the_csv_does(inputs):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = {"path": ["photos/a.jpg"], "caption": ["a red square"], "caption_zh": ["红色方块"]}
+    pq.write_table(pa.table(rows), inputs / "pairs.parquet")
+    args = ["--table", str(inputs / "pairs.parquet"), "--image-column", "path", "--caption-columns", "caption_zh"]
+    assert make_shards([*args, "--out", str(inputs / "shards"), "--processes", "1"]) == 0
+    assert members(inputs / "shards/00000.tar")["000000000.txt"].decode() == "红色方块"
+
+
+def test_chinese_clip_layout_gives_a_pair_per_text_and_image(inputs):
+    out = inputs / "shards"
+    pair = [str(inputs / "train_imgs.tsv"), str(inputs / "train_texts.jsonl")]
+    assert make_shards(["--cn-clip", *pair, "--out", str(out), "--processes", "1", "--max-skip-rate", "0.5"]) == 0
+    files = members(out / "00000.tar")
+    assert [json.loads(files[f"00000000{i}.json"])["source"] for i in (0, 1)] == [
+        "image 1001 (text 1)",
+        "image 1002 (text 1)",
+    ]
+    assert files["000000000.txt"].decode() == "蓝色" and files["000000000.jpg"] == jpeg((80, 60))  # kept as it was
+    assert json.loads((out / "00000_stats.json").read_text())["skipped"] == {"missing_image": 1}
+
+
+def test_a_missing_column_is_one_line_and_exit_2(inputs):
+    args = ["--table", str(inputs / "pairs.csv"), "--image-column", "file", "--caption-columns", "caption"]
+    with pytest.raises(Exception) as error:
+        make_shards([*args, "--encoding", "gb18030", "--out", str(inputs / "out")])
+    assert exit_code(error.value) == 2 and "row 1 has no column 'file'" in str(error.value)
+    assert "\n" not in str(error.value)
