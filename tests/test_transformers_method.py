@@ -152,3 +152,34 @@ def test_a_locked_tower_ends_as_the_checkpoint_had_it(rank_pool, corpora):
     image = [k for k in start if k.startswith(("vision_model.", "visual_projection."))]
     assert image and all(torch.equal(final[f"hf.{k}"], start[k]) for k in image)
     assert not torch.equal(final["hf.text_projection.weight"], start["text_projection.weight"])  # the text trained
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip", "siglip2"])
+def test_format_transformers_is_a_folder_transformers_loads_with_the_trained_weights(checkpoints, kind, tmp_path):
+    """A release of the model (its weights moved away from the checkpoint's), exported as a transformers folder:
+    AutoModel, AutoTokenizer and AutoImageProcessor load it and give mmpt's embeddings; the scale and bias are the
+    model's."""
+    from transformers import AutoImageProcessor, AutoModel
+
+    from mmpt.commands.export import main as export
+    from mmpt.release import PretrainedModel
+
+    method, cfg = get_method("transformers"), config(checkpoints[kind])
+    method.resolve_defaults(cfg)
+    method.prepare(cfg, tmp_path)
+    model = method.build_model(cfg, tmp_path).eval()
+    method.load_initial_weights(model, cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # not the checkpoint's weights any more
+    PretrainedModel(model, cfg, tmp_path).save_pretrained(tmp_path / "release")
+    assert export(["--run", str(tmp_path / "release"), "--out", str(tmp_path / "hf"), "--format", "transformers"]) == 0
+    loaded = AutoModel.from_pretrained(tmp_path / "hf").eval()
+    assert type(loaded).__name__ == type(model.hf).__name__
+    assert torch.equal(loaded.logit_scale.reshape(1), model.hf.logit_scale.detach())
+    processor = AutoImageProcessor.from_pretrained(tmp_path / "hf", backend="pil")
+    pictures = images(kind)
+    with torch.no_grad():
+        theirs = loaded.get_image_features(**processor(images=pictures, return_tensors="pt")).pooler_output
+        ours = model.encode_image(torch.stack([method.image_transform(cfg, False)(p) for p in pictures]))
+    torch.testing.assert_close(ours, F.normalize(theirs, dim=-1), atol=1e-5, rtol=0)

@@ -115,11 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-check",
         action="store_true",
-        help="onnx and open_clip: do not load the written files back and compare their outputs with mmpt's",
+        help="onnx, open_clip and transformers: do not load the written files back and compare their outputs with "
+        "mmpt's",
     )
     args = parser.parse_args(argv)
 
     from mmpt.artifacts import ReleaseError, has_weights
+    from mmpt.config import ConfigError
     from mmpt.engine.checkpoint import find_resume
     from mmpt.export.formats import check_export
     from mmpt.release import read_config, save_release
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     lora = getattr(cfg.method, "lora", None)
     if lora is not None and lora.merge_on_export and not args.keep_lora:
         cfg, state = adapters_merged(cfg, state, run_dir)
+    elif lora is not None and args.format == "transformers":
+        raise ConfigError("--format transformers writes the base architecture: LoRA adapters are folded in there")
     if args.format == "release":
         written = save_release(out, cfg, state, run_dir, max_shard_size=args.max_shard_size)
     elif args.format == "official":
@@ -154,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
 
         files = export_onnx(built_model(cfg, state, run_dir), out, towers, check=not args.skip_check)
         written = f"{out} ({', '.join(path.name for path in files)})"
+    elif args.format == "transformers":
+        from mmpt.export.to_transformers import export_transformers
+
+        written = export_transformers(built_model(cfg, state, run_dir), out, check=not args.skip_check)
     else:
         from mmpt.export.to_open_clip import export_open_clip
 

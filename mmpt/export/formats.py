@@ -19,6 +19,7 @@ FORMATS = {
     "onnx": "one ONNX file per tower, preprocessing.json (the input contract) and the tokenizer files",
     "open_clip": "an open_clip model config and state dict that open_clip.create_model_and_transforms loads",
     "official": "the checkpoint layout the method's official code reads, with its tokenizer",
+    "transformers": "a folder transformers.AutoModel.from_pretrained loads, with its tokenizer and image processor",
 }
 COMMON = ("release", "onnx")  # the formats every method's models go to (onnx: those with towers)
 

@@ -249,6 +249,11 @@ class Method(Generic[SectionT]):
         dict; files open_clip reads besides them (a Hugging Face text tower's config, a tokenizer) go into `out`."""
         raise NotImplementedError
 
+    def transformers_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> None:
+        """For "transformers" in `export_formats`: write `model` (fp32, eval mode) into `out` as a folder
+        `transformers.AutoModel.from_pretrained` loads, with its tokenizer and image processor."""
+        raise NotImplementedError
+
     def official_export(self, cfg: Config, state: dict[str, torch.Tensor], run_dir: Path, out: Path) -> OfficialFolder:
         """For "official" in `export_formats`: write the weights `state` (of `run_dir`'s model) into `out` as the
         method's official code reads them, with what else it reads there (tokenizer, architecture)."""

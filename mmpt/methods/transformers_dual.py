@@ -218,6 +218,16 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
 
     # --- export ---
 
+    export_formats = ("transformers",)
+
+    def transformers_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> None:
+        """The transformers model with its trained weights (the logit scale in its own shape; a bias mmpt added for
+        the sigmoid loss has no place there and is left out), and the run's tokenizer and image processor."""
+        dual = cast(TransformersDualEncoder, model)
+        dual.hf.save_pretrained(out, state_dict=dual.hf_state_dict())
+        read_tokenizer(run_dir / FOLDER).save_pretrained(out)
+        read_image_processor(run_dir / FOLDER).save_pretrained(out)
+
     def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
         dual = cast(TransformersDualEncoder, model)
         config = dual.hf.config
