@@ -375,3 +375,31 @@ def test_class_names_are_checked_by_what_they_are(tmp_path):
     assert load_classification_set(folders, "en").classnames == ["cat", "dog"]
     with pytest.raises(ClassNamesError, match=r"the class folders' names \(cat, dog, \.\.\.\) are not written in 'zh'"):
         load_classification_set(folders, "zh")
+
+
+def test_chinese_clip_zeroshot_layout_scores_as_the_clip_benchmark_one(tmp_path, digits_root, corpora):
+    """The digits zero-shot set (CLIP_benchmark's shards) rewritten as Chinese-CLIP's layout (label_cn.txt,
+    label.txt, test/NNN/): the same model scores the same accuracy on both, in Chinese and in English."""
+    import shutil
+
+    from test_locking import tiny
+
+    from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
+
+    source = digits_root / "zeroshot"
+    cn = tmp_path / "digits_cn"
+    for image, label, where in load_classification_set(source, "en").samples():
+        (cn / "test" / f"{label:03d}").mkdir(parents=True, exist_ok=True)
+        (cn / "test" / f"{label:03d}" / f"{where.rsplit(':', 1)[-1]}.png").write_bytes(image)
+    shutil.copy(source / "classnames_zh.txt", cn / "label_cn.txt")
+    shutil.copy(source / "classnames.txt", cn / "label.txt")
+    for templates in source.glob("zeroshot_classification_templates*.txt"):
+        shutil.copy(templates, cn / templates.name)
+    (tmp_path / "run").mkdir()
+    cfg, method, model = tiny("clip", corpora, tmp_path / "run")
+    tokenizer, transform = method.tokenizer(cfg, tmp_path / "run"), method.image_transform(cfg, train=False)
+    for language in ("zh", "en"):
+        ours, theirs = (load_classification_set(folder, language) for folder in (source, cn))
+        assert ours.classnames == theirs.classnames and len(list(theirs.samples())) == len(list(ours.samples()))
+        scores = [zeroshot_classification(model, tokenizer, transform, data, batch_size=16) for data in (ours, theirs)]
+        assert scores[0] == scores[1], (language, scores)

@@ -139,7 +139,8 @@ def load_templates(
 def load_classification_set(
     path: str | os.PathLike, language: str = "en", foreign_class_names: bool = False, fields: SampleFields | None = None
 ) -> ClassificationSet:
-    """A CLIP_benchmark folder or ImageFolder with `language`'s class names and templates.
+    """A CLIP_benchmark folder, Chinese-CLIP's zero-shot layout or an ImageFolder with `language`'s class names and
+    templates.
 
     `foreign_class_names`: accept class names not written in `language` (e.g. English names in Chinese prompts).
     `fields`: where the shards' samples keep their image (default: the usual image members).
@@ -153,6 +154,8 @@ def load_classification_set(
     names, names_file, looked = language_lines(folder, "classnames", language, foreign_class_names)
     templates, templates_from = load_templates(folder, language)
 
+    if (folder / "test").is_dir() and any((folder / name).is_file() for name in ELEVATER_LABELS.values()):
+        return elevater_set(folder, language, templates, templates_from)
     shards = sorted(glob.glob(str(folder / "test" / "*.tar")))
     if shards:
         if names is None:
@@ -181,6 +184,30 @@ def load_classification_set(
         foreign_class_names,
         looked,
     )
+
+
+ELEVATER_LABELS = {"zh": "label_cn.txt", "en": "label.txt"}  # Chinese-CLIP's zero-shot sets (ELEVATER-CN)
+
+
+def elevater_set(folder: Path, language: str, templates: list[str], templates_from: str) -> ClassificationSet:
+    """Chinese-CLIP's zero-shot layout: class names in label_cn.txt (Chinese) or label.txt (English), one per
+    line, and `test/NNN/` holding the images of class NNN (the line's index)."""
+    names_file = folder / ELEVATER_LABELS.get(language, "label.txt")
+    if not names_file.is_file():
+        raise ClassNamesError(f"{folder}: no '{language}' class names ({names_file.name} is missing)")
+    classnames = _lines(names_file)
+    class_dirs = sorted(d for d in (folder / "test").iterdir() if d.is_dir())
+    bad = [d.name for d in class_dirs if not d.name.isdigit() or int(d.name) >= len(classnames)]
+    if bad:
+        raise DataError(f"{folder / 'test'}: folder {bad[0]!r} is not the index of a line of {names_file.name}")
+
+    def samples() -> Iterator[tuple[bytes, int, str]]:
+        for class_dir in class_dirs:
+            for file in sorted(class_dir.iterdir()):
+                if file.suffix.lower() in IMAGE_SUFFIXES:
+                    yield file.read_bytes(), int(class_dir.name), str(file)
+
+    return ClassificationSet(folder.name, classnames, templates, samples, templates_from)
 
 
 def class_folder_set(
