@@ -146,6 +146,7 @@ def start_world_of_one() -> int:
     from mmpt import distributed as mdist
     from mmpt.engine.run import start_process_group
 
+    mdist.ensure_rendezvous_env()  # a module before may have removed the variables of the group still running
     if not dist.is_initialized():
         start_process_group(1800.0)
     mdist.set_sequence_parallel(1)

@@ -84,6 +84,7 @@ def test_embeddings_equal_transformers_own(checkpoints, kind, tmp_path):
     assert scale.item() == pytest.approx(np.exp(2.5))  # the checkpoint's, not a new model's
     assert isinstance(method.loss_spec(cfg), SigmoidLossConfig) == sigmoid  # the checkpoint's own loss
     assert [b.item() for b in bias] == ([-3.0] if sigmoid else [])
+    assert all(k.startswith("hf.") for k in model.state_dict())  # transformers' tensors, each once
 
 
 def test_sigmoid_loss_on_a_clip_checkpoint_adds_siglips_bias(checkpoints, tmp_path):

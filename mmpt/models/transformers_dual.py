@@ -93,12 +93,12 @@ class TransformersDualEncoder(nn.Module):
         self.scale_shape = scale.shape  # the checkpoint's: 0-D, or [1] (SigLIP's)
         del self.hf.logit_scale
         self.hf.logit_scale = nn.Parameter(scale.detach().reshape(1).clone())
-        self.bias: nn.Parameter | None = getattr(self.hf, "logit_bias", None)
-        if logit_bias is not None and self.bias is None:
-            self.logit_bias = self.bias = nn.Parameter(torch.full((1,), float(logit_bias)))
-        elif logit_bias is None and self.bias is not None:
-            self.bias.requires_grad_(False)  # the contrastive loss reads no bias
-            self.bias = None
+        own = getattr(self.hf, "logit_bias", None)
+        self.reads_bias = logit_bias is not None
+        if logit_bias is not None and own is None:
+            self.logit_bias = nn.Parameter(torch.full((1,), float(logit_bias)))
+        elif logit_bias is None and own is not None:
+            own.requires_grad_(False)  # the contrastive loss reads no bias
         self.patch_size = int(config.vision_config.patch_size)
         self.context_length = LONGEST_CONTEXT  # the method sets the run's
         switches = switches or TowerSwitches()
@@ -107,6 +107,15 @@ class TransformersDualEncoder(nn.Module):
             self._add_patch_dropout(switches.patch_dropout)
         self.image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
         self.image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        """The logit bias the loss reads: the checkpoint's, or the one added for the sigmoid loss; None for the
+        contrastive loss."""
+        if not self.reads_bias:
+            return None
+        own = getattr(self.hf, "logit_bias", None)
+        return own if own is not None else self.logit_bias
 
     def _add_patch_dropout(self, prob: float) -> None:
         """timm's patch dropout on the image embeddings' output (the class token kept where there is one)."""
