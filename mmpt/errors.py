@@ -6,3 +6,10 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A config that cannot run; the message is one line meant for the user."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name where it has none): what a one-line error quotes of
+    a library's multi-line one."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

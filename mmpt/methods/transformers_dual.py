@@ -17,6 +17,7 @@ from torch import nn
 from torchvision import transforms as T
 
 from mmpt.config import Config, ConfigError, Section
+from mmpt.errors import first_line
 from mmpt.methods import register
 from mmpt.methods.base import EngineNeeds, MethodConfig
 from mmpt.methods.image_text import (
@@ -199,7 +200,9 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
                 m.model, trust_remote_code=m.trust_remote_code, output_loading_info=True, dtype="float32"
             )
         except Exception as exc:
-            raise ConfigError(f"config key 'method.model': cannot load weights from {m.model}: {exc}") from None
+            raise ConfigError(
+                f"config key 'method.model': cannot load weights from {m.model}: {first_line(exc)}"
+            ) from None
         problems = [
             (kind, names) for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") if (names := info[kind])
         ]

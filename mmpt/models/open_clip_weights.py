@@ -19,15 +19,11 @@ import open_clip
 import torch
 
 from mmpt.config import ConfigError
+from mmpt.errors import first_line
 from mmpt.models.lora import base_state
 
 KEY = "method.pretrained"
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def tag_settings(model: str, pretrained: str | None) -> dict:
@@ -52,7 +48,7 @@ def weights_file(model: str, pretrained: str) -> Path:
         try:
             return Path(open_clip.pretrained.download_pretrained_from_hf(pretrained[len("hf-hub:") :]))
         except Exception as exc:  # offline, no such repository, no weights file in it
-            raise ConfigError(f"config key '{KEY}': cannot fetch {pretrained}: {_first_line(exc)}") from None
+            raise ConfigError(f"config key '{KEY}': cannot fetch {pretrained}: {first_line(exc)}") from None
     if path.suffix in WEIGHT_SUFFIXES or "/" in pretrained:
         raise ConfigError(f"config key '{KEY}': {pretrained} does not exist")
     found = open_clip.get_pretrained_cfg(model, pretrained)
@@ -65,7 +61,7 @@ def weights_file(model: str, pretrained: str) -> Path:
     try:
         local = open_clip.download_pretrained(found)
     except Exception as exc:
-        raise ConfigError(f"config key '{KEY}': cannot fetch {model} {pretrained}: {_first_line(exc)}") from None
+        raise ConfigError(f"config key '{KEY}': cannot fetch {model} {pretrained}: {first_line(exc)}") from None
     if not local:
         raise ConfigError(f"config key '{KEY}': open_clip found no file for {model} {pretrained}")
     return Path(local)
@@ -76,7 +72,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = cast(dict[str, torch.Tensor], open_clip.factory.load_state_dict(str(path), weights_only=True))
     except Exception as exc:  # not a checkpoint, or a pickle that would run code
-        raise ConfigError(f"config key '{KEY}': cannot read {path} as open_clip weights: {_first_line(exc)}") from None
+        raise ConfigError(f"config key '{KEY}': cannot read {path} as open_clip weights: {first_line(exc)}") from None
     return {name.removeprefix("module."): tensor for name, tensor in state.items()}
 
 

@@ -11,14 +11,10 @@ import timm
 import torch
 
 from mmpt.config import ConfigError
+from mmpt.errors import first_line
 
 IMAGE_KEY, TEXT_KEY = "method.image.pretrained", "method.text.pretrained"
 TIMM = "timm"  # `method.image.pretrained: timm`: the default pretrained tag of the timm model
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def check_image_weights(timm_name: str, source: str) -> None:
@@ -39,7 +35,7 @@ def image_weights(timm_name: str, source: str, kwargs: dict[str, Any]) -> dict[s
         model = timm.create_model(timm_name, pretrained=True, num_classes=0, **kwargs, **overlay)
     except Exception as exc:  # offline, a file of another model
         raise ConfigError(
-            f"config key '{IMAGE_KEY}': cannot load {source} into {timm_name}: {_first_line(exc)}"
+            f"config key '{IMAGE_KEY}': cannot load {source} into {timm_name}: {first_line(exc)}"
         ) from None
     return model.state_dict()
 
@@ -52,7 +48,7 @@ def text_config(source: str) -> Any:
         return AutoConfig.from_pretrained(source)
     except Exception as exc:
         raise ConfigError(
-            f"config key '{TEXT_KEY}': cannot read a transformers config from {source}: {_first_line(exc)}"
+            f"config key '{TEXT_KEY}': cannot read a transformers config from {source}: {first_line(exc)}"
         ) from None
 
 
@@ -81,7 +77,7 @@ def text_weights(source: str, config: Any) -> dict[str, torch.Tensor]:
     except ConfigError:
         raise
     except Exception as exc:
-        raise ConfigError(f"config key '{TEXT_KEY}': cannot load weights from {source}: {_first_line(exc)}") from None
+        raise ConfigError(f"config key '{TEXT_KEY}': cannot load weights from {source}: {first_line(exc)}") from None
     if info["missing_keys"] or info["mismatched_keys"]:
         first = sorted(info["missing_keys"]) or [str(info["mismatched_keys"][0])]
         raise ConfigError(f"config key '{TEXT_KEY}': {source} does not fit its own config: {first[0]}")

@@ -20,6 +20,7 @@ from timm.layers.patch_dropout import PatchDropout
 from torch import nn
 
 from mmpt.config import ConfigError
+from mmpt.errors import first_line
 from mmpt.models.locking import TowerGroups, largest_layer_list, layered_groups
 from mmpt.models.lora import base_state, load_base_state
 from mmpt.models.switches import TowerSwitches
@@ -39,11 +40,6 @@ WEIGHT_FILES = (
 )
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def load_config(source: str, trust_remote_code: bool = False) -> Any:
     """The transformers config of `source` (a folder, or a hub name: its cache, or a download where a network
     exists); ConfigError naming `method.model` where it cannot be read or is not one of `DUAL_ENCODERS`."""
@@ -53,7 +49,7 @@ def load_config(source: str, trust_remote_code: bool = False) -> Any:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as exc:  # no such folder or repository, offline, remote code refused
         raise ConfigError(
-            f"config key '{KEY}': cannot read a transformers config from {source}: {_first_line(exc)}"
+            f"config key '{KEY}': cannot read a transformers config from {source}: {first_line(exc)}"
         ) from None
     if config.model_type not in DUAL_ENCODERS:
         known = ", ".join(DUAL_ENCODERS)
@@ -241,7 +237,7 @@ def read_image_processor(folder: str | Path) -> Any:
         return AutoImageProcessor.from_pretrained(str(folder), backend="pil")
     except Exception as exc:  # no preprocessor_config.json
         raise ConfigError(
-            f"config key '{KEY}': cannot read an image processor from {folder}: {_first_line(exc)}"
+            f"config key '{KEY}': cannot read an image processor from {folder}: {first_line(exc)}"
         ) from None
 
 
@@ -251,7 +247,7 @@ def read_tokenizer(folder: str | Path, trust_remote_code: bool = False) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except Exception as exc:  # no tokenizer files
-        raise ConfigError(f"config key '{KEY}': cannot read a tokenizer from {folder}: {_first_line(exc)}") from None
+        raise ConfigError(f"config key '{KEY}': cannot read a tokenizer from {folder}: {first_line(exc)}") from None
 
 
 def image_size(processor: Any) -> tuple[int, int]:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mmpt.config import Config, ConfigError
+from mmpt.errors import first_line
 from mmpt.methods import EngineNeeds, Method, get_method
 
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold: ZeRO-3 keeps these whole
@@ -69,7 +70,7 @@ def built(cfg: Config, device: str | torch.device = "meta") -> Iterator[Built]:
         except Exception as exc:
             # The architecture is read from that file (a vocabulary size, a checkpoint's config.json): say which
             # one, not what the build tripped over without it (a tokenizer's os error, a hub repo-id error).
-            reason = _first_line(missing) if missing is not None else _first_line(exc)
+            reason = first_line(missing) if missing is not None else first_line(exc)
             raise ConfigError(f"cannot build the model of {cfg.method_name} to plan it: {reason}") from None
         yield Built(cfg, method, model, loss, method.engine_needs(model, cfg))
 
@@ -91,11 +92,6 @@ def count(b: Built) -> Counts:
         loss_buffers=sum(t.numel() for t in b.loss.buffers() if t.is_floating_point()),
         persistent=sum(p.numel() for p in params if p.numel() <= PERSISTENCE_THRESHOLD),
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def describe(model: nn.Module) -> dict[str, Any]:
