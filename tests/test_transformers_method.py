@@ -4,6 +4,7 @@
 are kept and its loss chosen; a folder that is no dual encoder, or has no weights, stops in one line naming the
 key; on two ranks a SigLIP run with pooled accumulation trains, resumes and exports."""
 
+import json
 import re
 import shutil
 
@@ -174,6 +175,8 @@ def test_format_transformers_is_a_folder_transformers_loads_with_the_trained_wei
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))  # not the checkpoint's weights any more
     PretrainedModel(model, cfg, tmp_path).save_pretrained(tmp_path / "release")
+    saved = json.loads((tmp_path / "release/config.json").read_text())["config"]["method"]
+    assert saved["loss"]["name"] == ("contrastive" if kind == "clip" else "sigmoid")  # built without the checkpoint
     assert export(["--run", str(tmp_path / "release"), "--out", str(tmp_path / "hf"), "--format", "transformers"]) == 0
     loaded = AutoModel.from_pretrained(tmp_path / "hf").eval()
     assert type(loaded).__name__ == type(model.hf).__name__

@@ -121,8 +121,11 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
         return load_config(str(folder)) if folder.is_dir() else self._config(cfg)
 
     def resolve_defaults(self, cfg: Config) -> None:
+        """The checkpoint's own loss, caption length and image preprocessing, named in the run's config: a run or
+        release then builds without the checkpoint."""
         m = self.settings(cfg)
         m.context_length = context_length(self._config(cfg), m.context_length)
+        m.loss = self.loss_spec(cfg)
         if m.image is None:
             m.image = preprocessing_of(read_image_processor(m.model))
 
@@ -233,10 +236,8 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
 
     def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
         dual = cast(TransformersDualEncoder, model)
-        config = dual.hf.config
-        image = self._image(cfg)
-        length = context_length(config, self.settings(cfg).context_length)
-        return image_text_towers(model, image.height, int(config.text_config.vocab_size), length, dual.reads_mask)
+        vocab = int(dual.hf.config.text_config.vocab_size)
+        return image_text_towers(model, self._image(cfg).height, vocab, dual.context_length, dual.reads_mask)
 
     def architecture(self, cfg: Config, run_dir: Path) -> str:
         config = self._run_config(run_dir, cfg)
