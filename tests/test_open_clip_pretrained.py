@@ -238,6 +238,32 @@ def test_a_locked_tower_ends_bit_identical(rank_pool, name):
     assert {"token_embedding.weight", "text_projection"} <= changed  # the text tower trained
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.pool(n), id=n)
+        for n in ("open-clip-locked-image-zero1", "open-clip-locked-image-zero2")
+    ],
+)
+def test_a_checkpoint_with_a_locked_tower_consolidates_whole(rank_pool, name):
+    """ZeRO-1/2 keep no master copy of a locked tower: weights consolidated from the last checkpoint (what
+    `mmpt-export --checkpoint` releases) still hold it, equal to the run's own weights."""
+    from safetensors.torch import load_file
+
+    from mmpt.commands.export import consolidated_weights
+    from mmpt.engine.checkpoint import find_resume
+
+    run_dir = rank_pool.run_dir(name)
+    checkpoint = find_resume(run_dir, "auto")
+    assert checkpoint is not None
+    state = consolidated_weights(run_dir, checkpoint.name)
+    final = load_file(str(run_dir / "model.safetensors"))
+    assert state.keys() == final.keys()
+    assert all(
+        torch.equal(state[k].reshape(v.shape), v.float()) for k, v in final.items() if k.startswith("clip.visual.")
+    )
+
+
 @pytest.mark.pool("open-clip-partly-locked-zero3")
 def test_all_but_the_last_groups_locked_changes_exactly_those(rank_pool):
     changed = changed_tensors(rank_pool.run_dir("open-clip-partly-locked-zero3"))

@@ -49,8 +49,10 @@ def consolidated_weights(run_dir: Path, tag: str) -> dict:
 
         state = fp32_weights(root / tag)
         # zero_to_fp32 takes buffers from rank 0's file as they are: partitioned ones are put back together
-        buffers, partitioned = saved_buffers(root / tag)
-        state.update({name: buffers[name] for name in partitioned})
+        module, partitioned = saved_buffers(root / tag)
+        state.update({name: module[name] for name in partitioned})
+        if cfg.train.zero_stage < 3:  # frozen parameters have no master copy; ZeRO-1/2 save them whole
+            state.update({name: value for name, value in module.items() if name not in state})
     prefix = "model."  # the engine trains TrainingModule(model, loss); the loss holds no weights to release
     # zero_to_fp32 returns views into one flat buffer: own copies, so safetensors sees no shared storage
     return {k[len(prefix) :]: v.float().clone() for k, v in state.items() if k.startswith(prefix)}
