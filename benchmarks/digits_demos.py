@@ -9,10 +9,13 @@ before it. Both are scored zero-shot at the end of training, in English and Chin
 - `digits_unseen`: the same scans drawn at 0.65-1.35x the frame and moved up to 4 px, with prompt
   wordings that neither the captions nor the `digits` templates use.
 
+`distill`: a smaller clip student (half the embedding, a one-layer text tower, a fifth of the steps) trained
+alone and distilled (`method.distill`) from the clip demo as configured, trained first as its teacher.
+
 Wall time is the launcher's: corpus build, training, both evaluations. Results:
 benchmarks/results/digits_demos.{json,md}.
 
-    python benchmarks/digits_demos.py                      # ~17 minutes on 2 cores
+    python benchmarks/digits_demos.py                      # ~25 minutes on 2 cores
     python benchmarks/digits_demos.py --demo m2_encoder    # one demo; the other's committed rows are kept
 """
 
@@ -20,18 +23,41 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
+from pathlib import Path
 
 from common import RESULTS, demo_machine, save_results, train_demo
 
+CLIP = "configs/clip/demo.yaml"
 DEMOS = {
-    "clip": ("configs/clip/demo.yaml", "runs/clip-demo"),
+    "clip": (CLIP, "runs/clip-demo"),
     "m2_encoder": ("configs/m2_encoder/demo.yaml", "runs/m2-encoder-demo"),
+    "distill": (CLIP, ""),  # its runs are named below
 }
 VARIANTS = {
     "random placement (as configured)": [],
     "no placement": ["method.augment.affine_scale=null", "method.augment.affine_translate=0"],
 }
+SMALL_STUDENT = ["method.embed_dim=32", "method.text.width=48", "method.text.layers=1", "method.text.heads=2"]
+SMALL_STUDENT += ["train.max_steps=50"]
 SETS = {"digits": "eval/digits", "digits_unseen": "eval/digits_unseen"}
+
+
+def variants(demo: str, run: str) -> list[tuple[str, list[str], str]]:
+    """(name, overrides, run directory) of each training of `demo`."""
+    if demo != "distill":
+        return [(name, overrides, run) for name, overrides in VARIANTS.items()]
+    teacher = str(Path(tempfile.mkdtemp(prefix="digits-teacher-")))
+    student = str(Path(tempfile.mkdtemp(prefix="digits-student-")))
+    return [
+        ("teacher: the clip demo as configured", [f"run.output_dir={teacher}"], teacher),
+        ("small student alone", [*SMALL_STUDENT, f"run.output_dir={student}/alone"], f"{student}/alone"),
+        (
+            "small student distilled from the teacher",
+            [*SMALL_STUDENT, f"method.distill.teacher={teacher}", f"run.output_dir={student}/distilled"],
+            f"{student}/distilled",
+        ),
+    ]
 
 
 def main() -> None:
@@ -43,8 +69,8 @@ def main() -> None:
     kept = json.loads(committed.read_text())["rows"] if committed.exists() else []
     rows = [row for row in kept if row["demo"] not in chosen]
     for demo in chosen:
-        config, run = DEMOS[demo]
-        for variant, overrides in VARIANTS.items():
+        config, demo_run = DEMOS[demo]
+        for variant, overrides, run in variants(demo, demo_run):
             seconds, records = train_demo(config, run, overrides)
             final = records[-1]
             rows.append(

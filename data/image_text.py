@@ -94,7 +94,8 @@ class ImageTextDecoder:
     `image_transform` takes the decoded image, or, as a `ReducedDecodeCrop` (`training_image_decode`), the bytes.
 
     `attention_mask=False` leaves the mask out, for text towers that find the end token themselves
-    (open_clip's): one tensor fewer to pass from the loader workers per batch.
+    (open_clip's): one tensor fewer to pass from the loader workers per batch. `teacher_tokenize`: a distillation
+    teacher's tokenizer; the same caption then also comes as "teacher_input_ids" and "teacher_attention_mask".
     """
 
     def __init__(
@@ -104,8 +105,10 @@ class ImageTextDecoder:
         image_fields: Sequence[str] = IMAGE_FIELDS,
         text_fields: Sequence[str] = TEXT_FIELDS,
         attention_mask: bool = True,
+        teacher_tokenize: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
     ):
         self.image_transform, self.tokenize, self.attention_mask = image_transform, tokenize, attention_mask
+        self.teacher_tokenize = teacher_tokenize
         self.image_fields, self.text_fields = tuple(image_fields), tuple(text_fields)
 
     def __call__(self, sample: dict) -> dict[str, torch.Tensor]:
@@ -119,4 +122,8 @@ class ImageTextDecoder:
         sample = {"image": image, "input_ids": tokens["input_ids"][0]}
         if self.attention_mask:
             sample["attention_mask"] = tokens["attention_mask"][0]
+        if self.teacher_tokenize is not None:
+            theirs = self.teacher_tokenize([text])
+            sample["teacher_input_ids"] = theirs["input_ids"][0]
+            sample["teacher_attention_mask"] = theirs["attention_mask"][0]
         return sample

@@ -19,6 +19,7 @@ from mmpt.data.shards import DataError, expand_shards
 from mmpt.eval import DEMO_NAMES
 from mmpt.eval.retrieval_formats import is_shard_pattern
 from mmpt.methods import Method
+from mmpt.methods.teacher import check_teacher
 
 WILDCARDS = "*?[{"
 
@@ -75,6 +76,8 @@ def check_inputs(cfg: Config, method: Method) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     method.check_initial_weights(cfg)
+    if getattr(cfg.method, "distill", None) is not None:
+        check_teacher(cfg)
     if getattr(cfg.method, "lora", None) is not None:
         check_adapters(cfg, method)
 

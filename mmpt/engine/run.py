@@ -343,6 +343,24 @@ def set_training_precision(engine: Any, cfg: Config) -> torch.dtype:
     return float_dtype
 
 
+def loss_with_teacher(cfg: Config, method: Method, world_size: int, load_universal: bool) -> nn.Module:
+    """The method's loss, around the frozen teacher it names (`Method.teacher`) where it names one: built like
+    the model, partitioned under ZeRO-3 on several ranks."""
+    loss, teacher = method.build_loss(cfg), method.teacher(cfg)
+    if teacher is None:
+        return loss
+    seed_everything(cfg.train.seed)
+    if cfg.train.zero_stage == 3 and world_size > 1:
+        ds_config = deepspeed_config(cfg, world_size, load_universal=load_universal)
+        model, loaded, _ = build_partitioned(teacher.build, teacher.load, teacher.tensors(), lambda _: [], ds_config)
+    else:
+        model = teacher.build()
+        loaded = teacher.load(model)
+    if loaded:
+        log.info(loaded)
+    return teacher.around(loss, model)
+
+
 def build_engine(
     cfg: Config, method: Method, layout: mdist.ParallelLayout, world_size: int, load_universal: bool = False
 ) -> tuple[Any, str | None, ShardedCopies | None]:
@@ -382,7 +400,7 @@ def build_engine(
         split_sequences(needs.sequence_parallel, layout.sequence_group, layout.sequence_parallel)
     if cfg.train.compile:
         compile_towers(needs, method.name)  # in place: parameter names, so checkpoints, stay those of eager runs
-    module = TrainingModule(method, model, method.build_loss(cfg), needs)
+    module = TrainingModule(method, model, loss_with_teacher(cfg, method, world_size, load_universal), needs)
     optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage, needs.tower_groups)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio, cfg.optim.decay)

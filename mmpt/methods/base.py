@@ -21,6 +21,7 @@ from mmpt.models.tensor_files import TensorReader
 if TYPE_CHECKING:
     from mmpt.config import Config, EvalSetConfig
     from mmpt.data.loader import BatchStream, StreamSpec
+    from mmpt.methods.teacher import Teacher
     from mmpt.methods.towers import Tower
 
 
@@ -219,6 +220,11 @@ class Method(Generic[SectionT]):
 
     def build_loss(self, cfg: Config) -> nn.Module:
         raise NotImplementedError
+
+    def teacher(self, cfg: Config) -> Teacher | None:
+        """A frozen model the loss reads beside the model (`mmpt.methods.teacher`; None: none). The engine builds
+        it as it builds the model, partitioned under ZeRO-3, and hands it to `Teacher.around(loss, teacher)`."""
+        return None
 
     def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
         """The towers named in `tower_names`, in that order, wrapping `model` (built by `build_model`, in eval

@@ -31,6 +31,7 @@ from mmpt.methods.image_text import (
     image_text_loss_field,
     initial_logits,
 )
+from mmpt.methods.teacher import DistillOption
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
 from mmpt.models.locking import TowerGroups, TowerLocks, layered_groups, lock_towers, timm_groups
@@ -44,7 +45,7 @@ OPEN_CLIP_TIMM_KWARGS = {"drop_path_rate": "timm_drop_path"}
 TEXT_ENCODER = "text_encoder"  # in the run directory: the pretrained text encoder's config
 
 
-class ClipConfig(MethodConfig, TowerLocks, LoraOption):
+class ClipConfig(MethodConfig, TowerLocks, LoraOption, DistillOption):
     name: Literal["clip"] = "clip"
     image: ImageTowerConfig = Field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = Field(default_factory=TextTowerConfig)
@@ -97,12 +98,12 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
         return {"method.tokenizer": self.settings(cfg).tokenizer}
 
-    def prepare(self, cfg: Config, run_dir: Path) -> None:
+    def prepare_files(self, cfg: Config, run_dir: Path) -> None:
         """The tokenizer (method.tokenizer's, or the pretrained text encoder's as a tokenizer.json) and the
         pretrained text encoder's config, so that the run builds its model without the checkpoint."""
         m = self.settings(cfg)
         if m.tokenizer is not None:
-            super().prepare(cfg, run_dir)
+            super().prepare_files(cfg, run_dir)
         elif m.text.pretrained is not None:
             from transformers import AutoTokenizer
 

@@ -23,6 +23,7 @@ from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.losses.sigmoid import INIT_LOGIT_BIAS, INIT_LOGIT_SCALE, Exchange, SigmoidLoss
 from mmpt.methods.base import EngineNeeds, Method, copy_tokenizer, eval_record, stream_spec
+from mmpt.methods.teacher import Distilled, Teacher, prepare_teacher, teacher_of
 from mmpt.models.locking import TowerGroups
 
 
@@ -212,7 +213,15 @@ class ImageTextMethod(Method[SettingsT]):
         raise NotImplementedError
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
+        self.prepare_files(cfg, run_dir)
+        prepare_teacher(cfg, run_dir)
+
+    def prepare_files(self, cfg: Config, run_dir: Path) -> None:
+        """The model's own files a run keeps (its tokenizer); `prepare` adds a teacher's."""
         copy_tokenizer(run_dir, self.tokenizer_file_name(cfg), self.tokenizer_source(cfg))
+
+    def teacher(self, cfg: Config) -> Teacher | None:
+        return teacher_of(cfg, Path(cfg.run.output_dir))
 
     def release_files(self, cfg: Config) -> list[str]:
         return [self.tokenizer_file_name(cfg)]
@@ -231,7 +240,13 @@ class ImageTextMethod(Method[SettingsT]):
     def train_data(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int) -> BatchStream:
         """Batches with uint8 images (JPEGs decoded at reduced size); `training_step` normalises them on the device."""
         transform = training_image_decode(uint8_transform(self.image_transform(cfg, train=True)))
-        decoder = ImageTextDecoder(transform, self.tokenizer(cfg, run_dir), attention_mask=self.uses_attention_mask)
+        teacher = teacher_of(cfg, run_dir)
+        decoder = ImageTextDecoder(
+            transform,
+            self.tokenizer(cfg, run_dir),
+            attention_mask=self.uses_attention_mask,
+            teacher_tokenize=None if teacher is None else teacher.tokenizer(),
+        )
         return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size), decoder)
 
     def loss_spec(self, cfg: Config) -> ContrastiveLossConfig | SigmoidLossConfig:
@@ -270,15 +285,20 @@ class ImageTextMethod(Method[SettingsT]):
     def training_step(
         self, model: nn.Module, loss: nn.Module, batch: dict[str, Any], pool: Any = None, index: int = 0
     ) -> dict[str, Any]:
-        """The model gives (image features, text features, logit scale) and, built for the sigmoid loss, its bias."""
+        """The model gives (image features, text features, logit scale) and, built for the sigmoid loss, its bias.
+        With a teacher (`Distilled`), its term joins the student's own loss."""
         images = model_images(model, batch["image"])
         image_features, text_features, *logits = model(images, batch["input_ids"], batch.get("attention_mask"))
+        own = loss.loss if isinstance(loss, Distilled) else loss
         if pool is None:
-            value = loss(image_features, text_features, *logits)
+            value = own(image_features, text_features, *logits)
         else:
-            value = loss(image_features, text_features, *logits, pool=pool, slot=index)
-        term = "sigmoid" if isinstance(loss, SigmoidLoss) else "contrastive"
-        return {term: value, "train": in_batch_diagnostics(image_features, text_features, logits)}
+            value = own(image_features, text_features, *logits, pool=pool, slot=index)
+        terms = {"sigmoid" if isinstance(own, SigmoidLoss) else "contrastive": value}
+        if isinstance(loss, Distilled):
+            pooled = 1 if pool is None else pool.micro_batches
+            terms["distill"] = loss(image_features, text_features, logits[0], batch, pooled)
+        return {**terms, "train": in_batch_diagnostics(image_features, text_features, logits)}
 
     sample_fields = ("caption", "image")
     eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")

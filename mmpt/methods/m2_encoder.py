@@ -32,6 +32,7 @@ from mmpt.methods.image_text import (
     PlacementAugment,
     eval_batch_size_field,
 )
+from mmpt.methods.teacher import DistillOption
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.locking import TowerGroups, TowerLocks, lock_towers
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
@@ -63,7 +64,7 @@ class AugmentConfig(PlacementAugment):
     randaugment: bool = True
 
 
-class M2Config(MethodConfig, TowerLocks):
+class M2Config(MethodConfig, TowerLocks, DistillOption):
     name: Literal["m2_encoder"] = "m2_encoder"
     model: str = Field(default="m2-encoder-0.4b", description=f"architecture preset: {', '.join(PRESETS.names())}")
     arch: M2EncoderConfig = Field(

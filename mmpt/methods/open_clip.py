@@ -27,6 +27,7 @@ from mmpt.methods.image_text import (
     eval_batch_size_field,
     initial_logits,
 )
+from mmpt.methods.teacher import DistillOption
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.locking import TowerGroups, TowerLocks, largest_layer_list, layered_groups
 from mmpt.models.lora import LoraOption, add_lora, load_base_state
@@ -41,7 +42,7 @@ from mmpt.models.open_clip_weights import fit_to, read_weights, tag_preprocessin
 from mmpt.models.switches import TowerSwitches
 
 
-class OpenClipConfig(MethodConfig, TowerSwitches, TowerLocks, LoraOption):
+class OpenClipConfig(MethodConfig, TowerSwitches, TowerLocks, LoraOption, DistillOption):
     """`grad_checkpointing` covers both towers (open_clip's switch); `patch_dropout` the ViT image tower; the locks
     are open_clip's own (`lock_image_tower`, `lock_text_tower`), as open_clip_train's --lock-image / --lock-text."""
 
@@ -84,7 +85,7 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         model = self.settings(cfg).model
         return {**super().input_paths(cfg), "method.model": model if model.endswith(".json") else None}
 
-    def prepare(self, cfg: Config, run_dir: Path) -> None:
+    def prepare_files(self, cfg: Config, run_dir: Path) -> None:
         """Nothing to copy: open_clip ships its tokenizer; a JSON model config is read from its path."""
 
     def release_files(self, cfg: Config) -> list[str]:

@@ -28,6 +28,7 @@ from mmpt.methods.image_text import (
     SigmoidLossConfig,
     eval_batch_size_field,
 )
+from mmpt.methods.teacher import DistillOption
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.locking import TowerGroups, TowerLocks, lock_towers
 from mmpt.models.lora import LoraOption, add_lora
@@ -62,7 +63,7 @@ class ImagePreprocessing(Section):
     std: tuple[float, float, float]
 
 
-class TransformersConfig(MethodConfig, TowerSwitches, TowerLocks, LoraOption):
+class TransformersConfig(MethodConfig, TowerSwitches, TowerLocks, LoraOption, DistillOption):
     """`grad_checkpointing` covers both towers (transformers' activation checkpointing); `patch_dropout` the image
     tower's patch tokens after its embeddings (not SigLIP 2's, whose patches carry a mask)."""
 
@@ -143,7 +144,7 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
             return chosen
         return SigmoidLossConfig() if self._config(cfg).model_type in SIGMOID_TYPES else ContrastiveLossConfig()
 
-    def prepare(self, cfg: Config, run_dir: Path) -> None:
+    def prepare_files(self, cfg: Config, run_dir: Path) -> None:
         """The checkpoint's config, tokenizer and image processor (no weights) into the run directory."""
         m, folder = self.settings(cfg), run_dir / FOLDER
         if Path(m.model).expanduser().resolve() == folder.resolve():
