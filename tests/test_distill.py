@@ -184,11 +184,11 @@ def test_bad_teachers_end_in_one_line_naming_the_key(corpora, tmp_path):
     from mmpt.config_loader import load_config
     from mmpt.methods.teacher import check_teacher
 
-    cfg, _, model = tiny("clip", corpora, tmp_path)
+    base, _, model = tiny("clip", corpora, tmp_path)
     release = tmp_path / "release"  # a run directory whose weights are of another embedding size
     release.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(release / "model.safetensors"))
-    other = cfg.model_copy(update={"method": cfg.method.model_copy(update={"embed_dim": 32})})
+    other = base.model_copy(update={"method": base.method.model_copy(update={"embed_dim": 32})})
     save_config(other, release / "config.yaml")
     shutil.copy(tmp_path / "tokenizer.json", release)
     bad = {
@@ -206,6 +206,15 @@ def test_bad_teachers_end_in_one_line_naming_the_key(corpora, tmp_path):
         message = str(caught.value)
         assert message.startswith("config key 'method.distill.teacher") and "\n" not in message, message
         assert re.search(said, message), message
+    # A run keeps its own tokenizer: the path its config named may be gone (a relative one, seen from elsewhere).
+    good = tmp_path / "good"
+    shutil.copytree(release, good)
+    moved = base.method.model_copy(update={"tokenizer": "demo_data/gone/tokenizer.json"})
+    save_config(base.model_copy(update={"method": moved}), good / "config.yaml")
+    cfg = load_config(
+        config, [*shrink(config, corpora), f"run.output_dir={tmp_path / 'run'}", f"method.distill.teacher={good}"]
+    )
+    check_teacher(cfg)
 
 
 @scenario("clip-distill-zero3-pooled")

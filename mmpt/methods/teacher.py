@@ -161,11 +161,12 @@ def check_teacher(cfg: Config) -> None:
         if teacher is None:
             return
         try:
-            for key, path in teacher.method.input_paths(teacher.cfg).items():
-                if path is not None and not Path(path).exists():
-                    raise ConfigError(f"{key}: {path} does not exist")
-            teacher.method.check_initial_weights(teacher.cfg)
-            if teacher.weights is not None:
+            if teacher.weights is None:  # a release or run keeps its own files: the paths its config names may be gone
+                for key, path in teacher.method.input_paths(teacher.cfg).items():
+                    if path is not None and not Path(path).exists():
+                        raise ConfigError(f"{key}: {path} does not exist")
+                teacher.method.check_initial_weights(teacher.cfg)
+            else:
                 with torch.device("meta"):
                     model = teacher.build()
                 expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
