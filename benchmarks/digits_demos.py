@@ -10,7 +10,8 @@ before it. Both are scored zero-shot at the end of training, in English and Chin
   wordings that neither the captions nor the `digits` templates use.
 
 `distill`: a smaller clip student (half the embedding, a one-layer text tower, a fifth of the steps) trained
-alone and distilled (`method.distill`) from the clip demo as configured, trained first as its teacher.
+alone and distilled (`method.distill`, weight 1, temperatures 1 and 3) from the clip demo as configured,
+trained first as its teacher.
 
 Wall time is the launcher's: corpus build, training, both evaluations. Results:
 benchmarks/results/digits_demos.{json,md}.
@@ -52,11 +53,17 @@ def variants(demo: str, run: str) -> list[tuple[str, list[str], str]]:
     return [
         ("teacher: the clip demo as configured", [f"run.output_dir={teacher}"], teacher),
         ("small student alone", [*SMALL_STUDENT, f"run.output_dir={student}/alone"], f"{student}/alone"),
+    ] + [
         (
-            "small student distilled from the teacher",
-            [*SMALL_STUDENT, f"method.distill.teacher={teacher}", f"run.output_dir={student}/distilled"],
-            f"{student}/distilled",
-        ),
+            f"small student distilled from the teacher, temperature {t}",
+            [
+                *SMALL_STUDENT,
+                f"method.distill={{teacher: {teacher}, temperature: {t}}}",
+                f"run.output_dir={student}/{t}",
+            ],
+            f"{student}/{t}",
+        )
+        for t in (1, 3)
     ]
 
 
