@@ -546,6 +546,18 @@ def origin(origins: dict[str, str], dotted: str, default: str) -> str:
     return default
 
 
+def _without_tags(loc: tuple, data: dict) -> tuple:
+    """`loc` without the entries pydantic adds for a section of several kinds (its `name`: `method.loss.contrastive`
+    for `method.loss` named contrastive), so that messages name keys as configs write them."""
+    kept, node = [], data
+    for part in loc:
+        if isinstance(node, dict) and part not in node and node.get("name") == part:
+            continue
+        kept.append(part)
+        node = node.get(part) if isinstance(node, dict) else None
+    return tuple(kept)
+
+
 def _explain(
     exc: ValidationError,
     data: dict,
@@ -555,7 +567,7 @@ def _explain(
     prefix: tuple = (),
 ) -> str:
     err = exc.errors()[0]
-    loc = prefix + tuple(err["loc"])
+    loc = _without_tags(prefix + tuple(err["loc"]), data)
     dotted = ".".join(str(p) for p in loc)
     where = origin(origins, dotted, top_file)
     if err["type"] == "extra_forbidden":
@@ -571,6 +583,9 @@ def _explain(
         return f"{where}: unknown config key '{dotted}'{hint}"
     if err["type"] == "missing":
         return f"{top_file}: required config key '{dotted}' is missing (set it there or in a file it extends)"
+    if err["type"] == "union_tag_not_found":  # a section of several kinds set key by key, without its name
+        kinds = err.get("ctx", {}).get("discriminator", "'name'")
+        return f"{where}: config key '{dotted}' needs its {kinds} beside the other keys (e.g. {dotted}.name=...)"
     value = err.get("input")
     shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
     return f"{where}: config key '{dotted}' = {shown}: {err['msg'].removeprefix('Value error, ')}"

@@ -144,3 +144,13 @@ def test_space2_config_errors_name_the_key():
     assert "data.train" in message and "distinct source names" in message
     assert "method.project" in error_of(demo, ["method.project=false"])
     assert load_config(demo, ["method.project=false", "method.views=[I]"]).method.views == ["I"]
+
+
+def test_a_section_of_several_kinds_is_named_as_configs_write_it():
+    """`method.loss` is contrastive or sigmoid by its `name`: set key by key without it, the message asks for the
+    name; with it, errors name the key without the kind pydantic puts in between (`method.loss.contrastive.`)."""
+    clip = REPO / "configs/clip/demo.yaml"
+    with pytest.raises(ConfigError, match=r"config key 'method.loss' needs its 'name' beside the other keys"):
+        load_config(clip, ["method.loss.tile_size=4"])
+    with pytest.raises(ConfigError, match=r"config key 'method.loss.tile_size' = 0: Input should be greater than 0"):
+        load_config(clip, ["method.loss.name=contrastive", "method.loss.tile_size=0"])

@@ -20,7 +20,7 @@ from open_clip.loss import DistillClipLoss
 from test_config_matrix import shrink
 from test_every_method import demo_config, one_process  # noqa: F401  (a fixture)
 
-from conftest import read_metrics, run_on_gloo_ranks
+from conftest import REPO, read_metrics, run_on_gloo_ranks
 from mmpt.config import ConfigError
 from mmpt.losses.distill import distillation_loss
 from pool import scenario
@@ -84,11 +84,25 @@ def test_two_ranks_equal_the_whole_batchs_term():
     run_on_gloo_ranks(__name__, [("check", (2, t)) for t in (1.0, 2.5)], 2)
 
 
-def distilled(corpora, tmp_path, *extra):
-    """A tiny clip student and its transformers CLIP teacher (CLIP's BPE tokenizer, not the student's)."""
+def teacher_section(kind, corpora, tmp_path) -> str:
+    """A transformers CLIP folder, or open_clip weights saved to a file (both with CLIP's BPE tokenizer, not the
+    student's WordPiece)."""
+    if kind == "transformers":
+        return f"{{name: transformers, model: {corpora['transformers_clip']}}}"
+    import open_clip
+
+    from mmpt.models.open_clip_model import register_model_config
+
+    model = REPO / "benchmarks/configs/bench-vit-tiny.json"
+    torch.save(open_clip.create_model(register_model_config(str(model))).state_dict(), tmp_path / "teacher.pt")
+    return f"{{name: open_clip, model: {model}, pretrained: {tmp_path / 'teacher.pt'}}}"
+
+
+def distilled(corpora, tmp_path, *extra, kind="transformers"):
+    """A tiny clip student and its teacher."""
     from test_locking import tiny
 
-    teacher = f"method.distill={{teacher: {{name: transformers, model: {corpora['transformers_clip']}}}}}"
+    teacher = f"method.distill={{teacher: {teacher_section(kind, corpora, tmp_path)}}}"
     cfg, method, model = tiny("clip", corpora, tmp_path, teacher, *extra)
     recipe = method.teacher(cfg)
     assert recipe is not None
@@ -97,10 +111,10 @@ def distilled(corpora, tmp_path, *extra):
     return cfg, method, model, recipe, recipe.around(method.build_loss(cfg), built)
 
 
-def test_the_teacher_reads_its_own_tokens_and_pixels_and_stays_frozen(corpora, tmp_path):
-    cfg, method, model, recipe, loss = distilled(
-        corpora, tmp_path, "method.distill.weight=0.5", "method.image.image_size=40"
-    )
+@pytest.mark.parametrize("kind", ["transformers", "open_clip"])
+def test_the_teacher_reads_its_own_tokens_and_pixels_and_stays_frozen(corpora, tmp_path, kind):
+    extra = ("method.distill.weight=0.5", "method.image.image_size=40")
+    cfg, method, model, recipe, loss = distilled(corpora, tmp_path, *extra, kind=kind)
     start = {k: v.clone() for k, v in loss.teacher.state_dict().items()}
     stream = method.train_data(cfg, tmp_path, rank=0, world_size=1)
     batch = next(iter(stream)).batch
