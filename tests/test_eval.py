@@ -404,3 +404,57 @@ def test_chinese_clip_zeroshot_layout_scores_as_the_clip_benchmark_one(tmp_path,
         assert ours.classnames == theirs.classnames and len(list(theirs.samples())) == len(list(ours.samples()))
         scores = [zeroshot_classification(model, tokenizer, transform, data, batch_size=16) for data in (ours, theirs)]
         assert scores[0] == scores[1], (language, scores)
+
+
+def test_top_images_file_scores_in_chinese_clips_own_evaluation_as_mmpt_does(tmp_path):
+    """A Chinese-CLIP retrieval set (12 colour images in `valid_imgs.tsv`, a Chinese caption each, with their ids)
+    scored by a model whose captions land near their image's colour, some nearer another's: `predictions` holds
+    each caption's 10 best images as `make_topk_predictions` writes them, and Chinese-CLIP's own
+    `evaluation.compute_score` reads it to the text-to-image recall@1/5/10 mmpt reports."""
+    import base64
+    import io
+
+    from cn_clip.eval.evaluation import compute_score
+    from PIL import Image
+
+    from mmpt.eval.retrieval import zeroshot_retrieval
+
+    generator = torch.Generator().manual_seed(3)
+    colours = torch.rand(12, 3, generator=generator)
+    near = colours + 0.25 * torch.randn(12, 3, generator=generator)  # each caption's features: its colour, moved
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def encode_image(self, images):
+            return images.mean((2, 3)) * self.scale
+
+        def encode_text(self, input_ids, attention_mask):
+            return near[input_ids[:, 0]]
+
+    def tokenize(texts):
+        ids = torch.tensor([[int(t.removeprefix("颜色"))] for t in texts])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def png(rgb) -> str:
+        buffer = io.BytesIO()
+        Image.new("RGB", (4, 4), tuple(int(255 * v) for v in rgb)).save(buffer, format="PNG")
+        return base64.b64encode(buffer.getvalue()).decode()
+
+    (tmp_path / "valid_imgs.tsv").write_text("".join(f"{5000 + i}\t{png(c)}\n" for i, c in enumerate(colours)))
+    texts = tmp_path / "valid_texts.jsonl"
+    lines = [{"text_id": 100 + i, "text": f"颜色{i}", "image_ids": [5000 + i]} for i in range(12)]
+    texts.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
+
+    def transform(image):
+        return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)
+
+    predictions = tmp_path / "out" / "predictions.jsonl"
+    ours = zeroshot_retrieval(Model(), tokenize, transform, texts, batch_size=5, predictions=predictions)
+    first = json.loads(predictions.read_text().splitlines()[0])
+    assert first["text_id"] == 100 and len(first["image_ids"]) == 10 and all(i >= 5000 for i in first["image_ids"])
+    _, r1, r5, r10 = compute_score(str(texts), str(predictions))
+    assert 0.2 < ours["image_retrieval_recall@1"] < 0.9  # neither all found first nor at chance
+    assert [r1, r5, r10] == pytest.approx([100 * ours[f"image_retrieval_recall@{k}"] for k in (1, 5, 10)])

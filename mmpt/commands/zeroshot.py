@@ -40,11 +40,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="accept class names not written in --language (e.g. English names in Chinese prompts)",
     )
+    parser.add_argument(
+        "--predictions",
+        type=Path,
+        help="retrieval: also write each caption's 10 best images to this jsonl, in Chinese-CLIP's "
+        'make_topk_predictions format ({"text_id", "image_ids"} per line; MUGE\'s leaderboard reads it)',
+    )
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     args = parser.parse_args(argv)
+    if args.predictions is not None and args.task != "zeroshot_retrieval":
+        parser.error("--predictions is written for --task zeroshot_retrieval")
 
     from mmpt.eval import DEMO_SETS
     from mmpt.methods.base import ZeroShotMethod, save_eval_record
+    from mmpt.methods.image_text import ImageTextMethod
     from mmpt.release import load_run
 
     if args.dataset not in DEMO_SETS and args.dataset != "moving_digits" and not Path(args.dataset).exists():
@@ -55,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg, method, model = load_run(args.model, device=args.device)
     if not isinstance(method, ZeroShotMethod):
         parser.error(f"method '{cfg.method_name}' has no zero-shot evaluation")
+    if args.predictions is not None and not isinstance(method, ImageTextMethod):
+        parser.error(f"--predictions: method '{cfg.method_name}' writes no image predictions")
     result = method.zeroshot(
         model,
         cfg,
@@ -63,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         args.language,
         task=args.task,
         foreign_class_names=args.foreign_class_names,
+        **({} if args.predictions is None else {"predictions": args.predictions}),
     )
     print(json.dumps(result, indent=2, ensure_ascii=False))
     output = Path(args.output)

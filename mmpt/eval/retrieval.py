@@ -8,14 +8,16 @@ Ranks count ties against the query (`RANK_TIES`), and the results say so.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from mmpt.data.image_text import decode_image
 from mmpt.data.shards import DataError
-from mmpt.eval.retrieval_formats import read_retrieval_set
+from mmpt.eval.retrieval_formats import RetrievalSet, read_retrieval_set
 
 
 def official_caption_normalization(text: str) -> str:
@@ -89,9 +91,10 @@ def zeroshot_retrieval(
     device: str | torch.device = "cpu",
     normalize_text=None,
     fields=None,
+    predictions: str | os.PathLike | None = None,
 ) -> dict:
     """Retrieval metrics of `model` on any layout `read_retrieval_set` reads (`fields`: where shard samples keep
-    their image and captions)."""
+    their image and captions); `predictions`: a file for each caption's top 10 images (`write_top_images`)."""
     model.eval()
     data = read_retrieval_set(path, fields)
     texts = [normalize_text(t) for t in data.texts] if normalize_text else data.texts
@@ -106,4 +109,19 @@ def zeroshot_retrieval(
                 raise DataError(f"retrieval image {file} cannot be read: {exc}") from None
         image_features.append(model.encode_image(torch.stack(batch).to(device=device, dtype=dtype)).cpu())
     text_features, rows = encode_texts(model, tokenize, texts, batch_size, device)
-    return recall_metrics(F.normalize(torch.cat(image_features).float(), dim=-1), text_features[rows], data.matches)
+    images = F.normalize(torch.cat(image_features).float(), dim=-1)
+    if predictions is not None:
+        write_top_images(predictions, text_features[rows] @ images.T, data)
+    return recall_metrics(images, text_features[rows], data.matches)
+
+
+def write_top_images(path: str | os.PathLike, scores: torch.Tensor, data: RetrievalSet, k: int = 10) -> None:
+    """Each caption's `k` best images, best first, as Chinese-CLIP's `make_topk_predictions` writes them (the
+    format MUGE's leaderboard and its `evaluation.py` read): one `{"text_id", "image_ids"}` line per caption, ids
+    the layout's own (positions for layouts without ids)."""
+    text_ids = data.text_ids or list(range(len(data.texts)))
+    image_ids = data.image_ids or list(range(len(data.images)))
+    top = scores.topk(min(k, scores.shape[1]), dim=1).indices.tolist()
+    lines = [json.dumps({"text_id": t, "image_ids": [image_ids[i] for i in row]}) for t, row in zip(text_ids, top)]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -49,6 +49,8 @@ class RetrievalSet:
     images: list[Any]  # Path or ImageBytes: anything with read_bytes()
     texts: list[str]
     matches: torch.Tensor  # bool [images, texts]: text j describes image i
+    image_ids: list[int] | None = None  # the layout's own ids (Chinese-CLIP's); None: positions
+    text_ids: list[int] | None = None
 
     @classmethod
     def from_captions(cls, images: list[Any], captions: list[list[str]]) -> RetrievalSet:
@@ -141,11 +143,12 @@ def load_chinese_clip(texts_file: Path) -> RetrievalSet:
     images_file = texts_file.with_name(texts_file.name.replace("_texts.jsonl", "_imgs.tsv"))
     if not images_file.is_file():
         raise DataError(f"{texts_file}: the images file {images_file.name} is not beside it (Chinese-CLIP layout)")
-    images, row = [], {}
+    images, row, image_ids, text_ids = [], {}, [], []
     for number, line in enumerate(images_file.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         image_id, _, encoded = line.partition("\t")
+        image_ids.append(_id(image_id, f"{images_file}:{number}"))
         try:
             images.append(ImageBytes(base64.b64decode(encoded, validate=True), f"{images_file}:{image_id}"))
         except ValueError as exc:
@@ -157,8 +160,8 @@ def load_chinese_clip(texts_file: Path) -> RetrievalSet:
             continue
         try:
             record = json.loads(line)
-            text, image_ids = record["text"], record["image_ids"]
-            rows = [row[str(i)] for i in image_ids]
+            text, rows = record["text"], [row[str(i)] for i in record["image_ids"]]
+            text_ids.append(_id(record.get("text_id", len(texts)), f"{texts_file}:{number}"))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise DataError(
                 f'{texts_file}:{number}: expected {{"text_id", "text", "image_ids"}} with ids of '
@@ -172,7 +175,15 @@ def load_chinese_clip(texts_file: Path) -> RetrievalSet:
         raise DataError(f"{texts_file}: no records")
     matches = torch.zeros(len(images), len(texts), dtype=torch.bool)
     matches[tuple(torch.tensor(pairs).T)] = True
-    return RetrievalSet(images, texts, matches)
+    return RetrievalSet(images, texts, matches, image_ids, text_ids)
+
+
+def _id(value: Any, where: str) -> int:
+    """A Chinese-CLIP id: an integer (its evaluation scripts and MUGE's leaderboard take no other)."""
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise DataError(f"{where}: id {value!r} is not an integer (Chinese-CLIP's ids are)") from None
 
 
 def is_shard_pattern(text: str) -> bool:

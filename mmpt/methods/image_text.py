@@ -330,10 +330,12 @@ class ImageTextMethod(Method[SettingsT]):
         task: str = "zeroshot_classification",
         foreign_class_names: bool = False,
         fields: SampleFields | None = None,
+        predictions: Path | None = None,
     ) -> dict[str, Any]:
         """One zero-shot run (classification, or retrieval over a jsonl) as a CLIP_benchmark-style record
         (not saved: the caller decides where). `foreign_class_names`: accept class names not written in
-        `language`; `fields`: where a set read from shards keeps its images and captions."""
+        `language`; `fields`: where a set read from shards keeps its images and captions; `predictions`: where
+        retrieval writes each caption's best images (`mmpt.eval.retrieval.write_top_images`)."""
         device = next(model.parameters()).device
         batch_size = self.settings(cfg).eval_batch_size
         tokenizer, transform = self.tokenizer(cfg, run_dir), self.image_transform(cfg, train=False)
@@ -347,6 +349,7 @@ class ImageTextMethod(Method[SettingsT]):
                 fields=fields,
                 batch_size=batch_size,
                 device=device,
+                predictions=predictions,
             )
             return eval_record(run_dir, dataset, task, language, metrics)
         if task == "zeroshot_classification":
