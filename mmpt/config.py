@@ -591,10 +591,32 @@ def _explain(
     return f"{where}: config key '{dotted}' = {shown}: {err['msg'].removeprefix('Value error, ')}"
 
 
+def shipped_configs() -> Path:
+    """The configs mmpt ships: `configs/` of a source checkout, or the copy an installed wheel carries."""
+    checkout = Path(__file__).resolve().parents[1] / "configs"
+    return checkout if checkout.is_dir() else Path(__file__).resolve().parent / "configs"
+
+
+def shipped_config(path: str | os.PathLike) -> Path:
+    """`path` where that file exists, else the shipped config it names (`m2_encoder/0.4b`, with or without
+    `.yaml` or a leading `configs/`); a name that is neither is one line listing the shipped ones."""
+    if Path(path).is_file():
+        return Path(path)
+    root = shipped_configs()
+    name = str(path).removeprefix("configs/")
+    for candidate in (root / name, root / f"{name}.yaml"):
+        if candidate.is_file():
+            return candidate
+    names = sorted(str(f.relative_to(root).with_suffix("")) for f in root.glob("*/*.yaml") if f.parent.name != "base")
+    raise ConfigError(f"config file not found: {path} (nor a shipped config: {', '.join(names)})")
+
+
 def read_config(
     path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()
 ) -> tuple[dict, dict[str, str], str]:
-    """(merged data, key path -> file that set it, top file) of `path`, its bases and `key.path=value` overrides."""
+    """(merged data, key path -> file that set it, top file) of `path`, its bases and `key.path=value` overrides.
+    `path` may also name a shipped config (`shipped_config`)."""
+    path = shipped_config(path)
     top_file = str(Path(path).resolve())
     data, origins = _load_with_bases(Path(path))
     for text in overrides:

@@ -154,3 +154,42 @@ def test_a_section_of_several_kinds_is_named_as_configs_write_it():
         load_config(clip, ["method.loss.tile_size=4"])
     with pytest.raises(ConfigError, match=r"config key 'method.loss.tile_size' = 0: Input should be greater than 0"):
         load_config(clip, ["method.loss.name=contrastive", "method.loss.tile_size=0"])
+
+
+def test_a_shipped_config_is_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    by_path = load_config(REPO / "configs/m2_encoder/0.4b.yaml")
+    for name in ("m2_encoder/0.4b", "m2_encoder/0.4b.yaml", "configs/m2_encoder/0.4b"):
+        assert load_config(name) == by_path, name
+    with pytest.raises(
+        ConfigError, match=r"^config file not found: m2_encoder/0.5b \(nor a shipped config: clip/demo, "
+    ):
+        load_config("m2_encoder/0.5b")
+
+
+def test_the_wheel_carries_the_shipped_configs(tmp_path):
+    """Built as pip builds it (from a copy of the sources: no earlier build folder) and unpacked outside the
+    checkout: `--config m2_encoder/0.4b` reads its copy."""
+    import shutil
+
+    sources = tmp_path / "sources"
+    for part in ("mmpt", "data", "losses", "configs"):
+        shutil.copytree(REPO / part, sources / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / part, sources / part)
+    wheel = [sys.executable, "-m", "pip", "wheel", str(sources), "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*wheel, "-w", str(tmp_path)], check=True, capture_output=True)
+    import zipfile
+
+    unpacked = tmp_path / "site"
+    zipfile.ZipFile(next(tmp_path.glob("mmpt-*.whl"))).extractall(unpacked)
+    code = "from mmpt.config import read_config; print(read_config('m2_encoder/0.4b')[2])"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**launcher_env(), "PYTHONPATH": str(unpacked)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.strip() == str(unpacked / "mmpt/configs/m2_encoder/0.4b.yaml")
