@@ -177,6 +177,38 @@ def test_open_clip_loads_the_export_and_gives_mmpts_features(name, corpora, tmp_
     torch.testing.assert_close(features, ours[0], rtol=0, atol=OPEN_CLIP_TOLERANCE)
 
 
+def test_an_open_clip_vit_exports_as_a_clip_model_transformers_loads(corpora, tmp_path):
+    """`--format transformers` of open_clip's plain ViT CLIP: transformers' CLIPModel, CLIPTokenizer and
+    CLIPImageProcessor load the folder, tokenise as open_clip does (to the end token; padding differs) and give
+    mmpt's image and text features from their own preprocessing."""
+    import torch.nn.functional as F
+    from transformers import CLIPImageProcessor, CLIPModel, CLIPTokenizer
+
+    release = demo_release("open_clip", corpora, tmp_path)
+    model = mmpt.load(release)
+    out = tmp_path / "hf"
+    assert export(["--run", str(release), "--out", str(out), "--format", "transformers"]) == 0
+    loaded = CLIPModel.from_pretrained(out).eval()
+    tokenizer, processor = CLIPTokenizer.from_pretrained(out), CLIPImageProcessor.from_pretrained(out)
+    pre = model.preprocessors()
+    captions = ["a handwritten digit seven", "the digit two  written   twice"]
+    ours_ids = pre["tokenizer"](captions)["input_ids"]
+    theirs_ids = tokenizer(captions, padding="max_length", max_length=ours_ids.shape[1], return_tensors="pt")
+    for ours_row, theirs_row in zip(ours_ids, theirs_ids["input_ids"]):
+        end = int(ours_row.argmax()) + 1
+        assert torch.equal(ours_row[:end], theirs_row[:end])
+    images = digit_images(corpora["digits"])
+    pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        theirs_image = F.normalize(loaded.get_image_features(pixel_values=pixels).pooler_output, dim=-1)
+        theirs_text = F.normalize(loaded.get_text_features(input_ids=theirs_ids["input_ids"]).pooler_output, dim=-1)
+        ours_image = model.encode_image(torch.stack([pre["preprocess"](image) for image in images]))
+        ours_text = model.encode_text(ours_ids, None)
+    torch.testing.assert_close(theirs_text, ours_text, rtol=0, atol=1e-5)
+    torch.testing.assert_close(theirs_image, ours_image, rtol=0, atol=1e-5)  # the same pixels from its processor
+    assert loaded.logit_scale.item() == pytest.approx(model.model.clip.logit_scale.item())
+
+
 def official_layout(size: str) -> list[tuple[str, list[int], str]]:
     rows = (REPO / f"tests/data/m2_encoder_{size}_state_dict.tsv").read_text().splitlines()
     return [(key, json.loads(shape), dtype) for key, shape, dtype in (row.split("\t") for row in rows)]
@@ -360,6 +392,16 @@ BAD_REQUESTS = {
         },
         ["--format", "open_clip"],
         "'method.image.timm_kwargs' sets depth, img_size",
+    ),
+    "open_clip-sigmoid-transformers": (
+        {"name": "open_clip", "model": "ViT-B-32", "loss": {"name": "sigmoid"}},
+        ["--format", "transformers"],
+        "CLIPModel has no place for the logit bias the sigmoid loss trained",
+    ),
+    "open_clip-resnet-transformers": (
+        {"name": "open_clip", "model": "RN50"},
+        ["--format", "transformers"],
+        "CLIPModel has no place for a ResNet image tower",
     ),
     "unknown-format": (
         {"name": "clip", "tokenizer": "tokenizer.json"},

@@ -1,6 +1,6 @@
 """`launch/export.py --format transformers`: a folder `transformers.AutoModel.from_pretrained` loads (config,
-safetensors weights, tokenizer, image processor), for models of the `transformers` method, checked by loading it
-back and comparing its embeddings with mmpt's."""
+safetensors weights, tokenizer, image processor), for models of the `transformers` method and open_clip's plain ViT
+CLIPs, checked by loading it back and comparing its embeddings with mmpt's."""
 
 from __future__ import annotations
 
@@ -31,12 +31,13 @@ def check_folder(module: Any, out: Path) -> None:
     from transformers import AutoModel, AutoTokenizer
 
     loaded = AutoModel.from_pretrained(out).eval()
+    length = int(getattr(module, "context_length", loaded.config.text_config.max_position_embeddings))
     tokens = AutoTokenizer.from_pretrained(out)(["a photo of a cat"], padding="max_length", truncation=True,
-                                                max_length=int(module.context_length), return_tensors="pt")  # fmt: skip
+                                                max_length=length, return_tensors="pt")  # fmt: skip
     size = int(loaded.config.vision_config.image_size) if hasattr(loaded.config.vision_config, "image_size") else 0
     with torch.no_grad():
         ours = module.encode_text(tokens["input_ids"], tokens["attention_mask"])
-        mask = tokens["attention_mask"] if module.reads_mask else None
+        mask = tokens["attention_mask"] if getattr(module, "reads_mask", False) else None
         theirs = loaded.get_text_features(input_ids=tokens["input_ids"], attention_mask=mask).pooler_output
         gaps = [(ours - F.normalize(theirs, dim=-1)).abs().max().item()]
         if size:  # SigLIP 2 reads patches: its text check suffices for the weights' layout

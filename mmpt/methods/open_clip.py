@@ -186,7 +186,28 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
 
     # --- export ---
 
-    export_formats = ("open_clip",)  # an open_clip model already
+    export_formats = ("open_clip", "transformers")  # an open_clip model already; a plain ViT CLIP as CLIPModel
+
+    def export_problem(self, cfg: Config, fmt: str) -> str | None:
+        if fmt != "transformers":
+            return None
+        from mmpt.export.open_clip_to_clip_model import convertible
+
+        config = open_clip.get_model_config(register_model_config(self.settings(cfg).model)) or {}
+        problem = convertible(config)
+        if problem is None and isinstance(self.loss_spec(cfg), SigmoidLossConfig):
+            problem = "transformers' CLIPModel has no place for the logit bias the sigmoid loss trained"
+        return None if problem is None else f"{problem} (use --format open_clip, onnx or release)"
+
+    def transformers_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> None:
+        """A `CLIPModel` folder (`mmpt.export.open_clip_to_clip_model`) with open_clip's tokenizer and preprocessing."""
+        from mmpt.export.open_clip_to_clip_model import write_clip_model, write_tokenizer
+
+        m = self.settings(cfg)
+        config = open_clip.get_model_config(register_model_config(m.model)) or {}
+        clip = cast(OpenClipModel, model).clip
+        write_clip_model(clip, config, self._quick_gelu(cfg), self._preprocess(cfg), out)
+        write_tokenizer(self.tokenizer(cfg, run_dir)._tokenizer, out)
 
     def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
         size = self._preprocess(cfg)["image_size"]
