@@ -186,7 +186,11 @@ def test_every_package_and_data_file_goes_into_the_wheel():
         for package, folder in PACKAGES.items()
         for init in folder.rglob("__init__.py")
     }
-    assert found == set(setuptools["packages"])
+    data_only = {"mmpt.configs"}  # configs/, the shipped configs: YAML files under their method's folder
+    assert found | data_only == set(setuptools["packages"])
+    shipped = {str(f.relative_to(ROOT / "configs")) for f in (ROOT / "configs").rglob("*") if f.is_file()}
+    patterns = setuptools["package-data"]["mmpt.configs"]
+    assert shipped and all(any(fnmatchcase(f, p) for p in patterns) for f in shipped), shipped
     for path in PACKAGES["mmpt"].rglob("*"):
         if path.is_file() and path.suffix not in {".py", ".pyc"} and "__pycache__" not in path.parts:
             package = ".".join(("mmpt", *path.parent.relative_to(PACKAGES["mmpt"]).parts))

@@ -21,7 +21,6 @@ from mmpt.models.tensor_files import TensorReader
 if TYPE_CHECKING:
     from mmpt.config import Config, EvalSetConfig
     from mmpt.data.loader import BatchStream, StreamSpec
-    from mmpt.methods.teacher import Teacher
     from mmpt.methods.towers import Tower
 
 
@@ -221,9 +220,9 @@ class Method(Generic[SectionT]):
     def build_loss(self, cfg: Config) -> nn.Module:
         raise NotImplementedError
 
-    def teacher(self, cfg: Config) -> Teacher | None:
-        """A frozen model the loss reads beside the model (`mmpt.methods.teacher`; None: none). The engine builds
-        it as it builds the model, partitioned under ZeRO-3, and hands it to `Teacher.around(loss, teacher)`."""
+    def teacher(self, cfg: Config) -> Any:
+        """A frozen model the loss reads beside the model (a `mmpt.methods.teacher.Teacher`; None: none). The engine
+        builds it as it builds the model, partitioned under ZeRO-3, and hands it to `Teacher.around(loss, teacher)`."""
         return None
 
     def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:

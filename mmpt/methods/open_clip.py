@@ -191,7 +191,7 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     def export_problem(self, cfg: Config, fmt: str) -> str | None:
         if fmt != "transformers":
             return None
-        from mmpt.export.open_clip_to_clip_model import convertible
+        from mmpt.models.open_clip_to_clip_model import convertible
 
         config = open_clip.get_model_config(register_model_config(self.settings(cfg).model)) or {}
         problem = convertible(config)
@@ -200,8 +200,8 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         return None if problem is None else f"{problem} (use --format open_clip, onnx or release)"
 
     def transformers_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> None:
-        """A `CLIPModel` folder (`mmpt.export.open_clip_to_clip_model`) with open_clip's tokenizer and preprocessing."""
-        from mmpt.export.open_clip_to_clip_model import write_clip_model, write_tokenizer
+        """A `CLIPModel` folder (`mmpt.models.open_clip_to_clip_model`) with open_clip's tokenizer and preprocessing."""
+        from mmpt.models.open_clip_to_clip_model import write_clip_model, write_tokenizer
 
         m = self.settings(cfg)
         config = open_clip.get_model_config(register_model_config(m.model)) or {}

@@ -17,21 +17,19 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, ValidationError
 from torch import nn
 
-from mmpt.artifacts import WEIGHTS, ReleaseError, has_weights
+from mmpt.artifacts import RELEASE_CONFIG, RUN_CONFIG, WEIGHTS, ReleaseError, has_weights
 from mmpt.config import Config, ConfigError, Section
+from mmpt.data.image_text import normalize_pixels
 from mmpt.errors import first_line
 from mmpt.losses.distill import distillation_loss
 from mmpt.models.tensor_files import SafetensorsTensors, TensorReader, check_covers
-
-if TYPE_CHECKING:
-    from mmpt.methods.image_text import ImageTextMethod
 
 KEY = "method.distill.teacher"
 FOLDER = "teacher"  # in the run directory: a teacher named by a method section, its config and tokenizer files
@@ -61,7 +59,7 @@ class Teacher:
     """How to build a run's teacher: its method and config, the folder its files are read from, and, for a
     release or run, its weights file (None: the method's own initial weights)."""
 
-    method: ImageTextMethod
+    method: Any  # an image-text method (image and text towers)
     cfg: Config
     files: Path
     weights: Path | None
@@ -105,24 +103,21 @@ def teacher_of(cfg: Config, run_dir: Path) -> Teacher | None:
     if settings is None:
         return None
     from mmpt.methods import get_method
-    from mmpt.methods.image_text import ImageTextMethod
 
     spec = settings.teacher
     try:
         if isinstance(spec, str):
-            from mmpt.release import read_config
-
             files = Path(spec).expanduser()
             if not files.is_dir():
                 raise ReleaseError(f"{spec} is not a directory (an mmpt release or finished run)")
-            teacher_cfg = read_config(files)
+            teacher_cfg = directory_config(files)
             if not has_weights(files):
                 raise ReleaseError(f"{files} has no {WEIGHTS}: not a finished run or release")
             weights: Path | None = files / WEIGHTS
         else:
             teacher_cfg, files, weights = None, run_dir / FOLDER, None
         method = get_method(teacher_cfg.method_name if teacher_cfg is not None else cast(dict, spec).get("name"))
-        if not isinstance(method, ImageTextMethod):
+        if set(method.tower_names) != {"image", "text"}:
             raise ConfigError(f"method '{method.name}' is not an image-text model")
         if teacher_cfg is None:
             teacher_cfg = cfg.model_copy(update={"method": method.config_class.model_validate(spec)})
@@ -133,6 +128,24 @@ def teacher_of(cfg: Config, run_dir: Path) -> Teacher | None:
     except (ConfigError, ReleaseError, ValueError, FileNotFoundError) as exc:
         raise teacher_error(exc) from None
     return Teacher(method, teacher_cfg, files, weights, settings)
+
+
+def directory_config(directory: Path) -> Config:
+    """The config a release (`config.json`) or run (`config.yaml`) directory was trained with, validated by its
+    method's schema."""
+    import json
+
+    from mmpt.config import read_config, validate_sections
+    from mmpt.methods import get_method
+
+    if (directory / RELEASE_CONFIG).is_file():
+        data, origins, top = json.loads((directory / RELEASE_CONFIG).read_text()).get("config") or {}, {}, directory
+    elif (directory / RUN_CONFIG).is_file():
+        data, origins, top = read_config(directory / RUN_CONFIG)
+    else:
+        raise ReleaseError(f"{directory} has neither {RELEASE_CONFIG} (a release) nor {RUN_CONFIG} (a training run)")
+    method = get_method((data.get("method") or {}).get("name"))
+    return validate_sections(data, origins, str(top), method.config_class)
 
 
 def teacher_error(exc: Exception) -> ConfigError:
@@ -197,15 +210,14 @@ class Distilled(nn.Module):
     @torch.no_grad()
     def teacher_features(self, batch: dict[str, Any]) -> list[torch.Tensor]:
         """The teacher's (image features, text features, logit scale, ...) of a training batch (uint8 pixels)."""
-        from mmpt.methods.image_text import model_images
-
         pixels = batch["image"]
         if pixels.is_floating_point():
             raise ValueError("distillation reads the loader's uint8 pixels; this batch is already normalised")
         if tuple(pixels.shape[-2:]) != self.image_size:
             resized = F.interpolate(pixels.float(), size=self.image_size, mode="bicubic", antialias=True)
             pixels = resized.clamp_(0, 255).round_().to(torch.uint8)
-        images = model_images(self.teacher, pixels)
+        teacher: Any = self.teacher
+        images = normalize_pixels(pixels, teacher.image_mean, teacher.image_std, next(teacher.parameters()).dtype)
         return list(self.teacher(images, batch["teacher_input_ids"], batch.get("teacher_attention_mask")))
 
     def forward(
