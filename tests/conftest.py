@@ -471,6 +471,7 @@ EXTENDED = (
     "test_distill.py::test_a_zero3_run_distils_with_pooled_accumulation",
     "test_distill.py::test_at_zero3_no_rank_holds_the_teacher_whole",
     "test_config.py::test_the_wheel_carries_the_shipped_configs",
+    "test_make_image_text_shards.py::test_two_ranks_train_on_shards_converted_from_a_gbk_table",
     "test_transformers_method.py::test_a_siglip_run_trains_resumes_and_exports",
     "test_transformers_method.py::test_a_locked_tower_ends_as_the_checkpoint_had_it",
     "test_lora.py::test_at_zero_2_and_3_the_base_weights_are_unchanged*",

@@ -311,3 +311,19 @@ def check_no_rank_holds_the_teacher_whole(rank: int, tmp: str, digits: str) -> N
 
 def test_at_zero3_no_rank_holds_the_teacher_whole(tmp_path, digits_root):
     run_on_gloo_ranks(__name__, [("check_no_rank_holds_the_teacher_whole", (str(tmp_path), str(digits_root)))], 2)
+
+
+def test_the_planner_counts_the_teacher_as_frozen_parameters(corpora, tmp_path):
+    from transformers import CLIPModel
+
+    from mmpt.config_loader import load_config
+    from mmpt.plan.build import built, count
+
+    config = demo_config("clip")
+    base = load_config(config, [*shrink(config, corpora), f"run.output_dir={tmp_path}"])
+    teacher = f"method.distill={{teacher: {teacher_section('transformers', corpora, tmp_path)}}}"
+    distilled = load_config(config, [*shrink(config, corpora), f"run.output_dir={tmp_path}", teacher])
+    with built(base) as plain, built(distilled) as taught:
+        alone, beside = count(plain), count(taught)
+    size = sum(p.numel() for p in CLIPModel.from_pretrained(corpora["transformers_clip"]).parameters())
+    assert beside.frozen - alone.frozen == size and beside.trainable == alone.trainable

@@ -14,6 +14,7 @@ from PIL import Image
 from conftest import REPO
 from mmpt.cli import exit_code
 from mmpt.commands.make_image_text_shards import main as make_shards
+from pool import scenario
 
 
 def jpeg(size, colour=(200, 30, 30), fmt="JPEG") -> bytes:
@@ -121,3 +122,43 @@ def test_a_missing_column_is_one_line_and_exit_2(inputs):
         make_shards([*args, "--encoding", "gb18030", "--out", str(inputs / "out")])
     assert exit_code(error.value) == 2 and "row 1 has no column 'file'" in str(error.value)
     assert "\n" not in str(error.value)
+
+
+@scenario("clip-from-a-converted-gbk-table")
+def clip_from_a_converted_gbk_table(corpora, run_dir):
+    """300 digit scans named in a gb18030 csv with English and Chinese captions, converted into 2 shards (resized,
+    2 processes), then the clip demo trained on them on 2 ranks reading the Chinese column."""
+    from test_config_matrix import shrink
+
+    from mmpt.eval.zeroshot import load_classification_set
+
+    folder = run_dir.parent / "gbk-table"
+    (folder / "scans").mkdir(parents=True, exist_ok=True)
+    data = load_classification_set(corpora["digits"] / "zeroshot", "zh")
+    english = load_classification_set(corpora["digits"] / "zeroshot", "en").classnames
+    rows = ["路径,caption,caption_zh"]
+    for i, (image, label, _) in enumerate(list(data.samples())[:300]):
+        (folder / "scans" / f"{i:03d}.png").write_bytes(image)
+        rows.append(f"scans/{i:03d}.png,the digit {english[label]},手写的{data.classnames[label]}")
+    (folder / "pairs.csv").write_bytes(("\n".join(rows) + "\n").encode("gb18030"))
+    args = ["--table", str(folder / "pairs.csv"), "--image-column", "路径", "--caption-columns", "caption,caption_zh"]
+    shards = folder / "shards"
+    assert (
+        make_shards([*args, "--encoding", "gb18030", "--out", str(shards), "--shard-size", "150", "--resize", "48"])
+        == 0
+    )
+    config = REPO / "configs/clip/demo.yaml"
+    source = f'data.train.sources=[{{shards: "{shards}/{{00000..00001}}.tar", caption_key: json.caption_zh}}]'
+    rest = ["train.max_steps=4", "data.eval=[]", "train.eval_every=0"]
+    return config, [*shrink(config, corpora), source, *rest], "train"
+
+
+@pytest.mark.pool("clip-from-a-converted-gbk-table")
+def test_two_ranks_train_on_shards_converted_from_a_gbk_table(rank_pool):
+    from conftest import read_metrics
+
+    run_dir = rank_pool.run_dir("clip-from-a-converted-gbk-table")
+    stats = [json.loads(p.read_text()) for p in sorted((run_dir.parent / "gbk-table/shards").glob("*_stats.json"))]
+    assert [s["successes"] for s in stats] == [150, 150]
+    losses = [r["loss/contrastive"] for r in read_metrics(run_dir) if "loss/contrastive" in r]
+    assert len(losses) == 4 and all(0 < v < 20 for v in losses)

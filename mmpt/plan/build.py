@@ -16,6 +16,7 @@ from torch import nn
 from mmpt.config import Config, ConfigError
 from mmpt.errors import first_line
 from mmpt.methods import EngineNeeds, Method, get_method
+from mmpt.methods.teacher import teacher_of
 
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold: ZeRO-3 keeps these whole
 
@@ -63,10 +64,9 @@ def built(cfg: Config, device: str | torch.device = "meta") -> Iterator[Built]:
         try:
             try:
                 with torch.device(device):
-                    model = method.build_model(cfg, run_dir)
-                    loss = method.build_loss(cfg)
+                    model, loss = method.build_model(cfg, run_dir), with_teacher(cfg, method, run_dir)
             except (NotImplementedError, RuntimeError):  # a model that moves its weights itself (open_clip)
-                model, loss = method.build_model(cfg, run_dir), method.build_loss(cfg)
+                model, loss = method.build_model(cfg, run_dir), with_teacher(cfg, method, run_dir)
         except Exception as exc:
             # The architecture is read from that file (a vocabulary size, a checkpoint's config.json): say which
             # one, not what the build tripped over without it (a tokenizer's os error, a hub repo-id error).
@@ -75,9 +75,17 @@ def built(cfg: Config, device: str | torch.device = "meta") -> Iterator[Built]:
         yield Built(cfg, method, model, loss, method.engine_needs(model, cfg))
 
 
+def with_teacher(cfg: Config, method: Method, run_dir: Path) -> nn.Module:
+    """The method's loss, around the frozen teacher the config names (`method.distill`), built as the engine
+    builds it: its parameters count as frozen ones."""
+    loss = method.build_loss(cfg)
+    teacher = teacher_of(cfg, run_dir)
+    return loss if teacher is None else teacher.around(loss, teacher.build())
+
+
 def count(b: Built) -> Counts:
     """Counts of `b`'s model, tied parameters once."""
-    params = {id(p): p for p in b.model.parameters()}.values()
+    params = {id(p): p for p in [*b.model.parameters(), *b.loss.parameters()]}.values()  # a teacher: frozen
     copies = {id(t) for copy in b.needs.momentum_copies for t in copy.buffers()}
     momentum = sum(t.numel() for copy in b.needs.momentum_copies for t in copy.buffers() if t.is_floating_point())
     largest = max(
