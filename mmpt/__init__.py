@@ -12,14 +12,33 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmpt.config import Config, ConfigError
-from mmpt.config_loader import load_config
-from mmpt.methods import list_methods
-from mmpt.pretrained import list_models, list_pretrained
+
+if TYPE_CHECKING:
+    from mmpt.config_loader import load_config
+    from mmpt.methods import list_methods
+    from mmpt.pretrained import list_models, list_pretrained
 
 __version__ = "0.1.0"
+
+# Imported when first used: `import mmpt` (and every command's start, and each worker process a command spawns)
+# then does not pay for torch and the methods before it needs them.
+_LAZY = {
+    "load_config": "mmpt.config_loader",
+    "list_methods": "mmpt.methods",
+    "list_models": "mmpt.pretrained",
+    "list_pretrained": "mmpt.pretrained",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mmpt' has no attribute {name!r}")
 
 
 def load(name_or_path: str | os.PathLike, device: str = "cpu"):
@@ -48,6 +67,8 @@ def create_model_and_transforms(model_name: str, pretrained: str | os.PathLike |
 
 def get_tokenizer(model_name: str, pretrained: str | os.PathLike | None = None) -> Any:
     """The tokenizer of a release/run directory, hub id, or named model with its official download."""
+    from mmpt.pretrained import list_models
+
     if model_name in list_models():
         from mmpt.data.glm_tokenizer import GLMTokenizer
         from mmpt.pretrained import official_m2_files
@@ -59,6 +80,8 @@ def get_tokenizer(model_name: str, pretrained: str | os.PathLike | None = None) 
 
 
 def _load_named(model_name: str, pretrained, device: str):
+    from mmpt.pretrained import list_models
+
     if model_name not in list_models():
         return load(model_name, device)
     from mmpt.methods import get_method

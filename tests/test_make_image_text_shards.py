@@ -162,3 +162,14 @@ def test_two_ranks_train_on_shards_converted_from_a_gbk_table(rank_pool):
     assert [s["successes"] for s in stats] == [150, 150]
     losses = [r["loss/contrastive"] for r in read_metrics(run_dir) if "loss/contrastive" in r]
     assert len(losses) == 4 and all(0 < v < 20 for v in losses)
+
+
+def test_a_truncated_jpeg_is_found_though_kept_jpegs_decode_at_an_eighth():
+    """JPEGs kept as they are decode at the smallest DCT scale only to check them: a cut-off file still fails."""
+    from mmpt.commands.make_image_text_shards import jpeg_of
+
+    whole = jpeg((640, 480))
+    assert jpeg_of(whole, None) == (whole, {"original_width": 640, "original_height": 480, "width": 640, "height": 480})
+    assert jpeg_of(whole, 240)[1] == {"original_width": 640, "original_height": 480, "width": 320, "height": 240}
+    with pytest.raises(OSError, match="truncated"):
+        jpeg_of(whole[: len(whole) // 2], None)
