@@ -70,8 +70,12 @@ def _peak_growth(work):
 
 
 def _deepspeed_ready() -> None:
+    """What the build imports (DeepSpeed's partitioning, transformers' modelling code and init switch) imported
+    first: import memory is not the model's (`import mmpt` imports none of it)."""
     import deepspeed
     from deepspeed.runtime.zero import partition_parameters  # noqa: F401
+    from transformers import BertModel  # noqa: F401  (transformers' modelling code: accelerate, scipy, ...)
+    from transformers.initialization import no_init_weights  # noqa: F401
 
     if not deepspeed.comm.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
