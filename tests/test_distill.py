@@ -251,21 +251,6 @@ def test_a_zero3_run_distils_with_pooled_accumulation(rank_pool):
     assert not [k for k in load_file(str(run_dir / "model.safetensors")) if "teacher" in k or k.startswith("hf.")]
 
 
-TEACHER_ARCH = {  # an M²-Encoder of ~310 MB in fp32, no tensor above 5% of it (tests/test_sharded_build.py's)
-    "vocab_size": 1000,
-    "width": 512,
-    "heads": 8,
-    "lower_layers": 10,
-    "shared_layers": 2,
-    "output_dim": 256,
-    "image_size": 32,
-    "patch_size": 16,
-    "text_positions": 64,
-    "context_length": 16,
-    "position_init_std": 0.02,
-}
-
-
 def check_no_rank_holds_the_teacher_whole(rank: int, tmp: str, digits: str) -> None:
     """A clip student's teacher, an M²-Encoder release, built under ZeRO-3 on 2 ranks: no rank's peak resident
     memory grows by 0.8x the teacher's fp32 bytes while it is built and loaded (read tensor by tensor), and each
@@ -273,7 +258,7 @@ def check_no_rank_holds_the_teacher_whole(rank: int, tmp: str, digits: str) -> N
     from pathlib import Path
 
     from safetensors.torch import load_file
-    from test_sharded_build import WORLD, _config, _deepspeed_ready, _peak_growth, _start
+    from test_sharded_build import ARCH, WORLD, _config, _deepspeed_ready, _peak_growth, _start
 
     from mmpt import distributed as mdist
     from mmpt.engine.checkpoint.weights import write_weights
@@ -282,7 +267,8 @@ def check_no_rank_holds_the_teacher_whole(rank: int, tmp: str, digits: str) -> N
 
     _start(rank)
     release = Path(tmp) / "teacher"
-    settings = {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": TEACHER_ARCH, "tokenizer": "unused.json"}
+    # the ~310 MB M²-Encoder of the partitioned-build memory test, no tensor above 5% of it
+    settings = {"name": "m2_encoder", "model": "m2-encoder-demo", "arch": ARCH, "tokenizer": "unused.json"}
     if rank == 0:
         seed_everything(7)
         release.mkdir()
