@@ -249,7 +249,10 @@ def test_stop_on_an_unhealthy_rank_exits_with_its_code_and_the_rest_resume(tmp_p
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "fault, kind",
-    [("slow_compute:rank=3:factor=2", "straggler"), ("slow_collectives:rank=3:delay=0.05", "slow collectives")],
+    # Factor 4: four ranks on two cores run each rank's work up to 2x slower while it shares a core, and the
+    # late rank often computes alone after its peers have reached the collective, so a 2x slowdown can look
+    # like its peers' contended pace.
+    [("slow_compute:rank=3:factor=4", "straggler"), ("slow_collectives:rank=3:delay=0.05", "slow collectives")],
 )
 def test_two_nodes_the_faulty_rank_and_its_node_are_named(tmp_path, digits_root, fault, kind):
     """2 nodes x 2 ranks on this machine (each node its own torchrun, as tests/test_multinode.py starts them)."""
