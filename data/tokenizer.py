@@ -78,3 +78,22 @@ class TextTokenizer:
             "input_ids": torch.tensor([e.ids for e in encodings], dtype=torch.long),
             "attention_mask": torch.tensor([e.attention_mask for e in encodings], dtype=torch.long),
         }
+
+    @property
+    def pad_id(self) -> int:
+        return self._tokenizer.padding["pad_id"] if self._tokenizer.padding else 0
+
+    def save_pretrained(self, out: str | os.PathLike) -> None:
+        """This tokenizer as a transformers `PreTrainedTokenizerFast` in `out`: the same ids and padding."""
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = self._tokenizer.get_vocab()
+        names = ("unk_token", "[UNK]"), ("cls_token", "[CLS]"), ("sep_token", "[SEP]"), ("mask_token", "[MASK]")
+        specials = {key: token for key, token in names if token in vocab}
+        fast = PreTrainedTokenizerFast(
+            tokenizer_file=self.path,
+            pad_token=self._tokenizer.id_to_token(self.pad_id),
+            model_max_length=self.context_length,
+            **specials,
+        )
+        fast.save_pretrained(str(out))

@@ -70,7 +70,7 @@ def get_tokenizer(model_name: str, pretrained: str | os.PathLike | None = None) 
     from mmpt.pretrained import list_models
 
     if model_name in list_models():
-        from mmpt.data.glm_tokenizer import GLMTokenizer
+        from mmpt.models.m2_remote.glm_tokenizer import GLMTokenizer
         from mmpt.pretrained import official_m2_files
 
         if pretrained is None:

@@ -9,6 +9,7 @@ Models are the methods' demo configs at the size of their `tiny_overrides`, buil
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -448,3 +449,46 @@ def test_the_command_ends_a_bad_request_in_one_line_with_exit_code_2(tmp_path):
     assert (
         result.stderr.startswith("mmpt: open_clip cannot build a 'm2_encoder' model") and result.stderr.count("\n") == 1
     )
+
+
+@pytest.mark.parametrize("tokenizer", ["wordpiece", "glm"])
+def test_an_m2_encoder_exports_as_a_folder_transformers_loads_with_its_own_code(
+    tokenizer, corpora, glm_sp_model, tmp_path
+):
+    """`--format transformers` of an M²-Encoder: `AutoModel`, `AutoTokenizer` (the GLM tokenizer or the run's
+    WordPiece one) and `AutoImageProcessor` load the folder with `trust_remote_code`, tokenise exactly as mmpt
+    does and give mmpt's features from their own preprocessing; the folder's code imports nothing of mmpt."""
+    from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+
+    extra = ["method.tokenizer=" + str(glm_sp_model), "method.arch.vocab_size=null"] if tokenizer == "glm" else []
+    release = demo_release("m2_encoder", corpora, tmp_path, *extra)
+    model = mmpt.load(release)
+    out = tmp_path / "hf"
+    assert export(["--run", str(release), "--out", str(out), "--format", "transformers"]) == 0
+    code = {path.name: path.read_text() for path in out.glob("*.py")}
+    assert {"modeling_m2_encoder.py", "network.py", "configuration_m2_encoder.py"} <= set(code)
+    assert (tokenizer == "glm") == ("tokenization_m2_encoder.py" in code and "glm_tokenizer.py" in code)
+    assert not [name for name, text in code.items() if re.search(r"^\s*(from|import) mmpt\b", text, re.M)]
+
+    loaded = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(loaded).__module__.startswith("transformers_modules")
+    tokens = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    processor = AutoImageProcessor.from_pretrained(out, backend="pil")  # PIL's bicubic, as mmpt resizes
+    pre = model.preprocessors()
+    captions = ["a photo of a cat", "一只猫的照片  and   blanks", "the digit seven " * 20]
+    ours_ids = pre["tokenizer"](captions)
+    theirs_ids = tokens(captions, padding="max_length", truncation=True, return_tensors="pt")
+    for key in ("input_ids", "attention_mask"):
+        assert torch.equal(theirs_ids[key], ours_ids[key]), key
+    images = [image.resize((45, 37)) for image in digit_images(corpora["digits"])]  # not the model's square size
+    pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        theirs = loaded(
+            input_ids=theirs_ids["input_ids"], attention_mask=theirs_ids["attention_mask"], pixel_values=pixels
+        )
+        ours_image = model.encode_image(torch.stack([pre["preprocess"](image) for image in images]))
+        ours_text = model.encode_text(ours_ids["input_ids"], ours_ids["attention_mask"])
+    torch.testing.assert_close(theirs.text_embeds, ours_text, rtol=0, atol=1e-5)
+    torch.testing.assert_close(theirs.image_embeds, ours_image, rtol=0, atol=1e-5)
+    scale = model.model.logit_scale.exp().item()
+    torch.testing.assert_close(theirs.logits_per_image, scale * ours_image @ ours_text.t(), rtol=1e-5, atol=1e-5)

@@ -8,8 +8,8 @@ import pickle
 import pytest
 import sentencepiece
 
-from mmpt.data.glm_tokenizer import CLS_ID, EOS_ID, GLMTokenizer, encode_whitespaces, split_special
 from mmpt.eval.retrieval import official_caption_normalization
+from mmpt.models.m2_remote.glm_tokenizer import CLS_ID, EOS_ID, GLMTokenizer, encode_whitespaces, split_special
 
 OFFICIAL_SP_MODEL = os.environ.get("MMPT_GLM_SP_MODEL")
 needs_official = pytest.mark.skipif(not OFFICIAL_SP_MODEL, reason="set MMPT_GLM_SP_MODEL to the official sp.model")

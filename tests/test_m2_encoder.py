@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from mmpt.data.glm_tokenizer import GLMTokenizer
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 from mmpt.models.m2_official import CheckpointMismatch, fit_positions, load_official
+from mmpt.models.m2_remote.glm_tokenizer import GLMTokenizer
 
 
 def official_layout(size: str) -> dict[str, list[int]]:

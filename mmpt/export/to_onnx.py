@@ -114,8 +114,8 @@ def torchvision_code(steps: list[dict[str, Any]]) -> str:
 
 def describe_tokenizer(model: LoadedModel, out: Path) -> dict[str, Any]:
     """The text tokenizer's contract; copies the files it needs into `out`."""
-    from mmpt.data.glm_tokenizer import GLMTokenizer
     from mmpt.data.tokenizer import TextTokenizer
+    from mmpt.models.m2_remote.glm_tokenizer import GLMTokenizer
     from mmpt.models.open_clip_model import OpenClipTokenizer
     from mmpt.models.transformers_dual import TransformersTokenizer
 
@@ -145,7 +145,7 @@ def describe_tokenizer(model: LoadedModel, out: Path) -> dict[str, Any]:
             "about": "the official M2-Encoder GLM SentencePiece tokenizer: literal [CLS], <|endoftext|>, [MASK], "
             "[UNK] cut out as their own ids; runs of 2-10 spaces as <|blank_n|>; SentencePiece on the rest; "
             "[CLS] + the last context_length - 2 ids + <|endoftext|>, right-padded with pad_id; "
-            "mmpt.data.glm_tokenizer.GLMTokenizer implements it",
+            "mmpt.models.m2_remote.glm_tokenizer.GLMTokenizer implements it",
         }
     if isinstance(tokenizer, OpenClipTokenizer):
         from open_clip.tokenizer import HFTokenizer, SimpleTokenizer, default_bpe
@@ -352,7 +352,9 @@ def onnxruntime_code(record: dict[str, Any], out: Path) -> str:
                 "attention_mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)",
             ]
         elif kind == "glm-sentencepiece":
-            imports.append("from mmpt.data.glm_tokenizer import GLMTokenizer  # the rules preprocessing.json states")
+            imports.append(
+                "from mmpt.models.m2_remote.glm_tokenizer import GLMTokenizer  # the rules preprocessing.json states"
+            )
             lines += [
                 f'tokenizer = GLMTokenizer(f"{{folder}}/{tokenizer["files"][0]}", {tokenizer["context_length"]})',
                 'tokens = tokenizer(["a photo of a cat"])',

@@ -4,6 +4,7 @@ CLIPs, checked by loading it back and comparing its embeddings with mmpt's."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +28,39 @@ def export_transformers(model: LoadedModel, out: Path, check: bool = True) -> Pa
 
 def check_folder(module: Any, out: Path) -> None:
     """The folder, loaded by transformers, gives mmpt's image and text features (random pixels, the tokenizer's
-    ids of a caption)."""
-    from transformers import AutoModel, AutoTokenizer
+    ids of a caption). A folder carrying its own modelling code (`auto_map`) is mmpt's, written just now."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    loaded = AutoModel.from_pretrained(out).eval()
-    length = int(getattr(module, "context_length", loaded.config.text_config.max_position_embeddings))
-    tokens = AutoTokenizer.from_pretrained(out)(["a photo of a cat"], padding="max_length", truncation=True,
-                                                max_length=length, return_tensors="pt")  # fmt: skip
-    size = int(loaded.config.vision_config.image_size) if hasattr(loaded.config.vision_config, "image_size") else 0
+    remote = "auto_map" in json.loads((out / "config.json").read_text())
+    loaded = AutoModel.from_pretrained(out, trust_remote_code=remote).eval()
+    config = AutoConfig.from_pretrained(out, trust_remote_code=remote)
+    vision = getattr(config, "vision_config", config)
+    length = int(
+        getattr(module, "context_length", 0)
+        or getattr(config, "context_length", 0)
+        or config.text_config.max_position_embeddings
+    )
+    tokens = AutoTokenizer.from_pretrained(out, trust_remote_code=remote)(
+        ["a photo of a cat", "一只猫的照片"],
+        padding="max_length",
+        truncation=True,
+        max_length=length,
+        return_tensors="pt",
+    )
+    size = int(getattr(vision, "image_size", 0))
     with torch.no_grad():
         ours = module.encode_text(tokens["input_ids"], tokens["attention_mask"])
-        mask = tokens["attention_mask"] if getattr(module, "reads_mask", False) else None
-        theirs = loaded.get_text_features(input_ids=tokens["input_ids"], attention_mask=mask).pooler_output
+        mask = tokens["attention_mask"] if remote or getattr(module, "reads_mask", False) else None
+        theirs = _features(loaded.get_text_features(input_ids=tokens["input_ids"], attention_mask=mask))
         gaps = [(ours - F.normalize(theirs, dim=-1)).abs().max().item()]
         if size:  # SigLIP 2 reads patches: its text check suffices for the weights' layout
             pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
-            image = loaded.get_image_features(pixel_values=pixels).pooler_output
+            image = _features(loaded.get_image_features(pixel_values=pixels))
             gaps.append((module.encode_image(pixels) - F.normalize(image, dim=-1)).abs().max().item())
     if max(gaps) > TOLERANCE:
         raise RuntimeError(f"{out}: transformers' features differ from mmpt's by {max(gaps):.2e} (> {TOLERANCE})")
+
+
+def _features(output: Any) -> torch.Tensor:
+    """A model's features: transformers' own classes return them as `pooler_output`, mmpt's folders as a tensor."""
+    return output if isinstance(output, torch.Tensor) else output.pooler_output

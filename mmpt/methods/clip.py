@@ -220,32 +220,12 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
         from `config.json` in `out`, mean pooling over non-padding tokens, a bias-free linear projection).
         open_clip reads the padding from `pad_token_id`, mmpt from the tokenizer's mask: the same positions,
         since the tokenizer pads with that id. `hf_model_name` is `out`'s absolute path."""
-        from transformers import PreTrainedTokenizerFast
-
         m, clip = self.settings(cfg), cast(ClipModel, model)
         tokenizer = cast(TextTokenizer, self.tokenizer(cfg, run_dir))
-        pad_id = tokenizer._tokenizer.padding["pad_id"] if tokenizer._tokenizer.padding else 0
         text_config = copy.deepcopy(clip.text.config)
-        text_config.pad_token_id = pad_id  # open_clip's HFTextEncoder masks the positions holding this id
+        text_config.pad_token_id = tokenizer.pad_id  # open_clip's HFTextEncoder masks the positions holding this id
         text_config.save_pretrained(out)
-        vocab = tokenizer._tokenizer.get_vocab()
-        specials = {
-            key: token
-            for key, token in (
-                ("unk_token", "[UNK]"),
-                ("cls_token", "[CLS]"),
-                ("sep_token", "[SEP]"),
-                ("mask_token", "[MASK]"),
-            )
-            if token in vocab
-        }
-        fast = PreTrainedTokenizerFast(
-            tokenizer_file=tokenizer.path,
-            pad_token=tokenizer._tokenizer.id_to_token(pad_id),
-            model_max_length=tokenizer.context_length,
-            **specials,
-        )
-        fast.save_pretrained(out)
+        tokenizer.save_pretrained(out)
         folder = str(out.resolve())
         vision: dict[str, Any] = {
             "image_size": m.image.image_size,

@@ -20,7 +20,6 @@ from torchvision import transforms as T
 from mmpt import distributed as mdist
 from mmpt.artifacts import WEIGHTS, ReleaseError, atomic_torch_save
 from mmpt.config import Config, Section
-from mmpt.data.glm_tokenizer import GLMTokenizer
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.eval.retrieval import official_caption_normalization
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
@@ -37,6 +36,7 @@ from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.locking import TowerGroups, TowerLocks, lock_towers
 from mmpt.models.m2_encoder import PRESETS, M2Encoder, M2EncoderConfig
 from mmpt.models.m2_official import SCALARS, OfficialTensors, load_official, load_release_weights
+from mmpt.models.m2_remote.glm_tokenizer import GLMTokenizer
 from mmpt.models.tensor_files import SafetensorsTensors, TensorReader
 from mmpt.pretrained import MODELS, InitialWeights, initial_weights
 from mmpt.registry import NotRegistered
@@ -286,11 +286,44 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
 
     # --- export ---
 
-    export_formats = ("official",)
+    export_formats = ("official", "transformers")
     official_layout = (
         "the checkpoint the official M²-Encoder inference code reads (`m2_encoder.ckpt`, Lightning layout) "
         "and its tokenizer"
     )
+
+    def transformers_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> None:
+        """A folder carrying the network's own code (`mmpt.models.m2_remote`, copied as it is), which
+        `AutoModel` / `AutoTokenizer.from_pretrained(out, trust_remote_code=True)` load: the GLM tokenizer (or the
+        run's WordPiece one as a plain fast tokenizer) and a `ViTImageProcessor` doing the official evaluation
+        preprocessing (squash to a square, bicubic, mean = std = 0.5)."""
+        from transformers import ViTImageProcessor
+
+        from mmpt.models.m2_remote.configuration_m2_encoder import M2EncoderConfig as FolderConfig
+        from mmpt.models.m2_remote.modeling_m2_encoder import M2EncoderModel
+        from mmpt.models.m2_remote.tokenization_m2_encoder import GLMChineseTokenizer
+
+        m2 = cast(M2Encoder, model)
+        arch = {**cast(M2EncoderConfig, m2.cfg).model_dump(), "grad_checkpointing": False, "patch_dropout": 0.0}
+        FolderConfig.register_for_auto_class()
+        M2EncoderModel.register_for_auto_class("AutoModel")
+        with torch.device("meta"):
+            folder = M2EncoderModel(FolderConfig(**arch))
+        folder.m2.load_state_dict(m2.state_dict(), assign=True)
+        folder.save_pretrained(out)
+        tokenizer = self.tokenizer(cfg, run_dir)
+        if isinstance(tokenizer, GLMTokenizer):
+            GLMChineseTokenizer.register_for_auto_class("AutoTokenizer")
+            GLMChineseTokenizer(tokenizer.model_file, tokenizer.context_length).save_pretrained(str(out))
+        else:
+            tokenizer.save_pretrained(out)
+        size = m2.cfg.image_size
+        ViTImageProcessor(
+            size={"height": size, "width": size},
+            resample=3,
+            image_mean=list(OFFICIAL_MEAN),
+            image_std=list(OFFICIAL_STD),
+        ).save_pretrained(out)
 
     def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
         arch = cast(M2Encoder, model).cfg
