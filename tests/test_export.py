@@ -141,13 +141,13 @@ def test_onnx_towers_give_mmpts_features(case, corpora, glm_sp_model, tmp_path, 
         np.testing.assert_allclose(scope[key], value.numpy(), rtol=0, atol=ONNX_TOLERANCE, err_msg=key)
 
 
-@pytest.mark.parametrize("name", ["clip", "open_clip"])
-def test_open_clip_loads_the_export_and_gives_mmpts_features(name, corpora, tmp_path):
+@pytest.mark.parametrize("name, extra", [("clip", ()), ("clip", ("method.text.pooling=cls",)), ("open_clip", ())])
+def test_open_clip_loads_the_export_and_gives_mmpts_features(name, extra, corpora, tmp_path):
     import open_clip
 
     from mmpt.export.card import open_clip_name
 
-    release = demo_release(name, corpora, tmp_path)
+    release = demo_release(name, corpora, tmp_path, *extra)
     out = tmp_path / "for-open_clip"
     assert export(["--run", str(release), "--out", str(out), "--format", "open_clip", "--skip-check"]) == 0
     model_name = open_clip_name(out)
@@ -399,6 +399,22 @@ BAD_REQUESTS = {
         ["--format", "transformers"],
         "CLIPModel has no place for the logit bias the sigmoid loss trained",
     ),
+    "clip-resnet-transformers": (
+        {"name": "clip", "tokenizer": "tokenizer.json", "image": {"timm_name": "resnet10t"}},
+        ["--format", "transformers"],
+        "ChineseCLIPModel has no place for a ResNet image tower (it holds a ViT)",
+    ),
+    "clip-vit-without-pre-norm-transformers": (
+        {"name": "clip", "tokenizer": "tokenizer.json", "text": {"pooling": "cls"}},
+        ["--format", "transformers"],
+        "no place for an image tower without a LayerNorm before the blocks (timm_kwargs pre_norm: true), a patch "
+        "embedding without bias",
+    ),
+    "clip-mean-pooled-transformers": (
+        {"name": "clip", "tokenizer": "tokenizer.json", "image": {"timm_kwargs": {"pre_norm": True}}},
+        ["--format", "transformers"],
+        "ChineseCLIPModel has no place for text features mean-pooled",
+    ),
     "open_clip-resnet-transformers": (
         {"name": "open_clip", "model": "RN50"},
         ["--format", "transformers"],
@@ -492,3 +508,34 @@ def test_an_m2_encoder_exports_as_a_folder_transformers_loads_with_its_own_code(
     torch.testing.assert_close(theirs.image_embeds, ours_image, rtol=0, atol=1e-5)
     scale = model.model.logit_scale.exp().item()
     torch.testing.assert_close(theirs.logits_per_image, scale * ours_image @ ours_text.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_clip_vit_with_a_bert_exports_as_a_chinese_clip_model_transformers_loads(corpora, tmp_path):
+    """`--format transformers` of the `clip` method (a timm ViT in CLIP's layout, a BERT pooled at [CLS]):
+    transformers' ChineseCLIPModel, its tokenizer and image processor load the folder and give mmpt's features
+    from their own preprocessing (what cannot be one is in BAD_REQUESTS)."""
+    import torch.nn.functional as F
+    from transformers import AutoImageProcessor, AutoTokenizer, ChineseCLIPModel
+
+    vit = "method.image.timm_name=vit_tiny_patch16_224", "method.image.timm_kwargs={img_size: 32, pre_norm: true}"
+    release = demo_release("clip", corpora, tmp_path, *vit, "method.text.pooling=cls")
+    model = mmpt.load(release)
+    out = tmp_path / "hf"
+    assert export(["--run", str(release), "--out", str(out), "--format", "transformers"]) == 0
+    loaded = ChineseCLIPModel.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    processor = AutoImageProcessor.from_pretrained(out, backend="pil")
+    pre = model.preprocessors()
+    captions = ["a handwritten digit seven", "手写的数字二"]
+    ours_ids = pre["tokenizer"](captions)
+    theirs_ids = tokenizer(captions, padding="max_length", truncation=True, return_tensors="pt")
+    assert torch.equal(theirs_ids["input_ids"], ours_ids["input_ids"])
+    images = [image.resize((45, 37)) for image in digit_images(corpora["digits"])]
+    pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        text = loaded.get_text_features(input_ids=theirs_ids["input_ids"], attention_mask=theirs_ids["attention_mask"])
+        image = loaded.get_image_features(pixel_values=pixels)
+        ours_image = model.encode_image(torch.stack([pre["preprocess"](image) for image in images]))
+        ours_text = model.encode_text(ours_ids["input_ids"], ours_ids["attention_mask"])
+    torch.testing.assert_close(F.normalize(text.pooler_output, dim=-1), ours_text, rtol=0, atol=1e-5)
+    torch.testing.assert_close(F.normalize(image.pooler_output, dim=-1), ours_image, rtol=0, atol=1e-5)

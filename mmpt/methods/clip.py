@@ -12,11 +12,13 @@ import json
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import torch
 from open_clip import image_transform
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from pydantic import Field, model_validator
 from torch import nn
 from torchvision import transforms as T
+from transformers import BertConfig
 
 from mmpt.config import Config
 from mmpt.data.tokenizer import TextTokenizer
@@ -37,6 +39,7 @@ from mmpt.models.clip import ClipModel, ImageTowerConfig, TextTowerConfig
 from mmpt.models.locking import TowerGroups, TowerLocks, layered_groups, lock_towers, timm_groups
 from mmpt.models.lora import LoraOption, add_lora, load_base_state
 from mmpt.models.pretrained_towers import check_image_weights, image_weights, text_config, text_encoder, text_weights
+from mmpt.models.switches import timm_tower
 
 # A `clip` image tower's timm arguments that open_clip's timm adapter sets itself (as `vision_cfg` keys); they
 # are training-time regularisers and change no weight. Any other argument (img_size, depth, patch_size, ...)
@@ -172,7 +175,7 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
 
     # --- export ---
 
-    export_formats = ("open_clip",)
+    export_formats = ("open_clip", "transformers")  # transformers: a ChineseCLIPModel, where the layout fits
 
     def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
         clip = cast(ClipModel, model)
@@ -189,12 +192,15 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
             f"two towers: a timm `{image.timm_name}` image tower{extra} at {image.image_size} px, and a BERT text "
             f"tower of {count(text.layers, 'layer')}, width {text.width}, {count(text.heads, 'head')}, "
             f"{text.context_length} tokens "
-            f"(mean-pooled); each projected to {m.embed_dim}-d features, L2-normalised"
+            f"({'mean-pooled' if text.pooling == 'mean' else 'pooled at [CLS]'}); "
+            f"each projected to {m.embed_dim}-d features, L2-normalised"
         )
 
     def export_problem(self, cfg: Config, fmt: str) -> str | None:
         # open_clip builds a timm image tower (TimmModel) and a Hugging Face text tower (HFTextEncoder, mean
         # pooling, linear projection): the `clip` model exactly, when timm gets no argument open_clip cannot pass.
+        if fmt == "transformers":
+            return self._chinese_clip_problem(cfg)
         extra = sorted(set(self.settings(cfg).image.timm_kwargs) - set(OPEN_CLIP_TIMM_KWARGS))
         if fmt == "open_clip" and extra:
             return (
@@ -203,6 +209,24 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
                 "(use --format onnx or release)"
             )
         return None
+
+    def _chinese_clip_problem(self, cfg: Config) -> str | None:
+        """Checked on the networks built on the meta device (no memory, no weights read)."""
+        from mmpt.models.clip_to_chinese_clip import text_problem, vision_problem
+
+        m = self.settings(cfg)
+        with torch.device("meta"):
+            visual = timm_tower(m.image.timm_name, m.image.timm_kwargs, m.image, "method.image")
+        text = text_config(m.text.pretrained) if m.text.pretrained is not None else BertConfig()
+        problem = vision_problem(visual) or text_problem(text, m.text.pooling)
+        return None if problem is None else f"transformers' ChineseCLIPModel has no place for {problem}"
+
+    def transformers_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> None:
+        """A `ChineseCLIPModel` folder (`mmpt.models.clip_to_chinese_clip`) with the run's tokenizer."""
+        from mmpt.models.clip_to_chinese_clip import write_chinese_clip_model
+
+        write_chinese_clip_model(model, self.open_clip_preprocess(cfg), out)
+        cast(TextTokenizer, self.tokenizer(cfg, run_dir)).save_pretrained(out)
 
     def open_clip_preprocess(self, cfg: Config) -> dict[str, Any]:
         m = self.settings(cfg)
@@ -245,7 +269,7 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
                 "hf_tokenizer_name": folder,
                 "hf_model_pretrained": False,
                 "hf_proj_type": "linear",
-                "hf_pooler_type": "mean_pooler",
+                "hf_pooler_type": "mean_pooler" if m.text.pooling == "mean" else "cls_last_hidden_state_pooler",
                 "context_length": tokenizer.context_length,
             },
         }

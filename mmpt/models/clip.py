@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,11 @@ class TextTowerConfig(Section):
     mlp_ratio: float = Field(default=4.0, gt=0)
     context_length: int = Field(default=32, gt=1)
     dropout: float = Field(default=0.0, ge=0, lt=1)
+    pooling: Literal["mean", "cls"] = Field(
+        default="mean",
+        description="text features from the mean of the real tokens' last hidden states, or from the first "
+        "([CLS]) token's, as Chinese-CLIP (and --format transformers, a ChineseCLIPModel) has them",
+    )
 
 
 def bert_text_encoder(cfg: TextTowerConfig) -> BertModel:
@@ -81,6 +86,8 @@ class ClipModel(nn.Module):
     Images are expected normalised with `image_mean` / `image_std` (per channel, of pixels in [0, 1]).
     """
 
+    reads_mask = True  # the text tower attends only to real tokens
+
     def __init__(
         self,
         image: ImageTowerConfig,
@@ -99,6 +106,7 @@ class ClipModel(nn.Module):
         self.image_projection = nn.Linear(cast(int, self.visual.num_features), embed_dim, bias=False)
         self.text: Any = text_encoder if text_encoder is not None else bert_text_encoder(text)
         self.text_projection = nn.Linear(int(self.text.config.hidden_size), embed_dim, bias=False)
+        self.text_pooling = text.pooling
         # Shape [1], not 0-D: DeepSpeed cannot flatten 0-D parameters.
         self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))
         # The sigmoid loss's bias, kept with the model (as open_clip and transformers keep SigLIP's)
@@ -120,8 +128,11 @@ class ClipModel(nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True
     ) -> torch.Tensor:
         hidden = last_hidden_state(self.text, input_ids, attention_mask)
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean over real tokens
+        if self.text_pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean over real tokens
         features = self.text_projection(pooled)
         return F.normalize(features, dim=-1) if normalize else features
 
