@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpt.distributed import all_gather_with_grad, gather_rows_with_grad
-from mmpt.losses.contrastive import scaled_logits, upcast
+from mmpt.losses.contrastive import full_fp32, scaled_logits, upcast
 
 
 class _TiledCrossEntropy(torch.autograd.Function):
@@ -42,6 +42,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
+    @full_fp32()
     def forward(ctx, queries, keys, targets, scale, tile: int):
         rows, s = queries.float(), scale.float()
         lse = torch.full((queries.shape[0],), float("-inf"), dtype=torch.float32, device=queries.device)
@@ -54,6 +55,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
         return (lse - positive).mean()
 
     @staticmethod
+    @full_fp32()
     def backward(ctx, grad_out):
         queries, keys, targets, scale, lse = ctx.saved_tensors
         rows, s = queries.float(), scale.float()

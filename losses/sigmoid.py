@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpt.distributed import gather_rows_with_grad, get_world_size, rows_per_rank
-from mmpt.losses.contrastive import upcast
+from mmpt.losses.contrastive import full_fp32, upcast
 from mmpt.losses.grouped_itc import pass_share, with_slot
 
 Exchange = Literal["bidirectional", "ring", "gather"]
@@ -41,6 +41,7 @@ INIT_LOGIT_SCALE = math.log(10.0)  # the paper's initialisation: t = exp(t') wit
 INIT_LOGIT_BIAS = -10.0
 
 
+@full_fp32()
 def sigmoid_block(
     images: torch.Tensor,
     texts: torch.Tensor,
@@ -66,6 +67,7 @@ class _TiledSigmoid(torch.autograd.Function):
     less 1 where the pair matches; the backward recomputes each tile's logits exactly as the forward did."""
 
     @staticmethod
+    @full_fp32()
     def forward(ctx, images, texts, scale, bias, positives_at: int | None, tile: int):
         rows, s, b = images.float(), scale.float(), bias.float()
         total = torch.zeros((), dtype=torch.float32, device=images.device)
@@ -80,6 +82,7 @@ class _TiledSigmoid(torch.autograd.Function):
         return total
 
     @staticmethod
+    @full_fp32()
     def backward(ctx, grad_out):
         images, texts, scale, bias = ctx.saved_tensors
         rows, s, b, tile = images.float(), scale.float(), bias.float(), ctx.tile

@@ -268,6 +268,11 @@ class TrainConfig(Section):
         "split the sequence of the transformers the method declares (all-to-all around attention); must divide the "
         "ranks. 1: off",
     )
+    tf32: bool = Field(
+        default=True,
+        description="fp32 matrix products and convolutions on NVIDIA GPUs use TF32 tensor cores (10 mantissa bits, "
+        "several times plain fp32's speed); the losses' logits stay full fp32. No effect on CPU",
+    )
     compile: bool = Field(
         default=False,
         description="compile the towers the method declares with torch.compile (inductor), in place: weights, "

@@ -78,3 +78,36 @@ def test_bf16_sigmoid_gradients_match_fp64(loss):
     ref_i, ref_t = fp64_sigmoid_reference(images, texts, SCALE, INIT_LOGIT_BIAS)
     errors = relative_error(grad_i, ref_i), relative_error(grad_t, ref_t)
     assert max(errors) < 3e-3, errors  # fp32 logits: 1.7e-3 (the gradients' rounding); bf16 logits: 5.4e-3
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [GroupedContrastiveLoss(), GroupedContrastiveLoss(tile_size=96), SigmoidLoss(), SigmoidLoss(tile_size=96)],
+    ids=["infonce", "infonce-tiled", "sigmoid", "sigmoid-tiled"],
+)
+def test_logits_stay_full_fp32_where_the_model_runs_tf32(loss, monkeypatch):
+    """`train.tf32` (on by default) lets GPUs run the model's fp32 products in TF32; the losses' logits, forward
+    and tiled backward, are computed in full fp32 regardless (the setting each product sees is recorded)."""
+    seen: list[bool] = []
+    product = torch.Tensor.__matmul__
+
+    def recording(a, b):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return product(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", recording)
+    matmul = torch.backends.cuda.matmul
+    before, matmul.allow_tf32 = matmul.allow_tf32, True
+    try:
+        images, texts = bf16_pairs()
+        i, t = images.clone().requires_grad_(), texts.clone().requires_grad_()
+        scale = torch.tensor([SCALE])
+        value = (
+            loss(i, t, scale, torch.tensor([INIT_LOGIT_BIAS])) if isinstance(loss, SigmoidLoss) else loss(i, t, scale)
+        )
+        value.backward()
+        assert matmul.allow_tf32  # restored for the model
+    finally:
+        matmul.allow_tf32 = before
+    tiled = bool(loss.tile_size)
+    assert len(seen) >= (10 if tiled else 1) and not any(seen), seen

@@ -157,6 +157,37 @@ def test_a_run_with_nothing_to_evaluate_builds_no_evaluation_model(corpora, one_
     assert len(builds) == 1, f"the model was built {len(builds)} times: once for training only"
 
 
+@pytest.mark.parametrize("tf32", [True, False])
+def test_the_model_runs_its_fp32_products_as_train_tf32_says(tf32, corpora, one_process, tmp_path, monkeypatch):
+    """`train.tf32` (on by default) is the matmul and convolution setting the training steps run under."""
+    import torch
+
+    from mmpt.config_loader import load_config
+    from mmpt.engine import train
+    from mmpt.methods import get_method
+
+    config = demo_config("clip")
+    overrides = [
+        "train.max_steps=1",
+        "train.save_every=0",
+        "train.eval_every=0",
+        "data.eval=[]",
+        f"train.tf32={str(tf32).lower()}",
+    ]
+    cfg = load_config(config, [*shrink(config, corpora), f"run.output_dir={tmp_path / 'run'}", *overrides])
+    method, seen = get_method(cfg.method_name), []
+    step = method.training_step
+    backends = torch.backends
+
+    def recording(*args, **kwargs):
+        seen.append((backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32))
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(method, "training_step", recording)
+    train(cfg)
+    assert seen and set(seen) == {(tf32, tf32)}, seen
+
+
 @pytest.mark.parametrize("name", list_methods())
 def test_bf16_at_zero_0_is_autocast_over_an_fp32_model(name, corpora, one_process, tmp_path):
     """bf16 without ZeRO keeps the model, its gradients and their sums over micro-batches in fp32 and runs the

@@ -71,3 +71,12 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, dict):
         return {k: _cast(v, dtype) for k, v in value.items()}
     return value
+
+
+def use_tf32(enabled: bool) -> None:
+    """`train.tf32`: TF32 for fp32 matmuls and convolutions on GPUs (torch's default: full fp32 for matmuls, TF32
+    for cuDNN convolutions). The losses keep their logits in full fp32 (`mmpt.losses.contrastive.full_fp32`).
+    The `allow_tf32` flags, not torch's newer `fp32_precision` ones: reading the older flags (as libraries do)
+    after setting the newer raises in torch 2.14, and the two stay consistent this way round."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled

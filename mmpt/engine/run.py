@@ -209,6 +209,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     method = get_method(cfg.method_name)
     check_inputs(cfg, method)  # before the process group: a missing file is one line and exit 2, not a requeue
     rank, world_size = start_process_group(cfg.train.watchdog_timeout)
+    precision.use_tf32(cfg.train.tf32)
     layout = mdist.set_sequence_parallel(cfg.train.sequence_parallel)
     run_dir = Path(cfg.run.output_dir)
     if rank == 0:
