@@ -273,10 +273,11 @@ class TrainConfig(Section):
         description="fp32 matrix products and convolutions on NVIDIA GPUs use TF32 tensor cores (10 mantissa bits, "
         "several times plain fp32's speed); the losses' logits stay full fp32. No effect on CPU",
     )
-    compile: bool = Field(
+    compile: bool | Literal["auto"] = Field(
         default=False,
         description="compile the towers the method declares with torch.compile (inductor), in place: weights, "
-        "checkpoints and exports keep their names. Not with ZeRO-3 or sequence parallelism",
+        "checkpoints and exports keep their names. Not with ZeRO-3 or sequence parallelism. auto: on for GPU runs "
+        "where it is supported (ZeRO 0-2, no sequence parallelism, a method with towers to compile), off elsewhere",
     )
     adaptive_batch: bool = Field(
         default=False,

@@ -240,3 +240,25 @@ def test_a_method_without_towers_cannot_compile():
 
     with pytest.raises(ConfigError, match="'train.compile': method 'toy' declares no tower"):
         compile_towers(EngineNeeds(), "toy")
+
+
+@pytest.mark.parametrize(
+    ("override", "gpu", "towers", "expected"),
+    [
+        ("train.zero_stage=2", True, True, True),
+        ("train.zero_stage=2", False, True, False),  # CPU ranks: eager
+        ("train.zero_stage=3", True, True, False),  # what does not compose is left eager, not refused
+        ("train.sequence_parallel=2", True, True, False),
+        ("train.zero_stage=0", True, False, False),  # nothing declared to compile
+    ],
+)
+def test_auto_compiles_gpu_runs_where_compilation_composes(override, gpu, towers, expected, corpora, tmp_path):
+    from torch import nn
+
+    from mmpt.engine.compile import check_compile, compiles
+    from mmpt.methods import EngineNeeds
+
+    cfg = make_config("clip", corpora, tmp_path, 0, False, override, "train.compile=auto")
+    check_compile(cfg)  # auto refuses nothing
+    needs = EngineNeeds(compilable=(nn.Linear(2, 2),) if towers else ())
+    assert compiles(cfg, needs, gpu=gpu) is expected

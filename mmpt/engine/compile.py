@@ -12,7 +12,8 @@ gradient checkpointing inside a tower (non-reentrant checkpoints are traced as s
 - ZeRO-3: DeepSpeed 0.19.8 gathers and releases partitioned parameters in hooks on every submodule, which
   a compiled tower would have to trace;
 - sequence parallelism: its hooks on the split transformers and its attention run collectives mid-tower.
-Both are refused with a config error naming `train.compile`.
+Both are refused with a config error naming `train.compile`; `train.compile: auto` compiles only where it
+composes, and only on GPUs (on CPU ranks compilation costs more than it saves in a short run).
 """
 
 from __future__ import annotations
@@ -33,10 +34,18 @@ log = logging.getLogger(__name__)
 RECOMPILE_LIMIT = 64
 
 
-def check_compile(cfg: Config) -> None:
-    """Refuse the combinations compiled towers do not support (before anything is built)."""
+def compiles(cfg: Config, needs: EngineNeeds, gpu: bool) -> bool:
+    """Whether this run compiles its towers: `train.compile` true, or "auto" on a GPU where it is supported."""
     train = cfg.train
-    if not train.compile:
+    if train.compile != "auto":
+        return train.compile
+    return gpu and bool(needs.compilable) and train.zero_stage < 3 and train.sequence_parallel == 1
+
+
+def check_compile(cfg: Config) -> None:
+    """Refuse the combinations compiled towers do not support (before anything is built); "auto" refuses nothing."""
+    train = cfg.train
+    if train.compile is not True:
         return
     if train.zero_stage == 3:
         raise ConfigError(

@@ -22,7 +22,7 @@ from mmpt.data.loader import SkipPolicy, StatefulLoader
 from mmpt.engine import deepspeed_private, precision
 from mmpt.engine.batch_norm import RunningStatisticsKept, batch_norm_across_ranks
 from mmpt.engine.checkpoint import Checkpointer, RngState, deepspeed_io, find_resume, saved_world_size
-from mmpt.engine.compile import check_compile, compile_towers
+from mmpt.engine.compile import check_compile, compile_towers, compiles
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.flops import flops_per_sample, peak_tflops, step_flops
 from mmpt.engine.grad_buckets import BucketedAllReduce
@@ -399,7 +399,7 @@ def build_engine(
             )
         assert layout.sequence_group is not None  # formed whenever sequence parallelism is on
         split_sequences(needs.sequence_parallel, layout.sequence_group, layout.sequence_parallel)
-    if cfg.train.compile:
+    if compiles(cfg, needs, gpu=torch.cuda.is_available()):
         compile_towers(needs, method.name)  # in place: parameter names, so checkpoints, stay those of eager runs
     module = TrainingModule(method, model, loss_with_teacher(cfg, method, world_size, load_universal), needs)
     optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage, needs.tower_groups)
