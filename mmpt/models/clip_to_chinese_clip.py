@@ -124,15 +124,12 @@ def chinese_clip_state(model: Any) -> dict[str, torch.Tensor]:
 def write_chinese_clip_model(model: Any, preprocess: dict[str, Any], out: Path) -> None:
     """`model` (the `clip` method's, fp32) as a `ChineseCLIPModel` folder with a `CLIPImageProcessor` doing its
     evaluation preprocessing (shortest side to the size, bicubic, centre crop)."""
-    from transformers import ChineseCLIPModel, CLIPImageProcessor
+    from transformers import ChineseCLIPModel
+
+    from mmpt.models.open_clip_to_clip_model import write_crop_processor
 
     size = int(preprocess["size"])
     folder = ChineseCLIPModel(chinese_clip_config(model, size))
     folder.load_state_dict(chinese_clip_state(model))
     folder.save_pretrained(out)
-    CLIPImageProcessor(
-        size={"shortest_edge": size},
-        crop_size={"height": size, "width": size},
-        image_mean=list(preprocess["mean"]),
-        image_std=list(preprocess["std"]),
-    ).save_pretrained(out)
+    write_crop_processor(size, preprocess["mean"], preprocess["std"], out)

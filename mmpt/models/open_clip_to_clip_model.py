@@ -120,7 +120,7 @@ def write_clip_model(
     clip: Any, config: dict[str, Any], quick_gelu: bool, preprocess: dict[str, Any], out: Path
 ) -> None:
     """`clip` (open_clip's CLIP, fp32) as a `CLIPModel` folder with its tokenizer and image processor."""
-    from transformers import CLIPImageProcessor, CLIPModel
+    from transformers import CLIPModel
 
     size = preprocess["image_size"]
     size = size if isinstance(size, int) else size[0]
@@ -129,9 +129,16 @@ def write_clip_model(
     model = CLIPModel(hf_config)
     model.load_state_dict(clip_state(clip.state_dict(), *layers))
     model.save_pretrained(out)
-    CLIPImageProcessor(
-        size={"shortest_edge": size},
-        crop_size={"height": size, "width": size},
-        image_mean=list(preprocess["mean"]),
-        image_std=list(preprocess["std"]),
-    ).save_pretrained(out)
+    write_crop_processor(size, preprocess["mean"], preprocess["std"], out)
+
+
+def write_crop_processor(size: int, mean: Any, std: Any, out: Path) -> None:
+    """open_clip's evaluation preprocessing (shortest side to `size`, bicubic, centre crop, normalised) as a
+    `CLIPImageProcessor` in `out`."""
+    from transformers import CLIPImageProcessor
+
+    square = {"height": size, "width": size}
+    processor = CLIPImageProcessor(
+        size={"shortest_edge": size}, crop_size=square, image_mean=list(mean), image_std=list(std)
+    )
+    processor.save_pretrained(out)
