@@ -67,7 +67,7 @@ def steps_of(name: str, corpora: dict, run_dir: Path, stage: int, compiled: bool
 
     from mmpt import distributed as mdist
     from mmpt.data.loader import StatefulLoader
-    from mmpt.engine.compile import is_compiled
+    from mmpt.engine.compile import is_compiled, regions
     from mmpt.engine.run import build_engine, seed_everything
     from mmpt.engine.trainer import optimizer_step
     from mmpt.methods import get_method
@@ -80,7 +80,7 @@ def steps_of(name: str, corpora: dict, run_dir: Path, stage: int, compiled: bool
     engine, _, _ = build_engine(cfg, method, mdist.layout(), world)
     towers = engine.module.needs.compilable
     assert towers, f"method '{name}' declares no tower to compile"
-    assert [is_compiled(t) for t in towers] == [compiled] * len(towers)
+    assert [all(is_compiled(r) for r in regions(t)) for t in towers] == [compiled] * len(towers)
     batches = iter(StatefulLoader(method.train_data(cfg, run_dir, rank=rank, world_size=world)))
     named = list(engine.module.model.named_parameters())
     recorded: list[dict] = []
@@ -262,3 +262,36 @@ def test_auto_compiles_gpu_runs_where_compilation_composes(override, gpu, towers
     check_compile(cfg)  # auto refuses nothing
     needs = EngineNeeds(compilable=(nn.Linear(2, 2),) if towers else ())
     assert compiles(cfg, needs, gpu=gpu) is expected
+
+
+def test_a_deeper_tower_traces_no_more_to_compile():
+    """Blocks of a stack are compiled one by one and share one compilation: a tower of 6 blocks traces as many
+    operations as one of 2 (one block's), where compiling it whole traces every block, more with depth."""
+    from torch import nn
+    from torch._dynamo.utils import counters
+
+    from mmpt.engine.compile import compile_towers, is_compiled, regions
+    from mmpt.methods import EngineNeeds
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + self.fc(self.norm(x)).relu()
+
+    def traced(depth: int, whole: bool) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        tower = nn.Sequential(nn.Linear(8, 16), nn.Sequential(*(Block() for _ in range(depth))), nn.LayerNorm(16))
+        if whole:
+            tower.compile()
+        else:
+            assert compile_towers(EngineNeeds(compilable=(tower,)), "toy") == depth
+            assert all(is_compiled(block) for block in regions(tower)) and not is_compiled(tower)
+        tower(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        return counters["stats"]["calls_captured"]
+
+    assert traced(2, whole=False) == traced(6, whole=False)
+    assert traced(6, whole=True) > traced(2, whole=True) > traced(2, whole=False)

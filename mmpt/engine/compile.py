@@ -1,5 +1,5 @@
 """Compiled towers (`train.compile`): the modules a method lists in `EngineNeeds.compilable`, compiled with
-torch.compile (inductor) in place.
+torch.compile (inductor) in place, block by block where a tower stacks blocks (`regions`).
 
 `module.compile()` keeps the module where it is and compiles its call: parameter and buffer names do not
 change, so checkpoints, the consolidated weights and every export read and write the keys of an eager run,
@@ -60,7 +60,8 @@ def check_compile(cfg: Config) -> None:
 
 
 def compile_towers(needs: EngineNeeds, method_name: str) -> int:
-    """Compile every module of `needs.compilable` in place; returns how many. Call `check_compile` first."""
+    """Compile every region (`regions`) of `needs.compilable` in place; returns how many. Call `check_compile`
+    first."""
     if not needs.compilable:
         raise ConfigError(
             f"config key 'train.compile': method '{method_name}' declares no tower to compile; set it to false"
@@ -68,11 +69,29 @@ def compile_towers(needs: EngineNeeds, method_name: str) -> int:
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     seen: set[int] = set()
-    for module in needs.compilable:
-        if id(module) not in seen:
-            seen.add(id(module))
-            module.compile()
+    for tower in needs.compilable:
+        for module in regions(tower):
+            if id(module) not in seen:
+                seen.add(id(module))
+                module.compile()
     return len(seen)
+
+
+def regions(tower: nn.Module) -> list[nn.Module]:
+    """What is compiled of `tower`: each block of its outermost repeated stacks (a ModuleList or Sequential of
+    two or more modules of one class), else the tower whole. Blocks of one class share their code, so dynamo
+    compiles one and reuses it for the others (parameters are graph inputs): the first step's compilation
+    no longer grows with depth. What lies between the stacks (embeddings, norms, pooling) runs eagerly."""
+    found = _stacked_blocks(tower)
+    return found or [tower]
+
+
+def _stacked_blocks(module: nn.Module) -> list[nn.Module]:
+    children = list(module.children())
+    stacked = isinstance(module, nn.ModuleList | nn.Sequential) and len(children) >= 2
+    if stacked and len({type(child) for child in children}) == 1:
+        return children
+    return [block for child in children for block in _stacked_blocks(child)]
 
 
 def is_compiled(module: nn.Module) -> bool:
