@@ -3,9 +3,9 @@ a timm ViT image tower in CLIP's layout and a BERT text tower pooled at its firs
 Chinese-CLIP's network.
 
 transformers' Chinese-CLIP vision tower is CLIP's: patch embedding without bias, class token, absolute positions,
-a LayerNorm before the blocks (timm's `pre_norm`), pre-norm blocks with packed-free q/k/v (timm's packed `qkv`
-splits into them), GELU or QuickGELU, and the final LayerNorm applied to the class token. `problem` names the
-first thing a timm network or text tower has that this layout cannot hold.
+a LayerNorm before the blocks (timm's `pre_norm`), pre-norm blocks with separate q, k, v projections (timm's
+packed `qkv` splits into them), GELU or QuickGELU, and the final LayerNorm applied to the class token.
+`vision_problem` and `text_problem` name what a run's towers have that this layout cannot hold.
 """
 
 from __future__ import annotations
@@ -36,15 +36,16 @@ def vision_problem(visual: nn.Module) -> str | None:
     }
     eps = {m.eps for m in v.modules() if isinstance(m, nn.LayerNorm)}
     checks["one LayerNorm eps"] = len(eps) == 1
-    for block in v.blocks:
-        b: Any = block
-        checks["plain pre-norm blocks"] = checks.get("plain pre-norm blocks", True) and (
-            type(block) is Block
-            and all(isinstance(m, nn.Identity) for m in (b.ls1, b.ls2, b.attn.q_norm, b.attn.k_norm, b.attn.norm))
-            and b.attn.qkv.bias is not None
-            and isinstance(getattr(b.mlp, "norm", nn.Identity()), nn.Identity)
-        )
-        checks["GELU or QuickGELU"] = checks.get("GELU or QuickGELU", True) and _activation(b) is not None
+    blocks: list[Any] = list(v.blocks)
+    checks["plain pre-norm blocks (no layer scale, no q/k norm, q/k/v biases)"] = all(
+        b.__class__ is Block  # timm subclasses (parallel, residual-scaled blocks) differ
+        and all(isinstance(m, nn.Identity) for m in (b.ls1, b.ls2, b.attn.q_norm, b.attn.k_norm, b.attn.norm))
+        and b.attn.qkv.bias is not None
+        and isinstance(getattr(b.mlp, "norm", nn.Identity()), nn.Identity)
+        for b in blocks
+    )
+    activations = {_activation(b) for b in blocks}
+    checks["one activation, GELU or QuickGELU"] = len(activations) == 1 and None not in activations
     missing = [what for what, ok in checks.items() if not ok]
     return f"an image tower without {', '.join(missing)}" if missing else None
 
