@@ -20,7 +20,7 @@ from torch import nn
 from torchvision import transforms as T
 from transformers import BertConfig
 
-from mmpt.config import Config
+from mmpt.config import Config, ConfigError
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.methods import register
 from mmpt.methods.base import EngineNeeds, MethodConfig, OpenClipFolder, count
@@ -217,14 +217,20 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
         m = self.settings(cfg)
         with torch.device("meta"):
             visual = timm_tower(m.image.timm_name, m.image.timm_kwargs, m.image, "method.image")
-        text = text_config(m.text.pretrained) if m.text.pretrained is not None else BertConfig()
-        problem = vision_problem(visual) or text_problem(text, m.text.pooling)
+        try:
+            text = text_config(m.text.pretrained) if m.text.pretrained is not None else BertConfig()
+        except ConfigError:  # not readable here (an uncached hub name): checked on the built tower at export
+            text = None
+        problem = vision_problem(visual) or text_problem(text or BertConfig(), m.text.pooling)
         return None if problem is None else f"transformers' ChineseCLIPModel has no place for {problem}"
 
     def transformers_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> None:
         """A `ChineseCLIPModel` folder (`mmpt.models.clip_to_chinese_clip`) with the run's tokenizer."""
-        from mmpt.models.clip_to_chinese_clip import write_chinese_clip_model
+        from mmpt.models.clip_to_chinese_clip import text_problem, write_chinese_clip_model
 
+        problem = text_problem(cast(ClipModel, model).text.config, self.settings(cfg).text.pooling)
+        if problem is not None:
+            raise ConfigError(f"transformers' ChineseCLIPModel has no place for {problem}")
         write_chinese_clip_model(model, self.open_clip_preprocess(cfg), out)
         cast(TextTokenizer, self.tokenizer(cfg, run_dir)).save_pretrained(out)
 
