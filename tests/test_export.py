@@ -478,6 +478,8 @@ def test_an_m2_encoder_exports_as_a_folder_transformers_loads_with_its_own_code(
 
     extra = ["method.tokenizer=" + str(glm_sp_model), "method.arch.vocab_size=null"] if tokenizer == "glm" else []
     release = demo_release("m2_encoder", corpora, tmp_path, *extra)
+    assert 'AutoModel.from_pretrained("' in (card := (release / "README.md").read_text()), card
+    assert "trust_remote_code=True" in card
     model = mmpt.load(release)
     out = tmp_path / "hf"
     assert export(["--run", str(release), "--out", str(out), "--format", "transformers"]) == 0

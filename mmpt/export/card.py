@@ -303,6 +303,26 @@ def release_usage(cfg: Config, folder: str) -> str:
         ]
     elif tower_names(cfg):
         lines += ["", "### With open_clip", "", f"Not available: {format_problem(cfg, 'open_clip')}."]
+    if "transformers" in formats:
+        out, remote = f"{folder}-transformers", get_method(cfg.method_name).transformers_code
+        trust = ", trust_remote_code=True" if remote else ""
+        lines += [
+            "",
+            "### With transformers",
+            "",
+            "```bash",
+            f"python launch/export.py --run {folder} --out {out} --format transformers",
+            "```",
+            "",
+            "```python",
+            "from transformers import AutoImageProcessor, AutoModel, AutoTokenizer",
+            f'model = AutoModel.from_pretrained("{out}"{trust})',
+            f'tokenizer = AutoTokenizer.from_pretrained("{out}"{trust})',
+            f'processor = AutoImageProcessor.from_pretrained("{out}", backend="pil")',
+            "```",
+        ]
+        if remote:
+            lines += ["", "The folder carries the model's own code (it imports nothing of mmpt)."]
     if "official" in formats:
         lines += [
             "",

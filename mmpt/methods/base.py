@@ -156,6 +156,7 @@ class Method(Generic[SectionT]):
     # The export formats besides "release" and "onnx" its models go to ("open_clip": `open_clip_export`;
     # "official": `official_export`, the checkpoint layout of the method's official code); `export_problem`
     # may refuse a config.
+    transformers_code = False  # its "transformers" folder carries its own modelling code (trust_remote_code)
     export_formats: tuple[str, ...] = ()
     # With "official": what `--format official` writes, as a release's card says it ("the checkpoint ... reads").
     official_layout: str = ""

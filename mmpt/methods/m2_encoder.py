@@ -287,6 +287,7 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
     # --- export ---
 
     export_formats = ("official", "transformers")
+    transformers_code = True  # mmpt.models.m2_remote, copied into the folder
     official_layout = (
         "the checkpoint the official M²-Encoder inference code reads (`m2_encoder.ckpt`, Lightning layout) "
         "and its tokenizer"
