@@ -458,6 +458,14 @@ def _item_launches(item, seen: dict) -> bool:
 # "file::test[parameters]" (fnmatch: "?" stands for the bracket before a parameter); docs/testing.md lists where
 # each scenario lives.
 EXTENDED = (
+    # moved out of the default tier to keep it within 15 minutes (each 10-17 s; the default tier keeps a quicker
+    # check of the same behaviour: compiled steps equal eager, the tiny official round trip, a run's preflight
+    # errors, wandb's scalars, the video shards' reading)
+    "test_compile.py::test_a_deeper_tower_traces_no_more_to_compile",
+    "test_export.py::test_an_official_m2_checkpoint_goes_through_mmpt_and_back_bit_for_bit",
+    "test_preflight.py::test_a_run_says_what_it_will_do_and_a_finished_run_says_it_is_done",
+    "test_wandb.py::test_offline_wandb_runs_with_no_network",
+    "test_video_data.py::test_make_video_shards_packs_a_folder_and_its_captions_as_documented",
     "test_adding_a_method.py::test_the_guides_toy_method_trains_and_loads",
     "test_bad_data.py::test_damaged_web_shards_train_through_with_exact_counts",
     "test_bad_data.py::test_too_much_damage_stops_in_one_line_per_rank",
