@@ -217,11 +217,13 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
         m = self.settings(cfg)
         with torch.device("meta"):
             visual = timm_tower(m.image.timm_name, m.image.timm_kwargs, m.image, "method.image")
-        try:
-            text = text_config(m.text.pretrained) if m.text.pretrained is not None else BertConfig()
-        except ConfigError:  # not readable here (an uncached hub name): checked on the built tower at export
-            text = None
-        problem = vision_problem(visual) or text_problem(text or BertConfig(), m.text.pooling)
+        text = BertConfig()  # a new tower's; a pretrained one's where it can be read here
+        if m.text.pretrained is not None:
+            try:
+                text = text_config(m.text.pretrained)
+            except ConfigError:  # an uncached hub name: its type is checked on the built tower at export
+                pass
+        problem = vision_problem(visual) or text_problem(text, m.text.pooling)
         return None if problem is None else f"transformers' ChineseCLIPModel has no place for {problem}"
 
     def transformers_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> None:

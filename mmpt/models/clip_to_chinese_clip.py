@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmpt.models.open_clip_to_clip_model import split_qkv, write_crop_processor
+
 ACTIVATIONS = {"GELU": "gelu", "QuickGELU": "quick_gelu"}  # timm's Mlp activations CLIP's config names
 
 
@@ -114,8 +116,7 @@ def chinese_clip_state(model: Any) -> dict[str, torch.Tensor]:
         for kind in ("weight", "bias"):
             for a, b in names.items():
                 out[f"{theirs}{b}.{kind}"] = state[f"{ours}{a}.{kind}"]
-            for part, packed in zip(("q", "k", "v"), state[f"{ours}attn.qkv.{kind}"].chunk(3)):
-                out[f"{theirs}self_attn.{part}_proj.{kind}"] = packed
+            out |= split_qkv(state[f"{ours}attn.qkv.{kind}"], theirs, kind)
     out["visual_projection.weight"] = state["image_projection.weight"]
     out["text_projection.weight"] = state["text_projection.weight"]
     out["logit_scale"] = state["logit_scale"].reshape(())
@@ -126,8 +127,6 @@ def write_chinese_clip_model(model: Any, preprocess: dict[str, Any], out: Path) 
     """`model` (the `clip` method's, fp32) as a `ChineseCLIPModel` folder with a `CLIPImageProcessor` doing its
     evaluation preprocessing (shortest side to the size, bicubic, centre crop)."""
     from transformers import ChineseCLIPModel
-
-    from mmpt.models.open_clip_to_clip_model import write_crop_processor
 
     size = int(preprocess["size"])
     folder = ChineseCLIPModel(chinese_clip_config(model, size))

@@ -74,9 +74,13 @@ def _blocks(state: dict[str, torch.Tensor], source: str, target: str, layers: in
         for kind in ("weight", "bias"):
             for a, b in names.items():
                 out[f"{theirs}{b}.{kind}"] = state[f"{ours}{a}.{kind}"]
-            for part, packed in zip(("q", "k", "v"), state[f"{ours}attn.in_proj_{kind}"].chunk(3)):
-                out[f"{theirs}self_attn.{part}_proj.{kind}"] = packed
+            out |= split_qkv(state[f"{ours}attn.in_proj_{kind}"], theirs, kind)
     return out
+
+
+def split_qkv(packed: torch.Tensor, layer: str, kind: str) -> dict[str, torch.Tensor]:
+    """A packed q, k, v projection's `kind` (weight or bias) as transformers' CLIP layer `layer` names them."""
+    return {f"{layer}self_attn.{part}_proj.{kind}": t for part, t in zip(("q", "k", "v"), packed.chunk(3))}
 
 
 def clip_state(state: dict[str, torch.Tensor], text_layers: int, vision_layers: int) -> dict[str, torch.Tensor]:
