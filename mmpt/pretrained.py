@@ -56,13 +56,6 @@ def list_pretrained(as_str: bool = False) -> list[tuple[str, str]] | list[str]:
     return [f"{m}:{t}" for m, t in pairs] if as_str else pairs
 
 
-def pretrained_tag(model: str, tag: str) -> PretrainedTag:
-    if model not in PRETRAINED or tag not in PRETRAINED[model]:
-        known = ", ".join(f"{m}:{t}" for m, t in list_pretrained())
-        raise ValueError(f"no pretrained tag {tag!r} for {model!r}; known: {known}")
-    return PRETRAINED[model][tag]
-
-
 def official_m2_files(path: str | Path) -> tuple[Path, Path]:
     """(checkpoint, sp.model) of a local download of an official M²-Encoder: a .ckpt file or its folder."""
     path = Path(path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from mmpt.config import Config
 from mmpt.config_loader import load_config, validate_config
 from mmpt.export.card import CARD, release_card, training_record
 from mmpt.methods import Method, get_method
+from mmpt.models.tensor_files import load_strictly, read_safetensors
 
 FORMAT = "mmpt-release"
 
@@ -126,8 +128,6 @@ def read_config(directory: Path) -> Config:
 
 def load_directory(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PretrainedModel:
     """The model of a release or finished run directory, weights loaded strictly, in eval mode."""
-    from huggingface_hub import load_torch_model
-
     directory = Path(directory)
     cfg = read_config(directory)
     if not has_weights(directory):
@@ -135,14 +135,14 @@ def load_directory(directory: str | os.PathLike, device: str | torch.device = "c
             f"{directory} has no model.safetensors (or model.safetensors.index.json): not a finished "
             "run or release; launch/export.py makes one from a run's checkpoints"
         )
-    model = get_method(cfg.method_name).build_model(cfg, directory)
-    result: Any = load_torch_model(model, directory, strict=False, safe=True, weights_only=True)
-    if result.missing_keys or result.unexpected_keys:
-        raise ReleaseError(
-            f"{directory}: weights do not match the '{cfg.method_name}' model: missing "
-            f"{sorted(result.missing_keys)[:10]}, unexpected {sorted(result.unexpected_keys)[:10]}"
-        )
-    return PretrainedModel(model, cfg, directory).to(device).eval()
+    return built_model(cfg, read_safetensors(directory), directory).to(device)
+
+
+def built_model(cfg: Config, state: Mapping[str, torch.Tensor], files_from: Path) -> PretrainedModel:
+    """The model of `cfg` (its files in `files_from`) with `state` loaded strictly, in eval mode."""
+    model = get_method(cfg.method_name).build_model(cfg, files_from)
+    load_strictly(model, state, str(files_from / "model.safetensors"), f"the '{cfg.method_name}' model")
+    return PretrainedModel(model, cfg, files_from).eval()
 
 
 def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[Config, Method, nn.Module]:

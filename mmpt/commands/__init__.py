@@ -3,6 +3,7 @@
 
 import argparse
 import importlib
+from collections.abc import Callable
 
 
 def add_import_option(parser: argparse.ArgumentParser, before: str) -> None:
@@ -27,3 +28,15 @@ def import_modules(modules: list[str]) -> None:
             importlib.import_module(module)
         except ImportError as exc:
             raise ConfigError(f"--import {module}: {exc} (is its folder on PYTHONPATH?)") from None
+
+
+def installed(main: Callable[[list[str] | None], int]) -> Callable[[], int]:
+    """The installed command running `main`: an expected error ends in one line and its exit code (`mmpt.cli`,
+    imported when the command runs, not when its module is)."""
+
+    def run() -> int:
+        from mmpt import cli
+
+        return cli.run(main)
+
+    return run

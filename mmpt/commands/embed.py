@@ -20,6 +20,8 @@ import json
 import os
 from pathlib import Path
 
+from mmpt.commands import installed
+
 MODALITY_FIELDS = {
     "image": ("jpg", "jpeg", "png", "webp"),
     "video": ("mp4", "webm", "avi"),
@@ -191,8 +193,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run() -> int:
-    """The installed command: an expected error ends in one line and its exit code (`mmpt.cli`)."""
-    from mmpt import cli
-
-    return cli.run(main)
+run = installed(main)

@@ -25,10 +25,9 @@ are the run's own DeepSpeed files, read with DeepSpeed's loader; the release is 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from mmpt.commands import add_import_option, import_modules
+from mmpt.commands import add_import_option, import_modules, installed
 
 
 def consolidated_weights(run_dir: Path, tag: str) -> dict:
@@ -58,37 +57,10 @@ def consolidated_weights(run_dir: Path, tag: str) -> dict:
     return {k[len(prefix) :]: v.float().clone() for k, v in state.items() if k.startswith(prefix)}
 
 
-def read_weights(directory: Path) -> dict:
-    """The weights of a finished run or release: model.safetensors, or the shards its index names."""
-    from safetensors.torch import load_file
-
-    index = directory / "model.safetensors.index.json"
-    if not index.is_file():
-        return load_file(str(directory / "model.safetensors"))
-    state = {}
-    for name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        state.update(load_file(str(directory / name)))
-    return state
-
-
-def built_model(cfg, state: dict, files_from: Path):
-    """The model of `cfg` with `state` loaded strictly, in eval mode, as a release loads it."""
-    from mmpt.methods import get_method
-    from mmpt.release import PretrainedModel, ReleaseError
-
-    model = get_method(cfg.method_name).build_model(cfg, files_from)
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise ReleaseError(
-            f"{files_from}: weights do not match the '{cfg.method_name}' model: missing "
-            f"{sorted(result.missing_keys)[:10]}, unexpected {sorted(result.unexpected_keys)[:10]}"
-        )
-    return PretrainedModel(model, cfg, files_from).eval()
-
-
 def adapters_merged(cfg, state: dict, files_from: Path):
     """(`cfg` without `method.lora`, `state` with the adapters folded into the weights): the base architecture."""
     from mmpt.models.lora import merge_lora
+    from mmpt.release import built_model
 
     model = merge_lora(built_model(cfg, state, files_from).model)
     merged = cfg.model_copy(deep=True)
@@ -126,14 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     from mmpt.config import ConfigError
     from mmpt.engine.checkpoint import find_resume
     from mmpt.export.formats import check_export
-    from mmpt.release import read_config, save_release
+    from mmpt.models.tensor_files import read_safetensors
+    from mmpt.release import built_model, read_config, save_release
 
     import_modules(args.imports)
     run_dir, out = Path(args.run), Path(args.out)
     cfg = read_config(run_dir)
     towers = check_export(cfg, args.format, args.towers)  # before any weight is read
     if args.checkpoint is None and has_weights(run_dir):
-        state, origin = read_weights(run_dir), "model.safetensors"
+        state, origin = read_safetensors(run_dir), "model.safetensors"
     else:
         checkpoint = (
             find_resume(run_dir, "auto")
@@ -172,8 +145,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run() -> int:
-    """The installed command: an expected error ends in one line and its exit code (`mmpt.cli`)."""
-    from mmpt import cli
-
-    return cli.run(main)
+run = installed(main)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from mmpt.commands import installed
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,8 +81,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run() -> int:
-    """The installed command: an expected error ends in one line and its exit code (`mmpt.cli`)."""
-    from mmpt import cli
-
-    return cli.run(main)
+run = installed(main)

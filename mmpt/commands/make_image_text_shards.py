@@ -26,6 +26,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from mmpt.commands import installed
+
 KEY_DIGITS = 4  # a sample's key: its shard's 5 digits, then its index in the shard (img2dataset's layout)
 
 
@@ -179,8 +181,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run() -> int:
-    """The installed command: an expected error ends in one line and its exit code (`mmpt.cli`)."""
-    from mmpt import cli
-
-    return cli.run(main)
+run = installed(main)

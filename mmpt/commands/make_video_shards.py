@@ -20,6 +20,8 @@ import re
 import sys
 from pathlib import Path
 
+from mmpt.commands import installed
+
 VIDEO_SUFFIXES = (".mp4", ".webm", ".avi")
 
 
@@ -77,8 +79,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run() -> int:
-    """The installed command: an expected error ends in one line and its exit code (`mmpt.cli`)."""
-    from mmpt import cli
-
-    return cli.run(main)
+run = installed(main)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from mmpt.commands import installed
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from mmpt.plan.hardware import GPUS, Assumptions
@@ -63,8 +65,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run() -> int:
-    """The installed command: an expected error ends in one line and its exit code (`mmpt.cli`)."""
-    from mmpt import cli
-
-    return cli.run(main)
+run = installed(main)

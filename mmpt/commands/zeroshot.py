@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from mmpt.commands import installed
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,8 +95,4 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def run() -> int:
-    """The installed command: an expected error ends in one line and its exit code (`mmpt.cli`)."""
-    from mmpt import cli
-
-    return cli.run(main)
+run = installed(main)

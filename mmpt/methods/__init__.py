@@ -41,10 +41,6 @@ def get_method(name: str | None) -> Method:
         raise ConfigError(f"config key 'method.name' = {exc}") from None
 
 
-def method_config_class(name: str | None) -> type[MethodConfig]:
-    return get_method(name).config_class
-
-
 __all__ = [
     "METHODS",
     "AfterStep",
@@ -53,6 +49,5 @@ __all__ = [
     "MethodConfig",
     "get_method",
     "list_methods",
-    "method_config_class",
     "register",
 ]

@@ -29,7 +29,7 @@ from mmpt.config import Config, ConfigError, Section
 from mmpt.data.image_text import normalize_pixels
 from mmpt.errors import first_line
 from mmpt.losses.distill import distillation_loss
-from mmpt.models.tensor_files import SafetensorsTensors, TensorReader, check_covers
+from mmpt.models.tensor_files import SafetensorsTensors, TensorReader, check_covers, load_strictly, read_safetensors
 
 KEY = "method.distill.teacher"
 FOLDER = "teacher"  # in the run directory: a teacher named by a method section, its config and tokenizer files
@@ -71,9 +71,7 @@ class Teacher:
     def load(self, model: nn.Module) -> str | None:
         if self.weights is None:
             return self.method.load_initial_weights(model, self.cfg)
-        from huggingface_hub import load_torch_model
-
-        load_torch_model(model, self.weights.parent, strict=True, safe=True, weights_only=True)
+        load_strictly(model, read_safetensors(self.weights.parent), str(self.weights.parent), "the teacher's config")
         return f"teacher from {self.weights.parent}"
 
     def tensors(self) -> Callable[[nn.Module], tuple[str, TensorReader]] | None:

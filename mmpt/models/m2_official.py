@@ -11,13 +11,12 @@ import math
 import os
 import pickle
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mmpt.models.m2_encoder import FIRST_POSITION, M2Encoder
-from mmpt.models.tensor_files import CheckpointMismatch, MappedCheckpoint, check_covers
+from mmpt.models.tensor_files import CheckpointMismatch, MappedCheckpoint, check_covers, load_strictly, read_safetensors
 
 DEEPSPEED_PREFIX = "_forward_module."
 VISION_POSITIONS = "backbone.encoder.embed_positions.A.weight"
@@ -125,12 +124,5 @@ def load_official(model: M2Encoder, path: str | os.PathLike) -> M2Encoder:
 
 def load_release_weights(model: M2Encoder, directory: str | os.PathLike) -> M2Encoder:
     """Load an mmpt release's or finished run's `model.safetensors` strictly (a mismatch names the keys)."""
-    from huggingface_hub import load_torch_model
-
-    result: Any = load_torch_model(model, directory, strict=False, safe=True, weights_only=True)
-    if result.missing_keys or result.unexpected_keys:
-        raise CheckpointMismatch(
-            f"{directory} does not fit this M2-Encoder config: missing "
-            f"{sorted(result.missing_keys)[:8]}, unexpected {sorted(result.unexpected_keys)[:8]}"
-        )
-    return model
+    directory = Path(directory)
+    return load_strictly(model, read_safetensors(directory), str(directory), "this M2-Encoder config")

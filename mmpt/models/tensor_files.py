@@ -53,6 +53,27 @@ def check_covers(source: str, found: Mapping[str, Shape], expected: Mapping[str,
         raise CheckpointMismatch(f"{source} does not fit {what}: " + "; ".join(parts))
 
 
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """A release's or finished run's weights: model.safetensors, or the shards its index names."""
+    from safetensors.torch import load_file
+
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return load_file(str(directory / "model.safetensors"))
+    state = {}
+    for name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        state.update(load_file(str(directory / name)))
+    return state
+
+
+def load_strictly(model: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str, what: str):
+    """`model` with `state` loaded, after `check_covers` has named any key or shape that differs."""
+    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    check_covers(source, shapes, {name: tuple(t.shape) for name, t in model.state_dict().items()}, what)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
 class SafetensorsTensors:
     """A safetensors file, or the shards its `<name>.index.json` lists."""
 

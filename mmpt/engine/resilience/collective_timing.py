@@ -59,18 +59,6 @@ import torch.distributed as dist
 from mmpt.engine import deepspeed_private
 from mmpt.engine.timing import Clock
 
-KINDS = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "broadcast",
-    "reduce",
-    "gather",
-    "scatter",
-    "barrier",
-)
-
 # function name -> kind, for torch.distributed and DeepSpeed's backend object alike
 _KIND_OF = {
     "all_reduce": "all_reduce",
@@ -93,6 +81,7 @@ _KIND_OF = {
     "scatter_object_list": "scatter",
     "barrier": "barrier",
 }
+KINDS = tuple(dict.fromkeys(_KIND_OF.values()))
 
 Delay = Callable[[str], None]  # an injected fault, called with the collective's kind
 
