@@ -192,17 +192,28 @@ class MetricLogger:
         assert self._jsonl is not None, "only rank 0 writes metrics"
         return self._jsonl
 
-    def _emit(self, step: int, record: dict) -> None:
-        self._jsonl_file().write(json.dumps(record) + "\n")
-        self._to_wandb(step, record)
+    def _publish(self, step: int, record: dict) -> None:
+        """One line of metrics.jsonl; its scalars, per-rank lists as `<key>/rank<n>`, to TensorBoard and W&B."""
+        self._jsonl_file().write(json.dumps({"step": step, **record}) + "\n")
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        for key, value in record.items():
+            if isinstance(value, list):
+                scalars.update({f"{key}/rank{rank}": item for rank, item in enumerate(value)})
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
         if self._writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._writer.add_scalar(key, value, step)
-                elif isinstance(value, list):
-                    for rank, item in enumerate(value):
-                        self._writer.add_scalar(f"{key}/rank{rank}", item, step)
+            for key, value in scalars.items():
+                self._writer.add_scalar(key, value, step)
             self._writer.flush()
+
+    def _say(self, message: str) -> None:
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def _emit(self, step: int, record: dict) -> None:
+        self._publish(step, record)
         losses = " ".join(f"{k.removeprefix('loss/')}={v:.4f}" for k, v in record.items() if k.startswith("loss/"))
         diagnostics = " ".join(
             f"{k.removeprefix('train/')}={v:.3g}" for k, v in record.items() if k.startswith("train/")
@@ -216,27 +227,16 @@ class MetricLogger:
             message += f" gpu_peak={max(record['gpu_peak_allocated_gib_per_rank']):.1f}GiB"
         if self._bar is not None:
             self._bar.set_postfix_str(losses, refresh=False)
-            self._bar.write(message)
-        else:
-            print(message, flush=True)
+        self._say(message)
 
     def write_eval(self, step: int, results: dict[str, float]) -> None:
         """Rank 0: one evaluation's results (jsonl, TensorBoard, console)."""
         if self.rank != 0 or not results:
             return
-        self._jsonl_file().write(json.dumps({"step": step, **results}) + "\n")
-        self._to_wandb(step, results)
-        if self._writer is not None:
-            for key, value in results.items():
-                self._writer.add_scalar(key, value, step)
-            self._writer.flush()
+        self._publish(step, results)
         shown = " ".join(f"{k.removeprefix('eval/')}={v:.4f}" for k, v in results.items() if not k.endswith("/seconds"))
         seconds = sum(v for k, v in results.items() if k.endswith("/seconds"))
-        message = f"eval step {step} {shown} ({seconds:.1f} s)"
-        if self._bar is not None:
-            self._bar.write(message)
-        else:
-            print(message, flush=True)
+        self._say(f"eval step {step} {shown} ({seconds:.1f} s)")
 
     def write_final(self, step: int, results: dict) -> None:
         """Rank 0: the evaluation at the end of training, a line in metrics.jsonl (and the W&B run's summary)."""
@@ -244,18 +244,10 @@ class MetricLogger:
             return
         self._jsonl_file().write(json.dumps({"step": step, **results}) + "\n")
         if self._wandb is not None:
-            self._to_wandb(step, results)
+            self._wandb.log(
+                {k: v for k, v in results.items() if isinstance(v, (int, float)) and k != "step"}, step=step
+            )
             self._wandb.summary.update({k: v for k, v in results.items() if isinstance(v, (int, float))})
-
-    def _to_wandb(self, step: int, record: dict) -> None:
-        """The record's scalars, per-rank lists as `<key>/rank<n>`, as TensorBoard gets them."""
-        if self._wandb is None:
-            return
-        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-        for key, value in record.items():
-            if isinstance(value, list):
-                scalars.update({f"{key}/rank{rank}": item for rank, item in enumerate(value)})
-        self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self.rank == 0:
