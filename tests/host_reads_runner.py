@@ -29,7 +29,8 @@ READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "
 class HostReads:
     """Installed once per process; `reset` before each cell."""
 
-    def __init__(self):
+    def __init__(self, extra_code: tuple[str, ...] = ()):
+        self.code = OUR_CODE + extra_code  # folders (ending in a separator) whose reads are counted
         self.reset(set())
 
     def reset(self, quiet_steps: set[int]) -> None:
@@ -48,8 +49,8 @@ class HostReads:
         def read(*args, **kwargs):
             if self.counting:
                 caller = sys._getframe(1)
-                if caller.f_code.co_filename.startswith(OUR_CODE):
-                    where = Path(caller.f_code.co_filename).relative_to(REPO)
+                if caller.f_code.co_filename.startswith(self.code):
+                    where = caller.f_code.co_filename.removeprefix(f"{REPO}{os.sep}")
                     self.seen[f"{name} at {where}:{caller.f_lineno}"] += 1
             return original(*args, **kwargs)
 

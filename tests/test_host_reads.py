@@ -63,3 +63,79 @@ def test_training_steps_read_nothing_back_to_the_host(corpora, tmp_path, digits_
         assert line["counted_steps"] == [2, 3, 4], line
     reads = {f"{line['cell']} rank {line['rank']}": line["reads"] for line in lines if line["reads"]}
     assert not reads, json.dumps(reads, indent=1)
+
+
+class NanAtStep:
+    """A loss hook making step `step`'s loss NaN, and an observer of where the run is."""
+
+    def __init__(self, step: int, reads):
+        self.step, self.now, self.reads = step, 0, reads
+
+    def reached(self, point: str, step: int) -> None:
+        self.now = step
+        self.reads.phase(point, step)
+
+    def loss(self, total):
+        return total * float("nan") if self.now == self.step else total
+
+
+def zero_run(digits_root, run_dir, stage: int, precision: str):
+    from mmpt.config_loader import load_config
+
+    steps = {"max_steps": 5, "log_every": 1, "save_every": 0, "grad_accum": 2, "eval_every": 0, "grad_clip": 0.5}
+    config = tiny_config(digits_root, run_dir, train={**steps, "zero_stage": stage, "precision": precision})
+    config["data"]["train"]["num_workers"] = 0
+    return load_config(write_config(run_dir.parent / f"{run_dir.name}.yaml", config))
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "bf16"), (2, "fp32")])
+def test_zero_1_2_steps_read_nothing_back_and_skip_a_non_finite_step_on_the_device(
+    stage, precision, digits_root, process_group_of_one, tmp_path, monkeypatch
+):
+    """DeepSpeed's own ZeRO-1/2 step reads its overflow flag and the norm's validity back (the stock check fails
+    this test); here a NaN loss at step 3 is skipped on the device and nothing is read back in steps 2-4 but
+    at logging, DeepSpeed's code included. ZeRO-1 in bf16 is DeepSpeed's BF16_Optimizer, ZeRO-2 its ZeRO
+    optimizer; both clip (grad_clip)."""
+    import deepspeed
+    import torch
+    from host_reads_runner import READS, HostReads
+    from safetensors.torch import load_file
+
+    from conftest import read_metrics, train_in_process
+    from mmpt.engine import hooks
+
+    reads = HostReads(extra_code=(str(Path(deepspeed.__file__).parent) + "/",))
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, reads._counted(getattr(torch.Tensor, name), name))
+    nan = NanAtStep(3, reads)
+    monkeypatch.setattr(hooks, "_ADDED", [(nan.reached, nan.loss)])
+    cfg = zero_run(digits_root, tmp_path / "run", stage, precision)
+    reads.reset({2, 3, 4})
+    train_in_process(cfg)
+    assert reads.counted_steps == {2, 3, 4}
+    assert not reads.seen, dict(reads.seen)
+    skipped = {r["step"]: r["skipped_steps"] for r in read_metrics(tmp_path / "run") if "skipped_steps" in r}
+    assert skipped == {1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+    assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / "run/model.safetensors")).values())
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "bf16"), (2, "fp32")])
+def test_zero_1_2_steps_skipping_on_the_device_equal_deepspeeds_own(
+    stage, precision, digits_root, process_group_of_one, tmp_path, monkeypatch
+):
+    """The same run with DeepSpeed's own non-finite check (its stock step, host reads and all) ends with the
+    same weights: the device-side check and clip change no finite step."""
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import train_in_process
+    from mmpt.engine import deepspeed_config, run
+
+    train_in_process(zero_run(digits_root, tmp_path / "device", stage, precision))
+    for module in (run, deepspeed_config):
+        monkeypatch.setattr(module, "skips_on_device", lambda train: False)
+    train_in_process(zero_run(digits_root, tmp_path / "stock", stage, precision))
+    ours, stock = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("device", "stock"))
+    assert ours.keys() == stock.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], stock[name], rtol=0, atol=1e-6, msg=name)

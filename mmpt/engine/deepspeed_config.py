@@ -9,6 +9,7 @@ import torch
 
 from mmpt import distributed as mdist
 from mmpt.config import Config, ConfigError, TrainConfig
+from mmpt.engine.optim import skips_on_device
 from mmpt.engine.precision import policy
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,9 @@ def precision(train: TrainConfig) -> dict[str, Any]:
     """
     bf16 = train.precision == "bf16" and policy(train.precision, train.zero_stage).deepspeed_casts
     keys: dict[str, Any] = {
-        # Non-finite gradients skip the step (ZeRO 1-3 check the global norm; on by default for fp32 only).
-        "bf16": {"enabled": bf16, "check_grad_overflow": True},
+        # Non-finite gradients skip the step: on the device (`SkippingAdamW`) where `skips_on_device`, else by
+        # DeepSpeed's check of the global norm (on by default for fp32 only).
+        "bf16": {"enabled": bf16, "check_grad_overflow": not skips_on_device(train)},
         "fp16": {"enabled": train.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
     }
     if bf16:

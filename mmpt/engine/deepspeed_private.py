@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -104,3 +105,65 @@ def partitioned_init(module_built: Callable[[nn.Module], None]) -> type:
                 super()._zero_init_param(param)
 
     return InitPartitioned
+
+
+def accept_zero_optimizer(kind: type) -> None:
+    """Let ZeRO take `kind` (a subclass of an optimizer it supports) without its "untested optimizer" refusal."""
+    from deepspeed.runtime.zero import utils
+
+    if kind not in utils.ZERO_SUPPORTED_OPTIMIZERS:
+        utils.ZERO_SUPPORTED_OPTIMIZERS.append(kind)
+
+
+def skip_on_device(zero_optimizer: Any, inner: Any) -> None:
+    """ZeRO 1-2 without a host read in the step: a non-finite step is skipped by `inner` (a `SkippingAdamW`),
+    on the device, from the global gradient norm DeepSpeed computed (an inf/NaN norm is masked to -1 there).
+
+    DeepSpeed 0.19.8 decides on the host instead: `has_overflow` reads a flag back (`.item()`, turned off with
+    bf16's `check_grad_overflow: false`), `is_invalid_grad_norm` reads the norm's validity (ZeRO-1/2's and
+    BF16_Optimizer's step, and ZeRO-1/2's clipping), and BF16_Optimizer's clipping compares the clip factor
+    with 1 on the host. Each read stalls a GPU until the step's backward has run. For `zero_optimizer`
+    those two functions, as those two modules bound them, see every norm as valid and clip by a device-side
+    factor (the same values: 1 where the stock code would not clip); the skip itself is `inner`'s. Any other
+    optimizer calling them (ZeRO-3's stage3.py binds its own) gets DeepSpeed's.
+    """
+    from deepspeed.runtime import bf16_optimizer
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    inner.global_norm = lambda: zero_optimizer._global_grad_norm  # set by the step before the optimizer runs
+    setattr(zero_optimizer, _SKIPS, True)
+    for module in (stage_1_and_2, bf16_optimizer):
+        module.is_invalid_grad_norm = _for_skipping_callers(module.is_invalid_grad_norm, _valid_on_device)
+    bf16_optimizer.clip_tensors_by_global_norm = _for_skipping_callers(
+        bf16_optimizer.clip_tensors_by_global_norm, _clip_on_device
+    )
+
+
+_SKIPS = "mmpt_skips_on_device"  # marks the ZeRO optimizers `skip_on_device` took, and its replacements
+
+
+def _for_skipping_callers(stock: Callable, on_device: Callable) -> Callable:
+    """`on_device` when the calling method's `self` is an optimizer `skip_on_device` took, else `stock`."""
+    if getattr(stock, _SKIPS, False):
+        return stock
+
+    def chosen(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_locals.get("self")
+        return (on_device if getattr(caller, _SKIPS, False) else stock)(*args, **kwargs)
+
+    setattr(chosen, _SKIPS, True)
+    return chosen
+
+
+def _valid_on_device(norm: Any) -> bool:
+    """DeepSpeed's `is_invalid_grad_norm` for a skip made on the device: no norm is refused on the host."""
+    return False
+
+
+def _clip_on_device(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6):
+    """`deepspeed.runtime.utils.clip_tensors_by_global_norm` given the global norm (BF16_Optimizer always gives
+    it), with the factor's `< 1` test made on the device."""
+    factor = torch.clamp(max_norm / (global_norm + eps), max=1.0)
+    for tensor in input_tensors:
+        tensor.detach().mul_(factor)
+    return global_norm

@@ -1,9 +1,10 @@
-"""The non-finite guard: a step with a NaN/Inf loss or gradient is skipped on every rank (DeepSpeed's
-overflow check at ZeRO 1-3, `SkippingAdamW` at ZeRO 0: the bad values reach every rank through the
-gradient reduction); this counts the skips and stops the run after too many in a row.
+"""The non-finite guard: a step with a NaN/Inf loss or gradient is skipped on every rank (`SkippingAdamW`
+at ZeRO 0-2, on the device; DeepSpeed's overflow check at ZeRO-3, with fp16 or an offloaded optimizer:
+the bad values reach every rank through the gradient reduction); this counts the skips and stops the run
+after too many in a row.
 
 The counts stay on the device and are read at logging steps only, so the run stops at the first
-logging step after the limit is reached (at most `train.log_every` - 1 more skipped steps). At ZeRO 0
+logging step after the limit is reached (at most `train.log_every` - 1 more skipped steps). At ZeRO 0-2
 the skip happens inside the optimizer kernel, so hooks that run after the optimizer (a momentum copy's
 EMA update) still run on a skipped step and move the copy towards the unchanged weights.
 """

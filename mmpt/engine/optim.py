@@ -9,7 +9,7 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from mmpt.config import ConfigError, OptimConfig
+from mmpt.config import ConfigError, OptimConfig, TrainConfig
 
 
 def param_groups(
@@ -52,11 +52,12 @@ def param_groups(
 class SkippingAdamW(torch.optim.AdamW):
     """AdamW that skips a step whose gradients are not all finite, without reading anything back to the host.
 
-    For ZeRO stage 0, where DeepSpeed steps the optimizer as given (stages 1-3 detect non-finite gradient
-    norms themselves). The finiteness flag stays on the device: the fused kernel takes it as `found_inf`
-    (the hook torch's GradScaler uses) and then leaves weights, moments and step counts untouched.
-    DeepSpeed therefore sees every step as applied; `skipped` (1.0 after a skipped step, else 0.0) is
-    what the engine's non-finite guard accumulates and reads once per logging window.
+    For ZeRO stages 0-2 (`skips_on_device`). The finiteness flag stays on the device: the fused kernel takes
+    it as `found_inf` (the hook torch's GradScaler uses) and then leaves weights, moments and step counts
+    untouched. DeepSpeed therefore sees every step as applied; `skipped` (1.0 after a skipped step, else
+    0.0) is what the engine's non-finite guard accumulates and reads once per logging window. At ZeRO 1-2 this
+    optimizer steps one rank's partition, so the flag comes from the global gradient norm
+    (`global_norm`, `deepspeed_private.skip_on_device`), the same on every rank.
     """
 
     overflow = False  # what DeepSpeed reads; the real answer is the device tensor `skipped`
@@ -65,6 +66,7 @@ class SkippingAdamW(torch.optim.AdamW):
         super().__init__(*args, **kwargs)
         self.skipped: torch.Tensor | None = None
         self.checked: torch.Tensor | None = None  # the next step's flag, when the gradients' reduction found it
+        self.global_norm: Callable[[], torch.Tensor] | None = None  # ZeRO 1-2: -1 or non-finite when invalid
 
     def take_found_inf(self, flag: torch.Tensor) -> None:
         """The next step's non-finite flag, found by whoever reduced the gradients (a device tensor, 1.0 or
@@ -75,6 +77,9 @@ class SkippingAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         if self.checked is not None:
             self.found_inf, self.checked = self.checked, None
+        elif self.global_norm is not None:
+            norm = self.global_norm()
+            self.found_inf = (~torch.isfinite(norm) | (norm < 0)).float()
         else:
             grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
             if not grads:
@@ -94,14 +99,23 @@ def layer_scales(towers: dict[str, list[list[nn.Parameter]]], decay: float | Non
     return {id(p): decay ** (len(gs) - 1 - k) for gs in towers.values() for k, group in enumerate(gs) for p in group}
 
 
+def skips_on_device(train: TrainConfig) -> bool:
+    """Whether non-finite steps are skipped by `SkippingAdamW` rather than by DeepSpeed's host-side check:
+    not at ZeRO-3, with fp16's loss scaling or with the optimizer offloaded to the host."""
+    return train.zero_stage < 3 and train.precision != "fp16" and not train.offload_optimizer
+
+
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, zero_stage: int = 0, towers: dict[str, list[list[nn.Parameter]]] | None = None
+    model: nn.Module,
+    cfg: OptimConfig,
+    towers: dict[str, list[list[nn.Parameter]]] | None = None,
+    skipping: bool = True,
 ) -> torch.optim.Optimizer:
-    """AdamW over `param_groups`; `towers` (the method's `EngineNeeds.tower_groups`) for `cfg.layer_decay`."""
+    """AdamW over `param_groups` (`SkippingAdamW` where `skipping`); `towers` (the method's
+    `EngineNeeds.tower_groups`) for `cfg.layer_decay`."""
     by_layer = layer_scales(towers or {}, cfg.layer_decay)
     groups = param_groups(model, cfg.weight_decay, cfg.no_decay, cfg.lr, cfg.lr_scales, by_layer)
-    # ZeRO accepts only known optimizer classes (and has its own overflow check).
-    kind = SkippingAdamW if zero_stage == 0 else torch.optim.AdamW
+    kind = SkippingAdamW if skipping else torch.optim.AdamW
     # The fused kernel (CPU and CUDA) updates all parameters in one pass instead of a Python loop.
     return kind(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
 

@@ -29,7 +29,7 @@ from mmpt.engine.grad_buckets import BucketedAllReduce
 from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.hooks import StepHooks
 from mmpt.engine.metrics import MetricLogger
-from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, warmup_cosine
+from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, skips_on_device, warmup_cosine
 from mmpt.engine.preflight import check_inputs
 from mmpt.engine.resilience.adaptive_batch import BatchShares, check_adaptive_batch
 from mmpt.engine.sequence_parallel import split_sequences
@@ -402,17 +402,21 @@ def build_engine(
     if compiles(cfg, needs, gpu=torch.cuda.is_available()):
         compile_towers(needs, method.name)  # in place: parameter names, so checkpoints, stay those of eager runs
     module = TrainingModule(method, model, loss_with_teacher(cfg, method, world_size, load_universal), needs)
-    optimizer = build_optimizer(module.model, cfg.optim, cfg.train.zero_stage, needs.tower_groups)
+    optimizer = build_optimizer(module.model, cfg.optim, needs.tower_groups, skips_on_device(cfg.train))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio, cfg.optim.decay)
     )
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    if isinstance(optimizer, SkippingAdamW):
+        deepspeed_private.accept_zero_optimizer(SkippingAdamW)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         optimizer=optimizer,
         lr_scheduler=cast(Any, schedule),  # DeepSpeed's annotation names torch's older _LRScheduler
         config=deepspeed_config(cfg, world_size, load_universal=load_universal, parameters=parameters),
     )
+    if cfg.train.zero_stage in (1, 2) and isinstance(optimizer, SkippingAdamW):
+        deepspeed_private.skip_on_device(engine.optimizer, optimizer)
     if needs.step_pool is not None:
         module.pool_trace = PoolTrace(engine)
     autocast = precision.policy(cfg.train.precision, cfg.train.zero_stage).autocast

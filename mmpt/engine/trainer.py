@@ -147,10 +147,13 @@ def after_optimizer_step(run: runs.Run) -> None:
 
 
 def step_skipped(engine) -> torch.Tensor | bool:
-    """Whether the optimizer step just taken was skipped for non-finite values: at ZeRO 0 a device tensor
-    `SkippingAdamW` left (not read here), at ZeRO 1-3 DeepSpeed's answer (it has read its overflow flag)."""
-    if isinstance(engine.optimizer, SkippingAdamW):
-        return engine.optimizer.skipped if engine.optimizer.skipped is not None else False
+    """Whether the optimizer step just taken was skipped for non-finite values: at ZeRO 0-2 a device tensor
+    `SkippingAdamW` left (not read here; at ZeRO 1-2 it is inside DeepSpeed's optimizer), else DeepSpeed's
+    answer (it has read its overflow flag)."""
+    optimizer = engine.optimizer
+    skipping = optimizer if isinstance(optimizer, SkippingAdamW) else getattr(optimizer, "optimizer", None)
+    if isinstance(skipping, SkippingAdamW):
+        return skipping.skipped if skipping.skipped is not None else False
     return not engine.was_step_applied()
 
 
