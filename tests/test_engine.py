@@ -184,6 +184,8 @@ def test_gpu_buckets_follow_the_model_so_that_reduction_can_overlap_backward(par
     zero = zero_optimization(chosen, use_cuda=True, world_size=8, parameters=parameters)
     assert (zero["reduce_bucket_size"], zero["overlap_comm"]) == (123, False)
     assert zero_optimization(train, use_cuda=False, world_size=8, parameters=parameters) == {"stage": 2}
+    # One rank has nothing to overlap.
+    assert not zero_optimization(train, use_cuda=True, world_size=1, parameters=parameters)["overlap_comm"]
 
 
 def test_offload_needs_a_zero_stage(tmp_path, digits_root):

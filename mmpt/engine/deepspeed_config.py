@@ -45,11 +45,13 @@ def hpz_partition_size(setting: int | str, world_size: int) -> int:
     return size
 
 
-def gpu_reduction(train: TrainConfig, parameters: int) -> tuple[int, bool]:
-    """(reduce_bucket_size, overlap_comm) of ZeRO 1-2 on GPUs for a model of `parameters` elements."""
+def gpu_reduction(train: TrainConfig, parameters: int, world_size: int) -> tuple[int, bool]:
+    """(reduce_bucket_size, overlap_comm) of ZeRO 1-2 on GPUs for a model of `parameters` elements: buckets
+    overlap backward where there are several (and several ranks: a world of one reduces nothing, and
+    DeepSpeed's overlap then only adds a wait for the whole device after every micro-batch)."""
     low, high = GPU_BUCKET_RANGE
     bucket = train.reduce_bucket_size or min(high, max(low, parameters // 4))
-    overlap = train.overlap_comm if train.overlap_comm is not None else parameters > bucket
+    overlap = train.overlap_comm if train.overlap_comm is not None else parameters > bucket and world_size > 1
     return bucket, overlap
 
 
@@ -76,7 +78,7 @@ def zero_optimization(train: TrainConfig, use_cuda: bool, world_size: int = 1, p
             )
         zero[key] = getattr(train, key)
     if stage in (1, 2) and use_cuda:
-        bucket, overlap = gpu_reduction(train, parameters)
+        bucket, overlap = gpu_reduction(train, parameters, world_size)
         zero.update(
             {
                 "reduce_scatter": True,

@@ -107,7 +107,7 @@ def largest_micro_batch(profile: Profile, cfg: Config, cluster: Cluster, budget:
 def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptions) -> Plan:
     train = cfg.train
     hpz = train.hpz_partition_size
-    bucket, overlap = gpu_reduction(train, profile.counts.trainable + profile.counts.frozen)
+    bucket, overlap = gpu_reduction(train, profile.counts.trainable + profile.counts.frozen, cluster.gpus)
     layout = Layout(
         world=cluster.gpus,
         precision=train.precision,
