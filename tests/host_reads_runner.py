@@ -29,12 +29,12 @@ READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "
 class HostReads:
     """Installed once per process; `reset` before each cell."""
 
-    def __init__(self, extra_code: tuple[str, ...] = ()):
-        self.code = OUR_CODE + extra_code  # folders (ending in a separator) whose reads are counted
+    def __init__(self):
         self.reset(set())
 
-    def reset(self, quiet_steps: set[int]) -> None:
+    def reset(self, quiet_steps: set[int], extra_code: tuple[str, ...] = ()) -> None:
         self.quiet_steps = quiet_steps  # steps that neither log nor checkpoint
+        self.code = OUR_CODE + extra_code
         self.counting = False
         self.counted_steps: set[int] = set()
         self.seen: Counter[str] = Counter()
@@ -79,7 +79,11 @@ def run_cell(cell: dict, results: Path, reads: HostReads) -> None:
         and s != cfg.train.max_steps
         and not (cfg.train.save_every and s % cfg.train.save_every == 0)
     }
-    reads.reset(quiet)
+    import deepspeed
+
+    # ZeRO 1-2 steps make no read in DeepSpeed's code either (deepspeed_private.skip_on_device)
+    theirs = (str(Path(deepspeed.__file__).parent) + os.sep,) if cfg.train.zero_stage in (1, 2) else ()
+    reads.reset(quiet, theirs)
     try:
         with observing(reads.phase):
             train(cfg)
