@@ -132,11 +132,12 @@ def skip_on_device(zero_optimizer: Any, inner: Any) -> None:
 
     inner.global_norm = lambda: zero_optimizer._global_grad_norm  # set by the step before the optimizer runs
     setattr(zero_optimizer, _SKIPS, True)
-    for module in (stage_1_and_2, bf16_optimizer):
-        module.is_invalid_grad_norm = _for_skipping_callers(module.is_invalid_grad_norm, _valid_on_device)
-    bf16_optimizer.clip_tensors_by_global_norm = _for_skipping_callers(
-        bf16_optimizer.clip_tensors_by_global_norm, _clip_on_device
-    )
+    for module, name, on_device in (
+        (stage_1_and_2, "is_invalid_grad_norm", _valid_on_device),
+        (bf16_optimizer, "is_invalid_grad_norm", _valid_on_device),
+        (bf16_optimizer, "clip_tensors_by_global_norm", _clip_on_device),
+    ):
+        setattr(module, name, _for_skipping_callers(getattr(module, name), on_device))
 
 
 _SKIPS = "mmpt_skips_on_device"  # marks the ZeRO optimizers `skip_on_device` took, and its replacements
@@ -160,7 +161,7 @@ def _valid_on_device(norm: Any) -> bool:
     return False
 
 
-def _clip_on_device(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6):
+def _clip_on_device(input_tensors, max_norm=1.0, global_norm: Any = None, mpu=None, eps=1e-6):
     """`deepspeed.runtime.utils.clip_tensors_by_global_norm` given the global norm (BF16_Optimizer always gives
     it), with the factor's `< 1` test made on the device."""
     factor = torch.clamp(max_norm / (global_norm + eps), max=1.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -19,6 +19,7 @@ import torch
 REMAP_BYTES = 16 << 20
 
 Shape = tuple[int, ...]
+Module = TypeVar("Module", bound=torch.nn.Module)
 
 
 class CheckpointMismatch(RuntimeError):
@@ -66,7 +67,7 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_strictly(model: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str, what: str):
+def load_strictly(model: Module, state: Mapping[str, torch.Tensor], source: str, what: str) -> Module:
     """`model` with `state` loaded, after `check_covers` has named any key or shape that differs."""
     shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
     check_covers(source, shapes, {name: tuple(t.shape) for name, t in model.state_dict().items()}, what)
