@@ -53,6 +53,15 @@ def device_memory_gib() -> tuple[float, float]:
     return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
 
 
+def scalars_of(record: dict) -> dict:
+    """A record's scalars for TensorBoard and W&B: its numbers but the step, per-rank lists as `<key>/rank<n>`."""
+    scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+    for key, value in record.items():
+        if isinstance(value, list):
+            scalars.update({f"{key}/rank{rank}": item for rank, item in enumerate(value)})
+    return scalars
+
+
 class MetricLogger:
     def __init__(
         self,
@@ -195,10 +204,7 @@ class MetricLogger:
     def _publish(self, step: int, record: dict) -> None:
         """One line of metrics.jsonl; its scalars, per-rank lists as `<key>/rank<n>`, to TensorBoard and W&B."""
         self._jsonl_file().write(json.dumps({"step": step, **record}) + "\n")
-        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-        for key, value in record.items():
-            if isinstance(value, list):
-                scalars.update({f"{key}/rank{rank}": item for rank, item in enumerate(value)})
+        scalars = scalars_of(record)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
         if self._writer is not None:
@@ -244,9 +250,7 @@ class MetricLogger:
             return
         self._jsonl_file().write(json.dumps({"step": step, **results}) + "\n")
         if self._wandb is not None:
-            self._wandb.log(
-                {k: v for k, v in results.items() if isinstance(v, (int, float)) and k != "step"}, step=step
-            )
+            self._wandb.log(scalars_of(results), step=step)
             self._wandb.summary.update({k: v for k, v in results.items() if isinstance(v, (int, float))})
 
     def close(self) -> None:
