@@ -229,6 +229,14 @@ class TrainConfig(Section):
     grad_clip: float = Field(
         ge=0, description="global grad-norm clip; 0 disables. Always explicit: no DeepSpeed default"
     )
+    pool_pass: Literal["auto", "separate", "merged"] = Field(
+        default="auto",
+        description="how a step pools its micro-batches for the loss (pooled accumulation, grad_accum > 1). "
+        "separate: a forward without gradient of every micro-batch builds the pool, then each runs forward and "
+        "backward; merged: every micro-batch's forward with gradient, the loss once over all, one backward (one "
+        "forward less; holds all K micro-batches' activations). auto: merged where the towers checkpoint their "
+        "activations",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         default="fp32",
         description="fp16, and bf16 at ZeRO 1-3: DeepSpeed's 16-bit model with fp32 master weights; bf16 at ZeRO-0: "

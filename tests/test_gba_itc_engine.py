@@ -31,6 +31,8 @@ def m2_section(group_size, tile):
     }
 
 
+M2_TILED = m2_section(2, 5)
+
 TINY_OPEN_CLIP = {
     "embed_dim": 16,
     "vision_cfg": {"image_size": 16, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
@@ -56,15 +58,16 @@ def image_text_section(method, loss, tmp_path):
     }
 
 
-def make_config(run_dir, stage, accum, micro_rows, method):
+def make_config(run_dir, stage, accum, micro_rows, method, pool_pass="auto"):
     from mmpt.config_loader import validate_config
 
+    train = {"max_steps": STEPS, "zero_stage": stage, "grad_accum": accum, "grad_clip": 1.0, "pool_pass": pool_pass}
     return validate_config(
         {
             "method": method,
             "data": {"train": {"sources": [{"shards": "unused.tar"}], "batch_size": micro_rows}},
             "optim": {"lr": 1e-3, "weight_decay": 0.05, "warmup_steps": 0},
-            "train": {"max_steps": STEPS, "zero_stage": stage, "grad_accum": accum, "grad_clip": 1.0},
+            "train": train,
             "run": {"output_dir": str(run_dir), "progress_bar": False, "tensorboard": False},
         }
     )
@@ -86,8 +89,9 @@ def split(batch, parts):
     return [dict(zip(batch, values)) for values in zip(*(v.chunk(parts) for v in batch.values()))]
 
 
-def train_and_record(rank, run_dir, stage, accum, section):
-    """Per step: the full gradient at the accumulation boundary; at the end, on rank 0: how far each weight moved."""
+def train_and_record(rank, run_dir, stage, accum, section, pool_pass="auto", merged=False):
+    """Per step: the full gradient at the accumulation boundary; at the end, on rank 0: how far each weight moved.
+    `merged`: whether the engine must run the pooled steps as one pass."""
     from deepspeed.runtime.zero import utils as zero_utils
     from deepspeed.utils import safe_get_full_grad
 
@@ -98,8 +102,9 @@ def train_and_record(rank, run_dir, stage, accum, section):
     from mmpt.methods import get_method
 
     method = get_method(section["name"])
-    cfg = make_config(run_dir, stage, accum, ROWS * 4 // accum, section)
+    cfg = make_config(run_dir, stage, accum, ROWS * 4 // accum, section, pool_pass)
     engine, _, _ = build_engine(cfg, method, mdist.layout(), WORLD)
+    assert engine.module.merged_pool_pass == merged
     size = 16  # both image-text models' input size (see image_text_section)
     named = list(engine.module.model.named_parameters())
     initial = gathered_state_dict(engine.module.model)
@@ -158,6 +163,38 @@ def check_accumulated_step_equals_one_big_batch(rank, tmp, stage, accum, section
     dist.barrier()
 
 
+def check_merged_pass_equals_the_separate_one(rank, tmp, stage, accum, section):
+    """With checkpointing on, `train.pool_pass: auto` merges the pool pass into the step (one forward with gradient
+    per micro-batch, one backward): the same gradients as the separate pool pass, to fp32 rounding."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    separate, separate_moves = train_and_record(rank, f"{tmp}/separate", stage, accum, section, "separate")
+    merged, merged_moves = train_and_record(rank, f"{tmp}/merged", stage, accum, section, "auto", merged=True)
+    assert len(merged) == len(separate) == STEPS
+    # Gradients that are zero up to rounding (a key bias's) Adam moves by lr*sign(noise), so from step 2 on the two
+    # runs' weights differ by that much: 1e-6 holds at step 1, where both start from the same weights.
+    roundoff = set()
+    for step, (mine, reference) in enumerate(zip(merged, separate), start=1):
+        whole, limit = torch.cat([g.flatten() for g in reference.values()]).norm(), 1e-6 if step == 1 else 1e-5
+        for name, ref in reference.items():
+            error = ((mine[name] - ref).norm() / whole).item()
+            assert error <= limit, f"step {step}: the gradient of {name} differs by {error:.2e} of the whole"
+            if ref.norm() <= 1e-3 * whole:
+                roundoff.add(name)
+    for name, moved in (separate_moves or {}).items():
+        if name not in roundoff and not name.endswith("in_proj_bias"):  # open_clip's fused q, k, v bias: k's is noise
+            assert torch.allclose(merged_moves[name], moved, rtol=0, atol=1e-6), name
+    dist.barrier()
+
+
+def checkpointed(section):
+    """`section` with gradient checkpointing on in its towers (where each method's config has the switch)."""
+    if section["name"] == "m2_encoder":
+        return {**section, "arch": {**section["arch"], "grad_checkpointing": True}}
+    if section["name"] == "open_clip":
+        return {**section, "grad_checkpointing": True}
+    return {**section, "image": {**section["image"], "grad_checkpointing": True, "patch_dropout": 0.25}}
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_pooled_accumulation_through_the_engine_equals_one_big_batch(tmp_path, stage):
     cells = [(accum, group_size, tile) for accum in (2, 4) for group_size in (1, 2) for tile in (0,)]
@@ -170,7 +207,8 @@ def test_pooled_accumulation_through_the_engine_equals_one_big_batch(tmp_path, s
                 (str(tmp_path / f"k{a}g{g}t{t}"), stage, a, m2_section(g, t)),
             )
             for a, g, t in cells
-        ],
+        ]
+        + [("check_merged_pass_equals_the_separate_one", (str(tmp_path / "merged"), stage, 4, checkpointed(M2_TILED)))],
         WORLD,
     )
 
@@ -194,6 +232,18 @@ def test_image_text_methods_pool_micro_batches_into_one_big_batch(tmp_path, stag
                 (str(tmp_path / f"{method}{i}"), stage, accum, image_text_section(method, loss, tmp_path)),
             )
             for i, (method, loss, accum) in enumerate(cells)
+        ]
+        + [
+            (
+                "check_merged_pass_equals_the_separate_one",
+                (
+                    str(tmp_path / f"merged-{method}"),
+                    stage,
+                    2,
+                    checkpointed(image_text_section(method, loss, tmp_path)),
+                ),
+            )
+            for method, loss, _ in cells[1:3]  # clip with the sigmoid loss and patch dropout, open_clip contrastive
         ],
         WORLD,
     )

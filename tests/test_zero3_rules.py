@@ -71,7 +71,7 @@ def test_pool_pass_leaves_batch_norm_running_statistics_to_the_gradient_pass():
     method = SimpleNamespace(training_step=lambda m, loss, batch, pool, index: (m(batch), pool[index]))
     module = TrainingModule(cast(Any, method), model, nn.Identity(), needs)
     with torch.no_grad():
-        pool = module(batches, pool_pass=True)
+        pool = module(batches, entry="pool")
     for index, batch in enumerate(batches):
         fresh, pooled = module(batch, pool, index)
         torch.testing.assert_close(fresh, pooled, rtol=0, atol=0)
@@ -107,7 +107,7 @@ def test_pooled_accumulation_replays_random_draws_in_the_gradient_pass():
     for head in (model.itc_vl_image_proj, model.itc_vl_text_proj):
         head.register_forward_hook(lambda m, args, out: features.append(out.detach().clone()))
     with torch.no_grad():
-        pool = module(batches, pool_pass=True)
+        pool = module(batches, entry="pool")
     pooled, features[:] = list(features), []
     for index, batch in enumerate(batches):
         module(batch, pool, index)

@@ -130,14 +130,20 @@ def precision(train: TrainConfig) -> dict[str, Any]:
     return keys
 
 
-def deepspeed_config(cfg: Config, world_size: int, load_universal: bool = False, parameters: int = 0) -> dict[str, Any]:
-    """`parameters`: the model's element count, which sizes the gradient buckets on GPUs (`gpu_reduction`)."""
+def deepspeed_config(
+    cfg: Config, world_size: int, load_universal: bool = False, parameters: int = 0, one_pass: bool = False
+) -> dict[str, Any]:
+    """`parameters`: the model's element count, which sizes the gradient buckets on GPUs (`gpu_reduction`).
+    `one_pass`: a step is one forward and backward over its K micro-batches (a merged pool pass), so DeepSpeed
+    sees one micro-batch of K times the rows and no accumulation."""
     train = cfg.train
-    micro = cfg.data.train.batch_size
+    micro, accum = cfg.data.train.batch_size, train.grad_accum
+    if one_pass:
+        micro, accum = micro * accum, 1
     return {
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": train.grad_accum,
-        "train_batch_size": micro * train.grad_accum * world_size,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world_size,
         # DeepSpeed's own default is 1.0: always say what we mean (0 = no clipping).
         "gradient_clipping": train.grad_clip,
         "zero_optimization": zero_optimization(train, torch.cuda.is_available(), world_size, parameters),

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from mmpt.config import Config
+from mmpt.engine.pool_pass import merges_pool_pass
 from mmpt.engine.precision import policy
 from mmpt.methods import EngineNeeds, Method
 from mmpt.methods.base import loss_terms
@@ -102,7 +103,8 @@ def run_step(
 
 
 def step_flops(method: Method, cfg: Config, run_dir: Path, batch: Any) -> int:
-    """FLOPs of one training micro-batch shaped like `batch` (forward, backward, pool pass, recompute), counted on
+    """FLOPs of one training micro-batch shaped like `batch` (forward, backward, recompute, and the pool pass where
+    the step runs one: `mmpt.engine.pool_pass`), counted on
     a fake-tensor build of `cfg`'s model: nothing runs on the device and `batch`'s values are not read."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -120,7 +122,8 @@ def step_flops(method: Method, cfg: Config, run_dir: Path, batch: Any) -> int:
         fake = tree_map(lambda t: empty_like_on_cpu(t) if isinstance(t, torch.Tensor) else t, batch)
         model.train()
         with counter:
-            run_step(method, model, loss, needs, fake, precision.autocast, pool_pass=cfg.train.grad_accum > 1)
+            pool_pass = cfg.train.grad_accum > 1 and not merges_pool_pass(cfg, needs, model)
+            run_step(method, model, loss, needs, fake, precision.autocast, pool_pass=pool_pass)
     return counter.get_total_flops()
 
 

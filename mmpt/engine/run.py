@@ -9,7 +9,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.hooks import StepHooks
 from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, skips_on_device, warmup_cosine
+from mmpt.engine.pool_pass import merges_pool_pass
 from mmpt.engine.preflight import check_inputs
 from mmpt.engine.resilience.adaptive_batch import BatchShares, check_adaptive_batch
 from mmpt.engine.sequence_parallel import split_sequences
@@ -42,6 +43,7 @@ from mmpt.engine.zero3.pool_trace import PoolTrace
 from mmpt.methods import EngineNeeds, Method, get_method
 
 log = logging.getLogger(__name__)
+Entry = Literal["step", "pool", "merged"]
 
 
 class TrainingModule(nn.Module):
@@ -57,17 +59,23 @@ class TrainingModule(nn.Module):
         self.pool_trace: PoolTrace | None = None  # set by `build_engine` for a method with a step pool
         self.autocast: tuple[str, torch.dtype] | None = None  # (device type, dtype): bf16 at ZeRO-0 (`precision`)
         self._replay: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # RNG states of the pool pass, by index
+        self.merged_pool_pass = False  # set by `build_engine`: a pooled step runs `needs.merged_step` (one pass)
 
-    def forward(self, batch: Any, pool: Any = None, index: int = 0, pool_pass: bool = False) -> Any:
+    def forward(self, batch: Any, pool: Any = None, index: int = 0, entry: Entry = "step") -> Any:
+        """`entry` "step": one micro-batch's training step (with the step's pool, if any); "pool": the pool pass
+        and "merged": `needs.merged_step`, both over the step's list of micro-batches."""
         if self.autocast is None:
-            return self._forward(batch, pool, index, pool_pass)
+            return self._forward(batch, pool, index, entry)
         device_type, dtype = self.autocast
         with torch.autocast(device_type, dtype=dtype):
-            return self._forward(batch, pool, index, pool_pass)
+            return self._forward(batch, pool, index, entry)
 
-    def _forward(self, batch: Any, pool: Any, index: int, pool_pass: bool) -> Any:
-        if pool_pass:  # `batch` is then the step's list of micro-batches (the engine asks only with a pool)
+    def _forward(self, batch: Any, pool: Any, index: int, entry: Entry) -> Any:
+        if entry == "pool":
             return self._pool(batch)
+        if entry == "merged":
+            assert self.needs.merged_step is not None
+            return self.needs.merged_step(self.model, self.loss, batch)
         if pool is not None:
             set_torch_rng(self._replay[index])  # the draws its pool pass made: the same masks, the same features
         return self.method.training_step(self.model, self.loss, batch, pool, index)
@@ -402,6 +410,7 @@ def build_engine(
     if compiles(cfg, needs, gpu=torch.cuda.is_available()):
         compile_towers(needs, method.name)  # in place: parameter names, so checkpoints, stay those of eager runs
     module = TrainingModule(method, model, loss_with_teacher(cfg, method, world_size, load_universal), needs)
+    module.merged_pool_pass = merges_pool_pass(cfg, needs, model)
     optimizer = build_optimizer(module.model, cfg.optim, needs.tower_groups, skips_on_device(cfg.train))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio, cfg.optim.decay)
@@ -413,11 +422,13 @@ def build_engine(
         model=module,
         optimizer=optimizer,
         lr_scheduler=cast(Any, schedule),  # DeepSpeed's annotation names torch's older _LRScheduler
-        config=deepspeed_config(cfg, world_size, load_universal=load_universal, parameters=parameters),
+        config=deepspeed_config(
+            cfg, world_size, load_universal=load_universal, parameters=parameters, one_pass=module.merged_pool_pass
+        ),
     )
     if cfg.train.zero_stage in (1, 2) and isinstance(optimizer, SkippingAdamW):
         deepspeed_private.skip_on_device(engine.optimizer, optimizer)
-    if needs.step_pool is not None:
+    if needs.step_pool is not None and not module.merged_pool_pass:
         module.pool_trace = PoolTrace(engine)
     autocast = precision.policy(cfg.train.precision, cfg.train.zero_stage).autocast
     if autocast is not None:

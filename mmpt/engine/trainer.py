@@ -172,20 +172,25 @@ def optimizer_step(
     hooks = hooks or StepHooks([])
     spans = spans or Spans(cuda=False)
     pool = None
+    passes = [functools.partial(engine, batch, None, 0) for batch in micro_batches]  # each: forward, backward, step
     if engine.module.needs.step_pool is not None and len(micro_batches) > 1:
-        hooks.reached("forward", step)
-        trace = engine.module.pool_trace
-        with torch.no_grad(), trace.pool_pass() if trace is not None else contextlib.nullcontext():
-            pool = engine(micro_batches, pool_pass=True)
+        if engine.module.merged_pool_pass:  # one pass over all (DeepSpeed then accumulates nothing)
+            passes = [functools.partial(engine, micro_batches, entry="merged")]
+        else:
+            hooks.reached("forward", step)
+            trace = engine.module.pool_trace
+            with torch.no_grad(), trace.pool_pass() if trace is not None else contextlib.nullcontext():
+                pool = engine(micro_batches, entry="pool")
+            passes = [functools.partial(engine, batch, pool, index) for index, batch in enumerate(micro_batches)]
     sums: dict[str, torch.Tensor] = {}
     loss_names: set[str] = set()  # the loss terms among the sums (the rest are the method's diagnostics)
     reduction = engine.module.gradient_reduction
     if reduction is not None:
         reduction.start_step()
-    for index, batch in enumerate(micro_batches):
+    for index, forward in enumerate(passes):
         hooks.reached("forward", step)
         spans.start("forward")
-        terms = engine(batch, pool, index)
+        terms = forward()
         losses = loss_terms(terms)
         loss_names.update(losses)
         if weight != 1.0:
@@ -193,7 +198,7 @@ def optimizer_step(
         spans.stop("forward")
         hooks.reached("backward", step)
         total = hooks.loss(functools.reduce(operator.add, losses.values()))
-        last = index == len(micro_batches) - 1
+        last = index == len(passes) - 1
         if reduction is not None:
             reduction.reduce_during_backward(last)
         # With a pool every micro-batch loss is the step's loss: its gradients are summed, not averaged. DeepSpeed
@@ -205,7 +210,7 @@ def optimizer_step(
         hooks.reached("step", step)
         engine.step()
         for name, value in {**diagnostics(terms), **losses}.items():
-            share = value.detach() / len(micro_batches)
+            share = value.detach() / len(passes)
             sums[name] = sums[name] + share if name in sums else share
     sums["total"] = functools.reduce(operator.add, (v for k, v in sums.items() if k in loss_names))
     return sums

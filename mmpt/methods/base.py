@@ -66,6 +66,11 @@ class EngineNeeds:
         same masks in both, provided `training_step` makes the model's random draws in the order
         `pool_features` does. Batch norm normalises each pass with its batch's statistics; the pool pass leaves
         its running statistics alone (`mmpt.engine.batch_norm.RunningStatisticsKept`), so they count each batch once.
+    merged_step: the same pooled step in one pass, `merged_step(model, loss, [the K micro-batches])` -> the step's
+        loss terms: each micro-batch's forward with gradient, the loss once over all of them (the K-times batch's),
+        diagnostics averaged over the micro-batches. The engine backpropagates it once, in place of the pool pass
+        and the K training steps, where `train.pool_pass` merges: one forward less per micro-batch, with all K
+        micro-batches' activations held until backward (few where the towers checkpoint them).
     fp32_modules: modules whose state stays fp32 under bf16/fp16 training; the engine runs their forward
         under autocast to the training precision and hands their outputs back in it.
     after_step: work after each applied optimizer step, in order.
@@ -90,6 +95,7 @@ class EngineNeeds:
 
     pool_features: Callable[[Any, Any], Any] | None = None  # (model, one micro-batch) -> what the pool keeps
     step_pool: Callable[[Any, list[Any]], Any] | None = None  # (loss, each micro-batch's pool features) -> pool
+    merged_step: Callable[[Any, Any, list[Any]], dict[str, Any]] | None = None  # (model, loss, micro-batches) -> terms
     fp32_modules: tuple[nn.Module, ...] = ()
     after_step: tuple[AfterStep, ...] = ()
     momentum_copies: tuple[MomentumCopy, ...] = ()
@@ -101,6 +107,8 @@ class EngineNeeds:
     def __post_init__(self) -> None:
         if (self.pool_features is None) != (self.step_pool is None):
             raise TypeError("EngineNeeds: pooled accumulation needs both pool_features and step_pool")
+        if self.merged_step is not None and self.step_pool is None:
+            raise TypeError("EngineNeeds: merged_step runs pooled accumulation: pool_features and step_pool too")
 
     def pool(self, model: Any, loss: Any, micro_batches: list[Any]) -> Any:
         """The step's pool from its micro-batches (without the engine's replay of random draws)."""

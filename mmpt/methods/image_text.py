@@ -266,7 +266,7 @@ class ImageTextMethod(Method[SettingsT]):
         asks for it."""
         needs: dict[str, Any] = {"tower_groups": self.tower_groups(model)}
         if self.loss_spec(cfg).pooled_accumulation:
-            needs |= {"pool_features": self.pool_features, "step_pool": self.step_pool}
+            needs |= {"pool_features": self.pool_features, "step_pool": self.step_pool, "merged_step": self.merged_step}
         return needs
 
     def engine_needs(self, model: nn.Module, cfg: Config) -> EngineNeeds:
@@ -281,6 +281,22 @@ class ImageTextMethod(Method[SettingsT]):
 
     def step_pool(self, loss: Any, features: list[tuple[torch.Tensor, torch.Tensor]]):
         return loss.pool([image for image, _ in features], [text for _, text in features])
+
+    def merged_step(self, model: nn.Module, loss: nn.Module, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
+        """A pooled step in one pass: the K micro-batches' forwards with gradient, the contrastive loss once over
+        all of them, each micro-batch's distillation term weighted 1/K (as `training_step` weighs it pooled)."""
+        outputs = [
+            model(model_images(model, b["image"]), b["input_ids"], b.get("attention_mask")) for b in micro_batches
+        ]
+        own = loss.loss if isinstance(loss, Distilled) else loss
+        logits = list(outputs[0][2:])  # the logit scale (and bias): the same parameters in every forward
+        value = own(torch.cat([out[0] for out in outputs]), torch.cat([out[1] for out in outputs]), *logits)
+        terms: dict[str, Any] = {"sigmoid" if isinstance(own, SigmoidLoss) else "contrastive": value}
+        if isinstance(loss, Distilled):
+            parts = [loss(out[0], out[1], out[2], b, len(outputs)) for out, b in zip(outputs, micro_batches)]
+            terms["distill"] = torch.stack(parts).sum()
+        each = [in_batch_diagnostics(out[0], out[1], list(out[2:])) for out in outputs]
+        return {**terms, "train": {name: torch.stack([d[name] for d in each]).mean() for name in each[0]}}
 
     def training_step(
         self, model: nn.Module, loss: nn.Module, batch: dict[str, Any], pool: Any = None, index: int = 0

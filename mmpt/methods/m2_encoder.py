@@ -280,6 +280,7 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
         return EngineNeeds(
             pool_features=self.pool_features,
             step_pool=self.step_pool,
+            merged_step=self.merged_step,
             compilable=(model.backbone.encoder, model.backbone_vl),
             tower_groups=self.tower_groups(model),
         )

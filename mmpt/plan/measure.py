@@ -24,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mmpt.engine import flops
+from mmpt.engine.pool_pass import merges_pool_pass
 from mmpt.engine.precision import policy
 from mmpt.plan.batches import micro_batch
 from mmpt.plan.build import Built
@@ -104,10 +105,11 @@ def materialize(b: Built, device: str = "cpu") -> None:
 
 
 def run_step(b: Built, batch: dict[str, Any]) -> None:
-    """What the engine runs for one micro-batch (`mmpt.engine.flops.run_step`): the step pool, the training step,
-    the backward pass."""
+    """What the engine runs for one micro-batch (`mmpt.engine.flops.run_step`): the step pool (unless the step is
+    one merged pass), the training step, the backward pass."""
     autocast = policy(b.cfg.train.precision, b.cfg.train.zero_stage).autocast
-    flops.run_step(b.method, b.model, b.loss, b.needs, batch, autocast)
+    pool_pass = not merges_pool_pass(b.cfg, b.needs, b.model)
+    flops.run_step(b.method, b.model, b.loss, b.needs, batch, autocast, pool_pass=pool_pass)
 
 
 def drop_gradients(model: nn.Module) -> list[Any]:

@@ -78,10 +78,12 @@ def gathering(cfg: Config, profile: Profile, cluster: Cluster) -> tuple[Gatherin
 
 
 def working_bytes(profile: Profile, cfg: Config, cluster: Cluster, micro: int) -> tuple[int, int, int]:
-    """(activations, extra logits, input batch) of a micro-batch of `micro` samples."""
+    """(activations, extra logits, input batch) of a micro-batch of `micro` samples. A merged pool pass holds the
+    step's K micro-batches until its one backward: K times one's (an upper bound: one's transient peak K times)."""
     gather, _ = gathering(cfg, profile, cluster)
+    held = cfg.train.grad_accum if profile.merged else 1
     return (
-        int(profile.activations.at(micro)),
+        int(profile.activations.at(micro)) * held,
         extra_logits_bytes(profile.loss, micro, gather),
         int(profile.batch_bytes_per_sample * micro),
     )

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mmpt.config import Config
+from mmpt.engine.pool_pass import merges_pool_pass
 from mmpt.plan.batches import micro_batch
 from mmpt.plan.build import Counts, built, count
 from mmpt.plan.measure import StepMeasure, measure_step, on_fake_tensors, set_checkpointing
@@ -40,6 +41,7 @@ class Profile:
     activations: Line  # as configured (gradient checkpointing on or off)
     activations_other: Line | None  # with checkpointing the other way round; None when the model has no switch
     checkpointing: bool  # what the config runs
+    merged: bool  # the step runs its K pooled micro-batches as one pass (`mmpt.engine.pool_pass`)
     model_flops: Line  # forward + backward (+ the step pool's forward), no recompute
     hardware_flops: Line  # as configured (recompute included when checkpointing)
     batch_bytes_per_sample: float  # the micro-batch's input tensors
@@ -52,6 +54,7 @@ def profile(cfg: Config) -> Profile:
         sources = len(cfg.data.train.sources) if cfg.data.train.compose == "per_source" else 1
         sizes = (2 * sources, 4 * sources)  # two samples at least: batch norm needs more than one
         configured = bool(getattr(b.model, "grad_checkpointing", False))  # as the config built it
+        merged = merges_pool_pass(cfg, b.needs, b.model)
         mode = on_fake_tensors(b)
         runs: dict[bool, tuple[StepMeasure, StepMeasure]] = {}
         with mode:
@@ -68,6 +71,7 @@ def profile(cfg: Config) -> Profile:
             activations=Line.through(*runs[on], "peak_bytes"),
             activations_other=Line.through(*other, "peak_bytes") if other and True in runs else None,
             checkpointing=on,
+            merged=merged,
             model_flops=Line.through(*runs[False], "flops"),
             hardware_flops=Line.through(*runs[on], "flops"),
             batch_bytes_per_sample=batch_bytes,

@@ -34,6 +34,7 @@ def to_json(config: str, profile: Profile, plan: Plan, assume: Assumptions) -> d
             "activations": plan.activations,
             "activations_with_checkpointing_toggled": plan.activations_other,
             "gradient_checkpointing": profile.checkpointing,
+            "merged_pool_pass": profile.merged,
             "contrastive_logits": plan.logits,
             "input_batch": plan.batch,
             "total": plan.gpu_bytes,
@@ -71,7 +72,9 @@ def to_text(config: str, profile: Profile, plan: Plan, assume: Assumptions) -> s
         f"  DeepSpeed grad bucket {gb(s.reduce_bucket)}",
         f"  activations           {gb(plan.activations)} at micro-batch {plan.micro_batch}"
         + (" (the largest adaptive share) " if plan.adaptive else " ")
-        + f"(checkpointing {'on' if profile.checkpointing else 'off'})"
+        + f"(checkpointing {'on' if profile.checkpointing else 'off'}"
+        + ("; one merged pool pass: all the step's micro-batches held" if profile.merged else "")
+        + ")"
         + (f"; {gb(plan.activations_other)} with it {toggled}" if plan.activations_other is not None else ""),
         f"  contrastive logits    {gb(plan.logits)} beyond one rank's",
         f"  input batch           {gb(plan.batch)}",

@@ -20,7 +20,7 @@ from mmpt.engine import deepspeed_private
 
 
 class PoolTrace:
-    """`with trace.pool_pass(): engine(..., pool_pass=True)`; nothing happens below ZeRO-3."""
+    """`with trace.pool_pass(): engine(micro_batches, entry="pool")`; nothing happens below ZeRO-3."""
 
     def __init__(self, engine: Any):
         self._offload = getattr(engine.optimizer, "parameter_offload", None)
