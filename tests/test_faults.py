@@ -4,6 +4,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -30,9 +31,12 @@ pytestmark = pytest.mark.distributed
 STEPS = dict(zero_stage=2, max_steps=12, save_every=4, keep_last=5, log_every=1)
 
 
-@scenario("faults-reference", first=True)  # the supervised runs below start fresh processes
+KILLED = {**STEPS, "max_steps": 20}
+
+
+@scenario("faults-reference", first=True)  # the supervised run below starts fresh processes
 def uninterrupted(corpora, run_dir):
-    return tiny_config(corpora["digits"], run_dir, train=STEPS), [], "train"
+    return tiny_config(corpora["digits"], run_dir, train=KILLED), [], "train"
 
 
 @pytest.fixture
@@ -41,40 +45,45 @@ def reference(rank_pool):
     return load_file(str(rank_pool.run_dir("faults-reference") / "model.safetensors"))
 
 
-def supervised(config, fault: str, marker) -> subprocess.CompletedProcess:
-    env = dict(launcher_env(), **faults.environment(f"{fault},once={marker}"))
+def supervised(config, faults_text: str, restarts: int) -> subprocess.CompletedProcess:
+    env = dict(launcher_env(), **faults.environment(faults_text))
     command = [
         sys.executable,
         str(REPO / "launch/supervise.py"),
         "--max-restarts",
-        "2",
+        str(restarts),
         "--delay",
         "0",
         "--",
         *deepspeed_command(config),
         *faults.ARGS,
     ]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+
+
+# (fault, the checkpoint the restart after it resumes from: the newest complete one), in the order they fire
+KILLS = [
+    ("kill@forward,step=6,rank=1", 4),  # a rank dies mid-training
+    ("kill@save:after_engine,step=8,rank=1", 4),  # ... while DeepSpeed writes the checkpoint
+    ("kill@save:after_rank_state,step=12,rank=0", 8),  # ... after its own part, before the others finished
+    ("kill@save:before_latest,step=16,rank=0", 16),  # ... after the checkpoint completed, before `latest` moved
+]
 
 
 @pytest.mark.pool("faults-reference")
-@pytest.mark.parametrize(
-    "fault",
-    [
-        "kill@forward,step=7,rank=1",  # a rank dies mid-training
-        "kill@save:after_engine,step=8,rank=1",  # ... while DeepSpeed writes the checkpoint
-        "kill@save:after_rank_state,step=8,rank=0",  # ... after its own part, before the others finished
-        "kill@save:before_latest,step=8,rank=0",  # ... after the checkpoint completed, before `latest` moved
-    ],
-)
-def test_killed_run_restarts_and_ends_with_the_uninterrupted_weights(tmp_path, digits_root, reference, fault):
+def test_killed_run_restarts_and_ends_with_the_uninterrupted_weights(tmp_path, digits_root, reference):
+    """One supervised run killed at four points, each once (a marker file each): every restart resumes from the
+    newest complete checkpoint, and the run ends with the weights of one that was never killed."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=STEPS))
-    result = supervised(config, fault, tmp_path / "fired")
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=KILLED))
+    spec = ";".join(f"{fault},once={tmp_path / f'fired{i}'}" for i, (fault, _) in enumerate(KILLS))
+    result = supervised(config, spec, restarts=len(KILLS))
+    output = result.stderr + result.stdout
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "fired").exists() and "restart 1 of 2" in result.stderr
-    resumed_at = "step_000000008" if "before_latest" in fault else "step_000000004"  # the newest complete one
-    assert f"resumed from {run_dir / 'checkpoints' / resumed_at}" in result.stderr + result.stdout
+    assert all((tmp_path / f"fired{i}").exists() for i in range(len(KILLS)))
+    assert f"restart {len(KILLS)} of {len(KILLS)}" in result.stderr
+    resumed = re.findall(r"resumed from \S+/checkpoints/step_0*(\d+)", output)
+    assert [int(step) for step in resumed] == [step for _, step in KILLS], resumed
     final = load_file(str(run_dir / "model.safetensors"))
     assert final.keys() == reference.keys()
     for key, value in reference.items():
