@@ -276,3 +276,23 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_the_pool_pass_merges_where_the_towers_checkpoint_and_merged_is_refused_where_nothing_pools():
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from mmpt.engine.pool_pass import merges_pool_pass
+    from mmpt.methods import EngineNeeds
+
+    def merges(choice: str, accum: int, needs: EngineNeeds, checkpointing: bool) -> bool:
+        cfg = SimpleNamespace(train=SimpleNamespace(pool_pass=choice, grad_accum=accum))
+        return merges_pool_pass(cast(Any, cfg), needs, cast(Any, SimpleNamespace(grad_checkpointing=checkpointing)))
+
+    pooled = EngineNeeds(pool_features=lambda m, b: b, step_pool=lambda loss, f: f, merged_step=lambda m, loss, b: {})
+    assert merges("auto", 4, pooled, checkpointing=True) and not merges("auto", 4, pooled, checkpointing=False)
+    assert merges("merged", 4, pooled, checkpointing=False) and not merges("separate", 4, pooled, checkpointing=True)
+    assert not merges("auto", 1, pooled, checkpointing=True)  # one micro-batch: nothing to pool
+    for needs, accum in ((EngineNeeds(), 4), (pooled, 1)):
+        with pytest.raises(ConfigError, match="config key 'train.pool_pass'"):
+            merges("merged", accum, needs, checkpointing=True)
