@@ -139,6 +139,40 @@ def test_the_teacher_reads_its_own_tokens_and_pixels_and_stays_frozen(corpora, t
     assert float(pooled) == pytest.approx(float(once) / 2) and torch.isfinite(alone)
 
 
+def test_a_merged_pool_pass_distils_as_the_separate_one(corpora, tmp_path):
+    """A distilled student's pooled step over 2 micro-batches, run as one merged pass (`merged_step`) and as the
+    pool pass plus 2 training steps: the same contrastive and distillation terms and the same gradients."""
+    from mmpt.engine.run import TrainingModule
+
+    cfg, method, model, _, loss = distilled(corpora, tmp_path)
+    module = TrainingModule(method, model, loss, method.engine_needs(model, cfg)).train()
+    stream = iter(method.train_data(cfg, tmp_path, rank=0, world_size=1))
+    batches = [next(stream).batch for _ in range(2)]
+
+    def gradients():
+        found = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return found
+
+    separate = {"contrastive": 0.0, "distill": 0.0}
+    with torch.no_grad():
+        pool = module(batches, entry="pool")
+    for index, batch in enumerate(batches):
+        terms = module(batch, pool, index)
+        (terms["contrastive"] + terms["distill"]).backward()
+        separate["contrastive"] += float(terms["contrastive"]) / len(batches)  # each is the whole step's loss
+        separate["distill"] += float(terms["distill"])  # each micro-batch's own term, weighted 1/K
+    expected = gradients()
+    terms = module(batches, entry="merged")
+    (terms["contrastive"] + terms["distill"]).backward()
+    merged = gradients()
+    assert {name: float(terms[name]) for name in separate} == pytest.approx(separate, rel=1e-6)
+    whole = torch.cat([g.flatten() for g in expected.values()]).norm()
+    assert merged.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert (merged[name] - grad).norm() <= 1e-6 * whole, name
+
+
 def model_images(model, batch):
     from mmpt.methods.image_text import model_images
 
