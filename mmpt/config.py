@@ -284,7 +284,7 @@ class TrainConfig(Section):
     compile: bool | Literal["auto"] = Field(
         default=False,
         description="compile the towers the method declares with torch.compile (inductor), in place: weights, "
-        "checkpoints and exports keep their names. Not with ZeRO-3 or sequence parallelism. auto: on for GPU runs "
+        "checkpoints and exports keep their names. Not with sequence parallelism. auto: on for GPU runs "
         "where it is supported (ZeRO 0-2, no sequence parallelism, a method with towers to compile), off elsewhere",
     )
     adaptive_batch: bool = Field(

@@ -7,13 +7,14 @@ and a run may be resumed with compilation switched on or off. Compilation is laz
 its first call, again for each new variant of its inputs (a modality expert, masks or none, with or without
 gradient, training or evaluation mode) and once more with dynamic shapes when a batch size changes.
 
-What composes: ZeRO 0-2, every precision, pooled accumulation, momentum copies, batch norm over ranks and
-gradient checkpointing inside a tower (non-reentrant checkpoints are traced as such). What does not:
-- ZeRO-3: DeepSpeed 0.19.8 gathers and releases partitioned parameters in hooks on every submodule, which
-  a compiled tower would have to trace;
-- sequence parallelism: its hooks on the split transformers and its attention run collectives mid-tower.
-Both are refused with a config error naming `train.compile`; `train.compile: auto` compiles only where it
-composes, and only on GPUs (on CPU ranks compilation costs more than it saves in a short run).
+What composes: every ZeRO stage and precision, pooled accumulation, momentum copies, batch norm over ranks and
+gradient checkpointing inside a tower (non-reentrant checkpoints are traced as such). At ZeRO-3, DeepSpeed
+0.19.8 gathers and releases each submodule's partitioned parameters in hooks it keeps out of graphs
+(`torch.compiler.disable`): a block compiles into the pieces between its submodules' hooks, exact against eager,
+its speed not yet measured on a GPU, so `auto` leaves ZeRO-3 eager. Sequence parallelism does not compose (its
+hooks on the split transformers and its attention run collectives mid-tower): refused with a config error
+naming `train.compile`. `train.compile: auto` compiles only GPU runs at ZeRO 0-2 without sequence parallelism
+(on CPU ranks compilation costs more than it saves in a short run).
 """
 
 from __future__ import annotations
@@ -47,11 +48,6 @@ def check_compile(cfg: Config) -> None:
     train = cfg.train
     if train.compile is not True:
         return
-    if train.zero_stage == 3:
-        raise ConfigError(
-            "config key 'train.compile': compiled towers are not supported with train.zero_stage=3 (DeepSpeed "
-            "gathers partitioned parameters in hooks inside every tower); use ZeRO 0-2 or set train.compile=false"
-        )
     if train.sequence_parallel > 1:
         raise ConfigError(
             "config key 'train.compile': compiled towers are not supported with train.sequence_parallel="
