@@ -208,7 +208,9 @@ def test_pooled_accumulation_through_the_engine_equals_one_big_batch(tmp_path, s
             )
             for a, g, t in cells
         ]
-        + [("check_merged_pass_equals_the_separate_one", (str(tmp_path / "merged"), stage, 4, checkpointed(M2_TILED)))],
+        # GBA-ITC merged at ZeRO-3 (extended); the default tier's merged cells are the image-text methods' at ZeRO-0
+        + [("check_merged_pass_equals_the_separate_one", (str(tmp_path / "merged"), stage, 4, checkpointed(M2_TILED)))]
+        * (stage == 3),
         WORLD,
     )
 
