@@ -24,7 +24,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mmpt.engine import flops
-from mmpt.engine.pool_pass import merges_pool_pass
 from mmpt.engine.precision import policy
 from mmpt.plan.batches import micro_batch
 from mmpt.plan.build import Built
@@ -104,11 +103,10 @@ def materialize(b: Built, device: str = "cpu") -> None:
     flops.materialize(b.model, b.loss, b.needs, policy(b.cfg.train.precision, b.cfg.train.zero_stage).model, device)
 
 
-def run_step(b: Built, batch: dict[str, Any]) -> None:
-    """What the engine runs for one micro-batch (`mmpt.engine.flops.run_step`): the step pool (unless the step is
-    one merged pass), the training step, the backward pass."""
+def run_step(b: Built, batch: dict[str, Any], pool_pass: bool = True) -> None:
+    """What the engine runs for one micro-batch (`mmpt.engine.flops.run_step`): the step pool (unless the run's
+    step is one merged pass: `pool_pass` false), the training step, the backward pass."""
     autocast = policy(b.cfg.train.precision, b.cfg.train.zero_stage).autocast
-    pool_pass = not merges_pool_pass(b.cfg, b.needs, b.model)
     flops.run_step(b.method, b.model, b.loss, b.needs, batch, autocast, pool_pass=pool_pass)
 
 
@@ -121,8 +119,9 @@ def drop_gradients(model: nn.Module) -> list[Any]:
     return handles
 
 
-def measure_step(b: Built, batch_size: int) -> StepMeasure:
-    """Measure one micro-batch of `b` (tensors on whatever device and mode `b` lives in)."""
+def measure_step(b: Built, batch_size: int, pool_pass: bool = True) -> StepMeasure:
+    """Measure one micro-batch of `b` (tensors on whatever device and mode `b` lives in); `pool_pass`: as
+    `run_step`'s."""
     batch = micro_batch(b, batch_size)
     b.model.train()
     handles = drop_gradients(b.model)
@@ -131,7 +130,7 @@ def measure_step(b: Built, batch_size: int) -> StepMeasure:
     flops = FlopCounterMode(display=False)
     try:
         with flops, tracker:
-            run_step(b, batch)
+            run_step(b, batch, pool_pass)
     finally:
         for handle in handles:
             handle.remove()

@@ -42,7 +42,7 @@ class Profile:
     activations_other: Line | None  # with checkpointing the other way round; None when the model has no switch
     checkpointing: bool  # what the config runs
     merged: bool  # the step runs its K pooled micro-batches as one pass (`mmpt.engine.pool_pass`)
-    model_flops: Line  # forward + backward (+ the step pool's forward), no recompute
+    model_flops: Line  # forward + backward (+ the step pool's forward, unless merged), no recompute
     hardware_flops: Line  # as configured (recompute included when checkpointing)
     batch_bytes_per_sample: float  # the micro-batch's input tensors
     feature_dim: int  # width of the features a contrastive loss gathers (0: none)
@@ -54,7 +54,7 @@ def profile(cfg: Config) -> Profile:
         sources = len(cfg.data.train.sources) if cfg.data.train.compose == "per_source" else 1
         sizes = (2 * sources, 4 * sources)  # two samples at least: batch norm needs more than one
         configured = bool(getattr(b.model, "grad_checkpointing", False))  # as the config built it
-        merged = merges_pool_pass(cfg, b.needs, b.model)
+        merged = merges_pool_pass(cfg, b.needs, b.model)  # as configured: every measure below runs the run's step
         mode = on_fake_tensors(b)
         runs: dict[bool, tuple[StepMeasure, StepMeasure]] = {}
         with mode:
@@ -62,7 +62,8 @@ def profile(cfg: Config) -> Profile:
             batch_bytes = sum(t.nbytes for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)) / sizes[0]
             for checkpointing in (False, True):
                 if set_checkpointing(b.model, checkpointing) or not checkpointing:
-                    runs[checkpointing] = (measure_step(b, sizes[0]), measure_step(b, sizes[1]))
+                    small, large = (measure_step(b, size, pool_pass=not merged) for size in sizes)
+                    runs[checkpointing] = (small, large)
         on = configured and True in runs
         other = runs.get(not on)
         return Profile(
