@@ -172,16 +172,16 @@ def optimizer_step(
     hooks = hooks or StepHooks([])
     spans = spans or Spans(cuda=False)
     pool = None
-    passes = [functools.partial(engine, batch, None, 0) for batch in micro_batches]  # each: forward, backward, step
-    if engine.module.needs.step_pool is not None and len(micro_batches) > 1:
-        if engine.module.merged_pool_pass:  # one pass over all (DeepSpeed then accumulates nothing)
-            passes = [functools.partial(engine, micro_batches, entry="merged")]
-        else:
+    pooled = engine.module.needs.step_pool is not None and len(micro_batches) > 1
+    if pooled and engine.module.merged_pool_pass:  # one pass over all (DeepSpeed then accumulates nothing)
+        passes = [functools.partial(engine, micro_batches, entry="merged")]
+    else:  # each: forward, backward, step
+        if pooled:
             hooks.reached("forward", step)
             trace = engine.module.pool_trace
             with torch.no_grad(), trace.pool_pass() if trace is not None else contextlib.nullcontext():
                 pool = engine(micro_batches, entry="pool")
-            passes = [functools.partial(engine, batch, pool, index) for index, batch in enumerate(micro_batches)]
+        passes = [functools.partial(engine, batch, pool, index) for index, batch in enumerate(micro_batches)]
     sums: dict[str, torch.Tensor] = {}
     loss_names: set[str] = set()  # the loss terms among the sums (the rest are the method's diagnostics)
     reduction = engine.module.gradient_reduction
