@@ -193,6 +193,24 @@ def run_command(
     return result
 
 
+def command_in_process(capfd, name: str, *argv: str) -> subprocess.CompletedProcess:
+    """`mmpt-<name> argv` run in this process as the installed command runs it (an expected error: one line and its
+    exit code), its output read at the file descriptors; the environment as it was afterwards (a run sets the
+    rendezvous variables). The same line and exit code as a new process, without a start's seconds."""
+    from mmpt import cli
+
+    main = importlib.import_module(f"mmpt.commands.{name}").main
+    saved = dict(os.environ)
+    capfd.readouterr()
+    try:
+        code = main(list(argv)) if name == "train" else cli.run(main, list(argv))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([f"mmpt-{name}", *argv], code, out, err)
+
+
 def run_tool(tool: str, *args: str, **options) -> subprocess.CompletedProcess:
     """`python launch/<tool>.py *args`; `options` as for `run_command`."""
     return run_command([sys.executable, str(REPO / "launch" / f"{tool}.py"), *args], **options)

@@ -8,13 +8,12 @@ import importlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_on_gloo_ranks
+from conftest import command_in_process, run_on_gloo_ranks
 from mmpt.config_loader import load_config
 from mmpt.methods import get_method
 from mmpt.plan.build import Counts, built, count
@@ -120,18 +119,12 @@ def test_planned_model_states_are_what_deepspeed_ranks_hold(digits_root):
     run_on_gloo_ranks(__name__, [("check_planned_states_are_held", (str(digits_root / "tokenizer.json"),))], 2)
 
 
-def run_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "launch/plan.py"), "--config", DEMO, *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+def run_plan(capfd, *args: str) -> subprocess.CompletedProcess:
+    return command_in_process(capfd, "plan", "--config", DEMO, *args)
 
 
-def test_json_plan_has_every_part():
-    done = run_plan("--gpus", "16", "--gpus-per-node", "8", "--gpu", "a100", "--json")
+def test_json_plan_has_every_part(capfd):
+    done = run_plan(capfd, "--gpus", "16", "--gpus-per-node", "8", "--gpu", "a100", "--json")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     parts = plan["gpu_bytes_per_rank"]
@@ -149,11 +142,13 @@ def test_json_plan_has_every_part():
     )
 
 
-def test_adaptive_batches_are_planned_at_the_largest_share():
+def test_adaptive_batches_are_planned_at_the_largest_share(capfd):
     """Memory for the largest micro-batch a rank may get; throughput at the equal share it averages."""
     plans = []
     for adaptive in ("false", "true"):
-        done = run_plan("--gpus", "8", "--json", f"train.adaptive_batch={adaptive}", "train.adaptive_batch_max_share=2")
+        done = run_plan(
+            capfd, "--gpus", "8", "--json", f"train.adaptive_batch={adaptive}", "train.adaptive_batch_max_share=2"
+        )
         assert done.returncode == 0, done.stderr
         plans.append(json.loads(done.stdout))
     fixed, adaptive = plans
@@ -162,8 +157,8 @@ def test_adaptive_batches_are_planned_at_the_largest_share():
     assert adaptive["samples_per_s"] == fixed["samples_per_s"]
 
 
-def test_no_room_for_one_sample_is_one_line_and_exit_2():
-    done = run_plan("--gpus", "2", "--gpu-memory", "0.001")
+def test_no_room_for_one_sample_is_one_line_and_exit_2(capfd):
+    done = run_plan(capfd, "--gpus", "2", "--gpu-memory", "0.001")
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("mmpt:")]
     assert len(lines) == 1 and "does not fit" in lines[0] and "micro-batch 1" in lines[0]
@@ -234,13 +229,13 @@ def test_planning_page_is_fresh():
     )
 
 
-def test_rank_0_holds_a_whole_copy_while_building_only_without_weights_covering_the_model():
+def test_rank_0_holds_a_whole_copy_while_building_only_without_weights_covering_the_model(capfd):
     """ZeRO-3 on several ranks: rank 0 builds the model whole to start from, unless `init_from` gives every
     tensor (read tensor by tensor); other ranks never hold it whole. Without ZeRO-3 every rank builds it."""
     held = {}
     for name, extra in (("random", []), ("init_from", ["method.init_from=/nowhere/m2_encoder.ckpt"])):
         for stage in ("2", "3"):
-            done = run_plan("--gpus", "8", "--json", f"train.zero_stage={stage}", *extra)
+            done = run_plan(capfd, "--gpus", "8", "--json", f"train.zero_stage={stage}", *extra)
             assert done.returncode == 0, done.stderr
             host = json.loads(done.stdout)["host_bytes_while_building"]
             held[name, stage] = (host["rank 0"], host["other ranks"])

@@ -1,5 +1,8 @@
 """Every file a config names is checked before the process group starts: exit 2 and one line naming the
-key and the path; the command-line tools end in one line too, never a traceback."""
+key and the path; the command-line tools end in one line too, never a traceback.
+
+The commands run in this process (`command_in_process`); tests/test_config.py starts `launch/train.py` and
+the launcher for real."""
 
 import re
 import subprocess
@@ -7,19 +10,30 @@ import sys
 
 import pytest
 
-from conftest import REPO, launcher_env, tiny_config, write_config
+from conftest import REPO, command_in_process, launcher_env, tiny_config, write_config
 from mmpt.engine.stops import EXIT_CONFIG
 
 
-def train(config, *overrides):
-    return subprocess.run(
-        [sys.executable, str(REPO / "launch/train.py"), "--config", str(config), *overrides],
-        cwd=REPO,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+@pytest.fixture
+def command(capfd, monkeypatch):
+    """`command(name, *argv)` -> (exit code, stderr): `command_in_process`, where starting a process group fails
+    the test: every error checked with it must come before one."""
+    from mmpt.engine import run
+
+    def no_process_group(*args):
+        raise AssertionError("a process group was started before the error was found")
+
+    monkeypatch.setattr(run, "start_process_group", no_process_group)
+
+    def call(name: str, *argv: str) -> tuple[int, str]:
+        done = command_in_process(capfd, name, *argv)
+        return done.returncode, done.stderr
+
+    return call
+
+
+def train(command, config, *overrides):
+    return command("train", "--config", str(config), *overrides)
 
 
 @pytest.mark.parametrize(
@@ -36,24 +50,21 @@ def train(config, *overrides):
         ("run.resume={missing}/checkpoints/step_000000100", "run.resume"),
     ],
 )
-def test_a_missing_input_stops_before_the_process_group(tmp_path, digits_root, override, key):
+def test_a_missing_input_stops_before_the_process_group(tmp_path, digits_root, command, override, key):
     config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))
     missing = tmp_path / "not_here"
-    result = train(config, override.format(missing=missing))
-    output = result.stdout + result.stderr
-    assert result.returncode == EXIT_CONFIG, output[-3000:]
+    code, output = train(command, config, override.format(missing=missing))
+    assert code == EXIT_CONFIG, output[-3000:]
     lines = [line for line in output.splitlines() if line.startswith("mmpt: ")]
     assert len(lines) == 1 and lines[0].startswith(f"mmpt: config error: config key '{key}': "), output[-3000:]
     assert str(missing) in lines[0] and "does not exist" in lines[0]
-    assert "Traceback" not in output and "Initializing TorchBackend" not in output  # no process group was started
-    assert not (tmp_path / "run").exists()
+    assert "Traceback" not in output and not (tmp_path / "run").exists()
 
 
-def test_an_eval_every_with_nothing_to_evaluate_stops_before_the_process_group(tmp_path, digits_root):
+def test_an_eval_every_with_nothing_to_evaluate_stops_before_the_process_group(tmp_path, digits_root, command):
     config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))  # no data.eval
-    result = train(config, "train.eval_every=5")
-    output = result.stdout + result.stderr
-    assert result.returncode == EXIT_CONFIG, output[-3000:]
+    code, output = train(command, config, "train.eval_every=5")
+    assert code == EXIT_CONFIG, output[-3000:]
     lines = [line for line in output.splitlines() if line.startswith("mmpt: ")]
     assert lines == [
         "mmpt: config error: config key 'train.eval_every' = 5: there is no data.eval set to evaluate "
@@ -62,7 +73,7 @@ def test_an_eval_every_with_nothing_to_evaluate_stops_before_the_process_group(t
     assert "Traceback" not in output and not (tmp_path / "run").exists()
 
 
-def test_m2_init_from_a_missing_download_is_named_before_its_tokenizer(tmp_path, digits_root):
+def test_m2_init_from_a_missing_download_is_named_before_its_tokenizer(tmp_path, digits_root, command):
     cfg = tiny_config(digits_root, tmp_path / "run")
     cfg["method"] = {
         "name": "m2_encoder",
@@ -70,19 +81,19 @@ def test_m2_init_from_a_missing_download_is_named_before_its_tokenizer(tmp_path,
         "init_from": str(tmp_path / "official"),
         "tokenizer": None,
     }
-    result = train(write_config(tmp_path / "cfg.yaml", cfg))
-    assert result.returncode == EXIT_CONFIG
-    assert f"mmpt: config error: config key 'method.init_from': {tmp_path / 'official'} does not exist" in result.stderr
+    code, output = train(command, write_config(tmp_path / "cfg.yaml", cfg))
+    assert code == EXIT_CONFIG
+    assert f"mmpt: config error: config key 'method.init_from': {tmp_path / 'official'} does not exist" in output
 
 
 @pytest.mark.parametrize(
-    "command",
+    "tool",
     [
-        ["launch/zeroshot.py", "--model", "{run}", "--dataset", "{missing}"],
-        ["launch/zeroshot.py", "--model", "{missing}", "--dataset", "digits"],
-        ["launch/export.py", "--run", "{missing}", "--out", "{out}"],
+        ["zeroshot", "--model", "{run}", "--dataset", "{missing}"],
+        ["zeroshot", "--model", "{missing}", "--dataset", "digits"],
+        ["export", "--run", "{missing}", "--out", "{out}"],
         [
-            "launch/embed.py",
+            "embed",
             "--model",
             "{missing}",
             "--shards",
@@ -92,27 +103,26 @@ def test_m2_init_from_a_missing_download_is_named_before_its_tokenizer(tmp_path,
             "--out",
             "{out}",
         ],
-        ["launch/intent_eval.py", "--model", "{missing}", "--dataset", "{missing}"],
-        ["launch/intent_eval.py", "--encoder", "{missing}", "--dataset", "dialogs"],
-        ["launch/make_video_shards.py", "--videos", "{run}", "--captions", "{missing}.json", "--out", "{out}"],
-        ["launch/make_dialog_shards.py", "--labelled", "{missing}.json", "--out", "{out}"],
+        ["intent_eval", "--model", "{missing}", "--dataset", "{missing}"],
+        ["intent_eval", "--encoder", "{missing}", "--dataset", "dialogs"],
+        ["make_video_shards", "--videos", "{run}", "--captions", "{missing}.json", "--out", "{out}"],
+        ["make_dialog_shards", "--labelled", "{missing}.json", "--out", "{out}"],
     ],
 )
-def test_the_command_line_tools_name_a_missing_path_in_one_line(tmp_path, command):
+def test_the_command_line_tools_name_a_missing_path_in_one_line(tmp_path, command, tool):
     values = {"run": tmp_path, "missing": tmp_path / "nowhere", "out": tmp_path / "out"}
-    args = [part.format(**values) for part in command]
-    result = subprocess.run(
-        [sys.executable, str(REPO / args[0]), *args[1:]],
-        cwd=REPO,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == EXIT_CONFIG, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("mmpt: ")]
-    assert len(lines) == 1 and "nowhere" in lines[0], result.stderr[-3000:]
+    name, *args = [part.format(**values) for part in tool]
+    code, output = command(name, *args)
+    assert code == EXIT_CONFIG, output[-3000:]
+    assert "Traceback" not in output
+    lines = [line for line in output.splitlines() if line.startswith("mmpt: ")]
+    assert len(lines) == 1 and "nowhere" in lines[0], output[-3000:]
+
+
+def launched(config):
+    """`python launch/train.py --config config` in a new process, as a user starts it."""
+    command = [sys.executable, str(REPO / "launch/train.py"), "--config", str(config)]
+    return subprocess.run(command, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
 
 
 def test_a_run_says_what_it_will_do_and_a_finished_run_says_it_is_done(tmp_path, digits_root):
@@ -123,7 +133,7 @@ def test_a_run_says_what_it_will_do_and_a_finished_run_says_it_is_done(tmp_path,
     ]
     cfg["train"]["eval_every"] = 2
     config = write_config(tmp_path / "cfg.yaml", cfg)
-    first = train(config)
+    first = launched(config)
     assert first.returncode == 0, first.stderr[-3000:]
     summary = first.stderr[first.stderr.index("run summary") :].splitlines()[1:12]
     assert [line.strip().split(":")[0].split(" ")[0] for line in summary] == [
@@ -143,13 +153,16 @@ def test_a_run_says_what_it_will_do_and_a_finished_run_says_it_is_done(tmp_path,
     assert summary[9].strip() == "evaluation every 2 steps and at the end: zeroshot (zeroshot_classification, en/zh)"
     assert "16 per rank x 1 micro-batch(es) x 1 data-parallel rank(s) = 16 samples per step, 2 steps" in summary[2]
     assert summary[7].strip().startswith("source 'zh': 8 shard(s), ") and summary[7].endswith("caption_key=txt")
-    again = train(config)
+    again = launched(config)
     assert again.returncode == 0
     assert f"mmpt: {tmp_path / 'run'} already finished at step 2 (train.max_steps=2): nothing to do" in again.stdout
     assert "run summary" not in again.stderr and "step 3" not in again.stdout
 
 
-def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(tmp_path, digits_root):
+def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(
+    tmp_path, digits_root, capfd, process_group_of_one
+):
+    """Found while building the model, in the process group (of one, here)."""
     import torch
 
     (tmp_path / "official").mkdir()
@@ -163,10 +176,11 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(tmp_path, 
         "init_from": str(tmp_path / "official"),
         "loss": {"name": "gba_itc", "group_size": 1},
     }
-    result = train(write_config(tmp_path / "cfg.yaml", cfg))
-    assert result.returncode == EXIT_CONFIG and "Traceback" not in result.stderr, result.stderr[-3000:]
+    done = command_in_process(capfd, "train", "--config", str(write_config(tmp_path / "cfg.yaml", cfg)))
+    code, output = done.returncode, done.stderr
+    assert code == EXIT_CONFIG and "Traceback" not in output, output[-3000:]
     assert re.search(
         r"mmpt: config error: .*m2.ckpt does not fit this M2-Encoder config: missing \(\d+\): .*; "
         r"unexpected \(1\): backbone.other.weight",
-        result.stderr,
-    ), result.stderr[-2000:]
+        output,
+    ), output[-2000:]
