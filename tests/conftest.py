@@ -502,11 +502,6 @@ EXTENDED = (
     "test_transformers_method.py::test_a_siglip_run_trains_resumes_and_exports",
     "test_transformers_method.py::test_a_locked_tower_ends_as_the_checkpoint_had_it",
     "test_lora.py::test_at_zero_2_and_3_the_base_weights_are_unchanged*",
-    # the transformers method trains, resumes, evaluates and loads in test_every_method in the default tier
-    "test_config_matrix.py::test_every_config_trains_resumes_and_exports_at_zero3_with_accumulation_in_bf16?matrix-transformers-clip_finetune?",
-    # configs that extend another shipped config or another's method path (their first cells are in the default tier)
-    "test_config_matrix.py::test_every_config_trains_resumes_and_exports_at_zero3_with_accumulation_in_bf16?matrix-transformers-lora?",
-    "test_config_matrix.py::test_every_config_trains_resumes_and_exports_at_zero3_with_accumulation_in_bf16?matrix-open_clip-lit?",
     "test_host_reads.py::test_training_steps_read_nothing_back_to_the_host",
     "test_host_reads.py::test_zero_1_2_steps_skipping_on_the_device_equal_deepspeeds_own*",
     "test_plan.py::test_planned_model_states_are_what_deepspeed_ranks_hold",

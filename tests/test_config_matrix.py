@@ -111,8 +111,7 @@ def test_every_config_is_in_the_matrix():
     assert {shipped(c).method_name for c in CONFIGS} == set(list_methods())  # every method has a shipped config
 
 
-@pytest.mark.pool(*DEFAULT_CELLS)
-@pytest.mark.parametrize("name", DEFAULT_CELLS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.pool(n), id=n) for n in DEFAULT_CELLS])
 def test_every_config_trains_resumes_and_exports_at_zero3_with_accumulation_in_bf16(rank_pool, name):
     rank_pool.record(name)  # the checks run in the pool (pool_runner.run_matrix_cell)
 

@@ -59,8 +59,7 @@ def two_ranks(name: str, stage: int, precision: str, accum: int, offload: bool) 
 SCENARIO_NAMES = [two_ranks(name, *settings) for name, settings in TWO_RANKS.items()]
 
 
-@pytest.mark.pool(*SCENARIO_NAMES)
-@pytest.mark.parametrize("name", SCENARIO_NAMES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.pool(n), id=n) for n in SCENARIO_NAMES])
 def test_deepspeed_two_ranks_lower_the_loss(rank_pool, name):
     run_dir = rank_pool.run_dir(name)
     assert_loss_went_down(run_dir)
