@@ -23,17 +23,24 @@ from conftest import REPO, free_port, launcher_env, write_config
 Builder = Callable[[dict, Path], tuple[Path | dict, list[str], str]]
 SCENARIOS: dict[str, Builder] = {}
 FIRST: set[str] = set()  # scenarios trained before any other in the pool's processes
+FAULTS: dict[str, str] = {}  # scenario -> the faults its ranks carry out (tests/faults.py's syntax)
 
 
-def scenario(name: str, first: bool = False) -> Callable[[Builder], Builder]:
+def scenario(name: str, first: bool = False, fault: str | None = None) -> Callable[[Builder], Builder]:
     """Register a scenario. `first`: train it before the others, in processes no other run has touched, as a
-    fresh launch would (a reference that another launch must equal bit for bit)."""
+    fresh launch would (a reference that another launch must equal bit for bit). `fault`: faults the ranks
+    carry out in this run only (tests/faults.py: a NaN loss, a failed write; not a kill or a hang, which end
+    the pool); a run they stop records each rank's one line and exit code, and the pool goes on. Such
+    scenarios train after the others."""
 
     def register(build: Builder) -> Builder:
         assert name not in SCENARIOS, f"scenario {name} registered twice"
         SCENARIOS[name] = build
         if first:
             FIRST.add(name)
+        if fault is not None:
+            assert not fault.startswith(("kill", "sleep")), f"scenario {name}: a {fault} ends the pool"
+            FAULTS[name] = fault
         return build
 
     return register
@@ -64,13 +71,20 @@ def wanted(items) -> list[str]:
 
 def build_scenarios(names: list[str], corpora: dict, root: Path) -> list[dict]:
     scenarios = []
-    for name in sorted(names, key=lambda n: n not in FIRST):
+    for name in sorted(names, key=lambda n: (n not in FIRST, n in FAULTS)):
         run_dir = root / name
         config, overrides, kind = SCENARIOS[name](corpora, run_dir)
         if isinstance(config, dict):
             config = write_config(root / f"{name}.yaml", config)
         scenarios.append(
-            {"name": name, "config": str(config), "overrides": overrides, "kind": kind, "run_dir": str(run_dir)}
+            {
+                "name": name,
+                "config": str(config),
+                "overrides": overrides,
+                "kind": kind,
+                "run_dir": str(run_dir),
+                "fault": FAULTS.get(name),
+            }
         )
     return scenarios
 

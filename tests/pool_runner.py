@@ -16,7 +16,9 @@ the suite can spend).
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -73,6 +75,42 @@ def replaced_collectives() -> list[str]:
     ]
 
 
+class Warnings(logging.Handler):
+    """The warnings mmpt logs while a scenario trains (a test reads them from the scenario's record)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def train_with_faults(cfg, spec: str) -> dict:
+    """`train(cfg)` while this rank carries out `spec` (tests/faults.py); a run that stops as expected gives
+    every rank's one line and exit code (what `launch/train.py` would say and return) instead of raising."""
+    import faults
+    import torch.distributed as dist
+
+    from mmpt import distributed as mdist
+    from mmpt.engine import stops, train
+    from mmpt.engine.hooks import observing
+
+    rank = int(os.environ["RANK"])  # the launcher's: the process group may start only inside train()
+    injector = faults.FaultInjector(faults.parse(spec), rank, faults.parse_slowdowns(spec))
+    ending = None
+    with observing(injector.reached, injector.loss):
+        try:
+            train(cfg)
+        except Exception as exc:
+            ending = stops.ending(exc, rank)
+            if ending is None:
+                raise
+    said: list = [None] * mdist.get_world_size()
+    dist.all_gather_object(said, None if ending is None else (ending.line, ending.exit_code))
+    return {"stops": said}
+
+
 def run_scenario(scenario: dict, results: Path) -> None:
     from mmpt import distributed as mdist
     from mmpt.config_loader import load_config
@@ -82,23 +120,30 @@ def run_scenario(scenario: dict, results: Path) -> None:
     started = time.perf_counter()
     run_dir = Path(scenario["run_dir"])
     replaced: set[str] = set()  # what stood in for a library's collective while a step ran
+    warnings = Warnings()
 
     def during_step(point: str, step: int) -> None:
         if point == "backward":
             replaced.update(replaced_collectives())
 
+    logging.getLogger("mmpt").addHandler(warnings)
     with observing(during_step):
         if scenario["kind"] == "matrix":
             record = run_matrix_cell(scenario["config"], scenario["overrides"], run_dir)
+        elif scenario.get("fault"):
+            cfg = load_config(scenario["config"], [*scenario["overrides"], f"run.output_dir={run_dir}"])
+            record = train_with_faults(cfg, scenario["fault"])
         else:
             train(load_config(scenario["config"], [*scenario["overrides"], f"run.output_dir={run_dir}"]))
             record = {}
+    logging.getLogger("mmpt").removeHandler(warnings)
     if mdist.get_rank() == 0:
         record = {
             "name": scenario["name"],
             "run_dir": str(run_dir),
             "seconds": round(time.perf_counter() - started, 1),
             "replaced_collectives": sorted(replaced),
+            "warnings": warnings.messages,
             **record,
         }
         with results.open("a") as out:
@@ -107,8 +152,6 @@ def run_scenario(scenario: dict, results: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    import logging
-
     scenarios_file, results = (Path(a) for a in argv if not a.startswith("--local_rank"))
     logging.basicConfig(level=logging.WARNING)
     for scenario in json.loads(scenarios_file.read_text()):

@@ -203,44 +203,48 @@ def test_config_cannot_execute_code(tmp_path, digits_root):
     assert not os.path.exists("/tmp/mmpt-yaml-ran")
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(tmp_path, digits_root, stage):
+def nan_scenario(stage: int) -> str:
+    name = f"faults-nan-on-rank-1-zero{stage}"
+
+    @scenario(name, fault="nan@backward,step=3,rank=1")
+    def build(corpora, run_dir):
+        train = {**STEPS, "zero_stage": stage, "max_steps": 6, "save_every": 0}
+        return tiny_config(corpora["digits"], run_dir, train=train), [], "train"
+
+    return name
+
+
+NAN_SCENARIOS = {stage: nan_scenario(stage) for stage in (0, 2)}
+
+
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.pool(n)) for s, n in NAN_SCENARIOS.items()])
+def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(rank_pool, stage):
     from conftest import read_metrics
 
-    run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "cfg.yaml",
-        tiny_config(digits_root, run_dir, train={**STEPS, "zero_stage": stage, "max_steps": 6, "save_every": 0}),
-    )
-    env = dict(launcher_env(), **faults.environment("nan@backward,step=3,rank=1"))
-    result = subprocess.run(
-        deepspeed_command(config) + faults.ARGS, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    name = NAN_SCENARIOS[stage]
+    run_dir, record = rank_pool.run_dir(name), rank_pool.record(name)
+    assert record["stops"] == [None, None]  # the run went on to its end
     records = {r["step"]: r for r in read_metrics(run_dir) if "loss/total" in r}
     assert [records[s]["skipped_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]
-    assert "1 step(s) skipped up to step 3: non-finite loss or gradients (1 in a row" in result.stderr + result.stdout
+    skipped = "1 step(s) skipped up to step 3: non-finite loss or gradients (1 in a row"
+    assert any(line.startswith(skipped) for line in record["warnings"]), record["warnings"]
     assert all(torch.isfinite(value).all() for value in load_file(str(run_dir / "model.safetensors")).values())
 
 
-def test_non_finite_steps_in_a_row_stop_the_run(tmp_path, digits_root):
-    config = write_config(
-        tmp_path / "cfg.yaml",
-        tiny_config(
-            digits_root, tmp_path / "run", train={**STEPS, "max_steps": 10, "save_every": 0, "max_bad_steps": 3}
-        ),
-    )
-    env = dict(launcher_env(), **faults.environment("nan@backward,rank=0"))
-    result = subprocess.run(
-        deepspeed_command(config) + faults.ARGS, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 4  # the documented exit code of a non-finite stop
-    lines = [line for line in (result.stderr + result.stdout).splitlines() if line.startswith("mmpt: ")]
-    assert sorted(lines)[0].startswith(
-        "mmpt: non-finite training: stopping at step 3: 3 optimizer steps in a row had a non-finite loss or gradient"
-    ), lines
-    assert sorted(lines)[1:] == ["mmpt: rank 1: stopped on the non-finite training that rank 0 reports"]
-    assert "Traceback" not in result.stderr + result.stdout
+@scenario("faults-non-finite-in-a-row", fault="nan@backward,rank=0")
+def non_finite_in_a_row(corpora, run_dir):
+    train = {**STEPS, "max_steps": 10, "save_every": 0, "max_bad_steps": 3}
+    return tiny_config(corpora["digits"], run_dir, train=train), [], "train"
+
+
+@pytest.mark.pool("faults-non-finite-in-a-row")
+def test_non_finite_steps_in_a_row_stop_the_run(rank_pool):
+    stops = rank_pool.record("faults-non-finite-in-a-row")["stops"]
+    assert [code for _, code in stops] == [4, 4]  # the documented exit code of a non-finite stop
+    assert stops[0][0].startswith(
+        "non-finite training: stopping at step 3: 3 optimizer steps in a row had a non-finite loss or gradient"
+    ), stops
+    assert stops[1][0] == "rank 1: stopped on the non-finite training that rank 0 reports"
 
 
 @pytest.fixture(scope="module")

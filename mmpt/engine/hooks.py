@@ -23,13 +23,13 @@ def observe(observer: Observer, loss: LossHook | None = None) -> None:
 
 
 @contextmanager
-def observing(observer: Observer) -> Iterator[None]:
-    """Tell `observer` every point the runs started inside this block reach."""
-    observe(observer)
+def observing(observer: Observer, loss: LossHook | None = None) -> Iterator[None]:
+    """Tell `observer` every point the runs started inside this block reach (and `loss`, as for `observe`)."""
+    observe(observer, loss)
     try:
         yield
     finally:
-        _ADDED.remove((observer, None))
+        _ADDED.remove((observer, loss))
 
 
 class StepHooks:
