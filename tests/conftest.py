@@ -1,4 +1,5 @@
 import ast
+import contextlib
 import importlib
 import inspect
 import json
@@ -200,13 +201,9 @@ def command_in_process(capfd, name: str, *argv: str) -> subprocess.CompletedProc
     from mmpt import cli
 
     main = importlib.import_module(f"mmpt.commands.{name}").main
-    saved = dict(os.environ)
     capfd.readouterr()
-    try:
+    with kept_environment():
         code = main(list(argv)) if name == "train" else cli.run(main, list(argv))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess([f"mmpt-{name}", *argv], code, out, err)
 
@@ -277,11 +274,21 @@ def train_in_process(cfg) -> None:
     from mmpt import distributed as mdist
     from mmpt.engine import train
 
-    saved = dict(os.environ)
     try:
-        train(cfg)
+        with kept_environment():
+            train(cfg)
     finally:
         mdist.set_sequence_parallel(1)
+
+
+@contextlib.contextmanager
+def kept_environment():
+    """The process environment as it was before the block, whatever the block set (a run: the rendezvous
+    variables)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
         os.environ.clear()
         os.environ.update(saved)
 

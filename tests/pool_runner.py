@@ -130,12 +130,13 @@ def run_scenario(scenario: dict, results: Path) -> None:
     with observing(during_step):
         if scenario["kind"] == "matrix":
             record = run_matrix_cell(scenario["config"], scenario["overrides"], run_dir)
-        elif scenario.get("fault"):
-            cfg = load_config(scenario["config"], [*scenario["overrides"], f"run.output_dir={run_dir}"])
-            record = train_with_faults(cfg, scenario["fault"])
         else:
-            train(load_config(scenario["config"], [*scenario["overrides"], f"run.output_dir={run_dir}"]))
-            record = {}
+            cfg = load_config(scenario["config"], [*scenario["overrides"], f"run.output_dir={run_dir}"])
+            if scenario.get("fault"):
+                record = train_with_faults(cfg, scenario["fault"])
+            else:
+                train(cfg)
+                record = {}
     logging.getLogger("mmpt").removeHandler(warnings)
     if mdist.get_rank() == 0:
         record = {
