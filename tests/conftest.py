@@ -522,7 +522,6 @@ EXTENDED = (
     "test_space2_training.py::test_space2_demo_config_trains_and_evaluates",
     "test_train_on_your_data.py::test_the_guide_trains_evaluates_and_releases",
     "test_training.py::test_plain_python_trains_evaluates_and_zeroshot_cli_reproduces",
-    "test_training.py::test_killed_run_resumes_with_identical_losses",
     "test_training.py::test_m2_encoder_trains_from_an_official_checkpoint_with_pooled_accumulation",
     "test_victor_sequence_parallel.py::*",
     "test_victor_training.py::*",
