@@ -4,6 +4,7 @@
 
 A scenario is a config file, dotted overrides and a kind:
 - "train": one `mmpt.engine.train(cfg)` call; the test reads the run folder afterwards.
+- "stop_at:N": a first start trains to step N (its `train.max_steps`), a second one resumes to the config's end.
 - "matrix": a config-matrix cell: trains 2 steps (checkpoint at step 2; its data.eval sets evaluated at step 1
   and at the end), resumes from that checkpoint for a third step, then rank 0 exports the newest checkpoint
   with mmpt-export, loads the release with `mmpt.load` and checks its weights against the run's own
@@ -131,7 +132,11 @@ def run_scenario(scenario: dict, results: Path) -> None:
         if scenario["kind"] == "matrix":
             record = run_matrix_cell(scenario["config"], scenario["overrides"], run_dir)
         else:
-            cfg = load_config(scenario["config"], [*scenario["overrides"], f"run.output_dir={run_dir}"])
+            overrides = [*scenario["overrides"], f"run.output_dir={run_dir}"]
+            if scenario["kind"].startswith("stop_at:"):
+                stop = int(scenario["kind"].split(":")[1])
+                train(load_config(scenario["config"], [*overrides, f"train.max_steps={stop}"]))
+            cfg = load_config(scenario["config"], overrides)
             if scenario.get("fault"):
                 record = train_with_faults(cfg, scenario["fault"])
             else:

@@ -8,17 +8,16 @@ import pytest
 from conftest import (
     REPO,
     read_metrics,
-    run_deepspeed,
     small_clip_demo,
     step_losses,
     tiny_config,
     train_in_process,
-    write_config,
 )
+from pool import scenario
 
 
-def config(tmp_path, digits_root, name, zero_stage, **train):
-    cfg = tiny_config(digits_root, tmp_path / name, train={"max_steps": 4, "save_every": 0, **train})
+def config(digits_root, run_dir, zero_stage, **train):
+    cfg = tiny_config(digits_root, run_dir, train={"max_steps": 4, "save_every": 0, **train})
     cfg["train"]["zero_stage"] = zero_stage
     cfg["data"]["eval"] = [  # the text tower has dropout: an evaluation that moved the RNG would change training
         {"dataset": str(digits_root / "zeroshot"), "task": "zeroshot_classification", "languages": ["en", "zh"]},
@@ -29,7 +28,7 @@ def config(tmp_path, digits_root, name, zero_stage, **train):
             "languages": ["zh"],
         },
     ]
-    return write_config(tmp_path / f"{name}.yaml", cfg)
+    return cfg
 
 
 def weights(run_dir):
@@ -40,17 +39,33 @@ def evaluations(run_dir):
     return {r["step"]: r for r in read_metrics(run_dir) if any(k.startswith("eval/") for k in r)}
 
 
+def pair_of_runs(stage: int) -> tuple[str, str]:
+    """Scenarios of the pool of ranks: a run without evaluations and the same run evaluated while training (at
+    ZeRO-2 stopped at step 2, right after an evaluation and a checkpoint, then resumed to step 4)."""
+    plain, evaluated = f"eval-plain-zero{stage}", f"eval-evaluated-zero{stage}"
+
+    @scenario(plain)
+    def build_plain(corpora, run_dir):
+        return config(corpora["digits"], run_dir, stage), [], "train"
+
+    @scenario(evaluated)
+    def build_evaluated(corpora, run_dir):
+        if stage == 0:
+            return config(corpora["digits"], run_dir, stage, eval_every=2), [], "train"
+        return config(corpora["digits"], run_dir, stage, eval_every=1, save_every=2), [], "stop_at:2"
+
+    return plain, evaluated
+
+
+PAIRS = {stage: pair_of_runs(stage) for stage in (0, 2)}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_evaluating_while_training_changes_nothing_and_resumes_exactly(tmp_path, digits_root, zero_stage):
-    run_deepspeed(config(tmp_path, digits_root, "plain", zero_stage))
-    if zero_stage == 0:
-        run_deepspeed(config(tmp_path, digits_root, "evaluated", zero_stage, eval_every=2))
-    else:  # stopped at step 2, right after an evaluation and a checkpoint, then resumed to step 4
-        evaluated = config(tmp_path, digits_root, "evaluated", zero_stage, eval_every=1, save_every=2)
-        run_deepspeed(evaluated, "train.max_steps=2")
-        assert "resumed from" in (out := run_deepspeed(evaluated)).stdout + out.stderr
-    plain, evaluated_dir = tmp_path / "plain", tmp_path / "evaluated"
+@pytest.mark.parametrize("zero_stage", [pytest.param(s, marks=pytest.mark.pool(*PAIRS[s])) for s in PAIRS])
+def test_evaluating_while_training_changes_nothing_and_resumes_exactly(rank_pool, zero_stage):
+    plain, evaluated_dir = (rank_pool.run_dir(name) for name in PAIRS[zero_stage])
+    logged = [r["step"] for r in read_metrics(evaluated_dir) if "loss/total" in r]
+    assert logged == [1, 2, 3, 4], f"steps logged {logged}: the second start did not resume at step 2"
     assert step_losses(plain) == step_losses(evaluated_dir)
     assert weights(plain) == weights(evaluated_dir)  # bit for bit
     during = evaluations(evaluated_dir)

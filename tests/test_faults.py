@@ -247,16 +247,16 @@ def test_non_finite_steps_in_a_row_stop_the_run(rank_pool):
     assert stops[1][0] == "rank 1: stopped on the non-finite training that rank 0 reports"
 
 
-@pytest.fixture(scope="module")
-def reference_losses(module_tmp, digits_root):
+@scenario("elastic-reference")
+def elastic_reference(corpora, run_dir):
+    return tiny_config(corpora["digits"], run_dir, train={**STEPS, "max_steps": 16}), [], "train"
+
+
+@pytest.fixture
+def reference_losses(rank_pool):
     from conftest import step_losses
 
-    folder = module_tmp("elastic_reference")
-    config = write_config(
-        folder / "cfg.yaml", tiny_config(digits_root, folder / "run", train={**STEPS, "max_steps": 16})
-    )
-    run_deepspeed(config)
-    return step_losses(folder / "run")
+    return step_losses(rank_pool.run_dir("elastic-reference"))
 
 
 def batch_norm_counts(run_dir, step):
@@ -268,6 +268,7 @@ def batch_norm_counts(run_dir, step):
     return counts
 
 
+@pytest.mark.pool("elastic-reference")
 @pytest.mark.parametrize("before, after, stage", [(2, 1, 2), (1, 2, 2), (2, 1, 3)])
 def test_resume_on_another_number_of_ranks_joins_the_loss_curve(
     tmp_path, digits_root, reference_losses, before, after, stage
