@@ -42,7 +42,9 @@ def demo_config(name: str) -> Path:
 
 
 @pytest.mark.parametrize("name", list_methods())
-def test_method_trains_resumes_evaluates_and_loads(name, corpora, one_process, tmp_path):
+def test_method_trains_resumes_evaluates_and_loads(name, corpora, one_process, tmp_path, caplog):
+    import logging
+
     import torch
     from safetensors.torch import load_file
 
@@ -61,7 +63,13 @@ def test_method_trains_resumes_evaluates_and_loads(name, corpora, one_process, t
         "train.precision=fp32",
         "optim.min_lr_ratio=1.0",  # a constant learning rate after warmup: the resumed step moves the weights
     ]
+    caplog.set_level(logging.INFO, logger="mmpt")
     train(load_config(config, [*overrides, "train.max_steps=2"]))
+    summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("run summary"))
+    # the configs whose loss pools their micro-batches (GBA-ITC; pooled_accumulation), none checkpointing
+    pooled = {"m2_encoder": 2, "transformers": 4}.get(name)
+    says = f"pooled accumulation: the loss over all {pooled} micro-batches, a pool pass without gradient first"
+    assert says in summary if pooled else "pooled" not in summary, summary
     assert (run_dir / "checkpoints/step_000000002/complete.json").is_file(), "no complete checkpoint at step 2"
     at_step_2 = load_file(str(run_dir / "model.safetensors"))
 

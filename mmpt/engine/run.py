@@ -280,7 +280,9 @@ def start(cfg: Config) -> tuple[Run | None, int]:
             )
         return None, step
     if rank == 0:
-        log.info(startup_summary(cfg, engine.module.model, loader, initial_weights, step, checkpoint))
+        pooled = engine.module.needs.step_pool is not None and cfg.train.grad_accum > 1
+        pool_pass = ("merged" if engine.module.merged_pool_pass else "separate") if pooled else None
+        log.info(startup_summary(cfg, engine.module.model, loader, initial_weights, step, checkpoint, pool_pass))
 
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * layout.data_size
     metrics = MetricLogger(

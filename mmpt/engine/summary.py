@@ -12,6 +12,12 @@ from mmpt.config import Config
 from mmpt.data.loader import StatefulLoader
 from mmpt.data.shards import count_samples
 
+POOL_PASSES = {
+    "merged": "pooled accumulation: the loss over all {accum} micro-batches, one pass with gradient (train.pool_pass)",
+    "separate": "pooled accumulation: the loss over all {accum} micro-batches, a pool pass without gradient first "
+    "(train.pool_pass)",
+}
+
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
     """(total, trainable) parameters, whole even where ZeRO-3 has partitioned them (`ds_numel`)."""
@@ -30,7 +36,10 @@ def startup_summary(
     initial_weights: str | None,
     start_step: int,
     resumed_from: Path | None,
+    pool_pass: str | None = None,
 ) -> str:
+    """`pool_pass`: how a step pooling its micro-batches for the loss runs them ("merged" or "separate"), None
+    where the step does not pool."""
     layout, world = mdist.layout(), mdist.get_world_size()
     per_node = int(mdist.local_world_size())
     batch, accum = cfg.data.train.batch_size, cfg.train.grad_accum
@@ -42,6 +51,7 @@ def startup_summary(
         f"precision {cfg.train.precision}",
         f"batch: {batch} per rank x {accum} micro-batch(es) x {layout.data_size} data-parallel rank(s) = "
         f"{batch * accum * layout.data_size} samples per step, {cfg.train.max_steps} steps",
+        *([POOL_PASSES[pool_pass].format(accum=accum)] if pool_pass else []),
         f"parameters: {total:,} ({trainable:,} trainable)",
         f"learning rate {cfg.optim.lr:g}"
         + "".join(f", x{scale:g} for {pattern}" for pattern, scale in cfg.optim.lr_scales.items())
