@@ -90,18 +90,19 @@ def test_killed_run_restarts_and_ends_with_the_uninterrupted_weights(tmp_path, d
         assert torch.equal(final[key], value), key
 
 
-@scenario("faults-failed-write", fault="fail@save:after_engine,step=8,rank=1")
-def failed_write(corpora, run_dir):
-    return tiny_config(corpora["digits"], run_dir, train=STEPS), [], "train"
-
-
-@pytest.mark.pool("faults-failed-write")
-def test_a_rank_that_cannot_write_its_checkpoint_stops_every_rank(rank_pool):
-    stops = rank_pool.record("faults-failed-write")["stops"]
-    assert [code for _, code in stops] == [5, 5], stops  # the documented exit code of a checkpoint stop
-    assert stops[0][0].startswith("checkpoint error: ") and "rank(s) [1] could not write their files" in stops[0][0]
-    assert stops[1][0].startswith("rank 1: checkpoint error: ") and "OSError: injected write failure" in stops[1][0]
-    checkpoints = rank_pool.run_dir("faults-failed-write") / "checkpoints"
+def test_a_rank_that_cannot_write_its_checkpoint_stops_every_rank(tmp_path, digits_root):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=STEPS))
+    env = dict(launcher_env(), **faults.environment("fail@save:after_engine,step=8,rank=1"))
+    result = subprocess.run(
+        deepspeed_command(config) + faults.ARGS, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 5, result.stderr[-3000:]  # the documented exit code of a checkpoint stop
+    lines = sorted(line for line in (result.stderr + result.stdout).splitlines() if line.startswith("mmpt: "))
+    assert len(lines) == 2 and "Traceback" not in result.stderr + result.stdout, lines
+    assert lines[0].startswith("mmpt: checkpoint error: ") and "rank(s) [1] could not write their files" in lines[0]
+    assert lines[1].startswith("mmpt: rank 1: checkpoint error: ") and "OSError: injected write failure" in lines[1]
+    checkpoints = run_dir / "checkpoints"
     assert not (checkpoints / "step_000000008" / "complete.json").exists()
     assert (checkpoints / "latest").read_text() == "step_000000004"
 
