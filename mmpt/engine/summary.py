@@ -12,11 +12,7 @@ from mmpt.config import Config
 from mmpt.data.loader import StatefulLoader
 from mmpt.data.shards import count_samples
 
-POOL_PASSES = {
-    "merged": "pooled accumulation: the loss over all {accum} micro-batches, one pass with gradient (train.pool_pass)",
-    "separate": "pooled accumulation: the loss over all {accum} micro-batches, a pool pass without gradient first "
-    "(train.pool_pass)",
-}
+POOL_PASSES = {"merged": "one pass with gradient", "separate": "a pool pass without gradient first"}
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
@@ -44,6 +40,8 @@ def startup_summary(
     per_node = int(mdist.local_world_size())
     batch, accum = cfg.data.train.batch_size, cfg.train.grad_accum
     total, trainable = parameter_counts(model)
+    how = POOL_PASSES.get(pool_pass or "")
+    pooling = [f"pooled accumulation: the loss over all {accum} micro-batches, {how} (train.pool_pass)"] if how else []
     lines = [
         f"ranks: {world} on {max(1, world // max(1, per_node))} node(s) of {per_node}"
         + (f", sequence parallel {layout.sequence_parallel}" if layout.sequence_parallel > 1 else ""),
@@ -51,7 +49,7 @@ def startup_summary(
         f"precision {cfg.train.precision}",
         f"batch: {batch} per rank x {accum} micro-batch(es) x {layout.data_size} data-parallel rank(s) = "
         f"{batch * accum * layout.data_size} samples per step, {cfg.train.max_steps} steps",
-        *([POOL_PASSES[pool_pass].format(accum=accum)] if pool_pass else []),
+        *pooling,
         f"parameters: {total:,} ({trainable:,} trainable)",
         f"learning rate {cfg.optim.lr:g}"
         + "".join(f", x{scale:g} for {pattern}" for pattern, scale in cfg.optim.lr_scales.items())
