@@ -278,21 +278,26 @@ def _umask() -> int:
     return mask
 
 
-def test_the_pool_pass_merges_where_the_towers_checkpoint_and_merged_is_refused_where_nothing_pools():
+def test_a_step_pools_where_the_method_and_accumulation_ask_and_merges_where_the_towers_checkpoint():
     from types import SimpleNamespace
     from typing import Any, cast
 
-    from mmpt.engine.pool_pass import merges_pool_pass
+    from mmpt.engine.pool_pass import step_pooling
     from mmpt.methods import EngineNeeds
 
-    def merges(choice: str, accum: int, needs: EngineNeeds, checkpointing: bool) -> bool:
+    def pooling(choice: str, accum: int, needs: EngineNeeds, checkpointing: bool) -> str | None:
         cfg = SimpleNamespace(train=SimpleNamespace(pool_pass=choice, grad_accum=accum))
-        return merges_pool_pass(cast(Any, cfg), needs, cast(Any, SimpleNamespace(grad_checkpointing=checkpointing)))
+        return step_pooling(cast(Any, cfg), needs, cast(Any, SimpleNamespace(grad_checkpointing=checkpointing)))
 
-    pooled = EngineNeeds(pool_features=lambda m, b: b, step_pool=lambda loss, f: f, merged_step=lambda m, loss, b: {})
-    assert merges("auto", 4, pooled, checkpointing=True) and not merges("auto", 4, pooled, checkpointing=False)
-    assert merges("merged", 4, pooled, checkpointing=False) and not merges("separate", 4, pooled, checkpointing=True)
-    assert not merges("auto", 1, pooled, checkpointing=True)  # one micro-batch: nothing to pool
-    for needs, accum in ((EngineNeeds(), 4), (pooled, 1)):
+    pool = dict(pool_features=lambda m, b: b, step_pool=lambda loss, f: f)
+    mergeable, separate_only = EngineNeeds(**pool, merged_step=lambda m, loss, b: {}), EngineNeeds(**pool)
+    assert pooling("auto", 4, mergeable, checkpointing=True) == "merged"
+    assert pooling("auto", 4, mergeable, checkpointing=False) == "separate"
+    assert pooling("merged", 4, mergeable, checkpointing=False) == "merged"
+    assert pooling("separate", 4, mergeable, checkpointing=True) == "separate"
+    assert pooling("auto", 4, separate_only, checkpointing=True) == "separate"
+    assert pooling("auto", 1, mergeable, checkpointing=True) is None  # one micro-batch: nothing to pool
+    assert pooling("auto", 4, EngineNeeds(), checkpointing=True) is None  # no step pool
+    for needs, accum in ((EngineNeeds(), 4), (mergeable, 1), (separate_only, 4)):
         with pytest.raises(ConfigError, match="config key 'train.pool_pass'"):
-            merges("merged", accum, needs, checkpointing=True)
+            pooling("merged", accum, needs, checkpointing=True)

@@ -40,7 +40,7 @@ def test_the_counted_step_matches_a_hand_count_of_its_matmuls(tmp_path):
     from mmpt.engine.flops import step_flops
 
     a, b, c, batch = 24, 40, 8, 6
-    cfg = SimpleNamespace(train=SimpleNamespace(precision="fp32", zero_stage=0, grad_accum=1))
+    cfg = SimpleNamespace(train=SimpleNamespace(precision="fp32", zero_stage=0, grad_accum=1, pool_pass="auto"))
     real = {"x": torch.randn(batch, a)}
     counted = step_flops(cast(Any, TwoLinears(a, b, c)), cast(Any, cfg), tmp_path, real)
     forward = 2 * batch * (a * b + b * c)  # a matmul of [m, k] x [k, n] is 2mkn FLOPs

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from mmpt.config import Config
-from mmpt.engine.pool_pass import merges_pool_pass
+from mmpt.engine.pool_pass import step_pooling
 from mmpt.engine.precision import policy
 from mmpt.methods import EngineNeeds, Method
 from mmpt.methods.base import loss_terms
@@ -122,7 +122,7 @@ def step_flops(method: Method, cfg: Config, run_dir: Path, batch: Any) -> int:
         fake = tree_map(lambda t: empty_like_on_cpu(t) if isinstance(t, torch.Tensor) else t, batch)
         model.train()
         with counter:
-            pool_pass = cfg.train.grad_accum > 1 and not merges_pool_pass(cfg, needs, model)
+            pool_pass = step_pooling(cfg, needs, model) == "separate"
             run_step(method, model, loss, needs, fake, precision.autocast, pool_pass=pool_pass)
     return counter.get_total_flops()
 

@@ -30,7 +30,7 @@ from mmpt.engine.guards import NonFiniteGuard
 from mmpt.engine.hooks import StepHooks
 from mmpt.engine.metrics import MetricLogger
 from mmpt.engine.optim import SkippingAdamW, build_optimizer, optimizer_state_bytes, skips_on_device, warmup_cosine
-from mmpt.engine.pool_pass import merges_pool_pass
+from mmpt.engine.pool_pass import Pooling, step_pooling
 from mmpt.engine.preflight import check_inputs
 from mmpt.engine.resilience.adaptive_batch import BatchShares, check_adaptive_batch
 from mmpt.engine.sequence_parallel import split_sequences
@@ -59,7 +59,7 @@ class TrainingModule(nn.Module):
         self.pool_trace: PoolTrace | None = None  # set by `build_engine` for a method with a step pool
         self.autocast: tuple[str, torch.dtype] | None = None  # (device type, dtype): bf16 at ZeRO-0 (`precision`)
         self._replay: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # RNG states of the pool pass, by index
-        self.merged_pool_pass = False  # set by `build_engine`: a pooled step runs `needs.merged_step` (one pass)
+        self.pooling: Pooling = None  # set by `build_engine` (`mmpt.engine.pool_pass.step_pooling`)
 
     def forward(self, batch: Any, pool: Any = None, index: int = 0, entry: Entry = "step") -> Any:
         """`entry` "step": one micro-batch's training step (with the step's pool, if any); "pool": the pool pass
@@ -280,9 +280,8 @@ def start(cfg: Config) -> tuple[Run | None, int]:
             )
         return None, step
     if rank == 0:
-        pooled = engine.module.needs.step_pool is not None and cfg.train.grad_accum > 1
-        pool_pass = ("merged" if engine.module.merged_pool_pass else "separate") if pooled else None
-        log.info(startup_summary(cfg, engine.module.model, loader, initial_weights, step, checkpoint, pool_pass))
+        pooling = engine.module.pooling
+        log.info(startup_summary(cfg, engine.module.model, loader, initial_weights, step, checkpoint, pooling))
 
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * layout.data_size
     metrics = MetricLogger(
@@ -412,7 +411,7 @@ def build_engine(
     if compiles(cfg, needs, gpu=torch.cuda.is_available()):
         compile_towers(needs, method.name)  # in place: parameter names, so checkpoints, stay those of eager runs
     module = TrainingModule(method, model, loss_with_teacher(cfg, method, world_size, load_universal), needs)
-    module.merged_pool_pass = merges_pool_pass(cfg, needs, model)
+    module.pooling = step_pooling(cfg, needs, model)
     optimizer = build_optimizer(module.model, cfg.optim, needs.tower_groups, skips_on_device(cfg.train))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio, cfg.optim.decay)
@@ -425,12 +424,12 @@ def build_engine(
         optimizer=optimizer,
         lr_scheduler=cast(Any, schedule),  # DeepSpeed's annotation names torch's older _LRScheduler
         config=deepspeed_config(
-            cfg, world_size, load_universal=load_universal, parameters=parameters, one_pass=module.merged_pool_pass
+            cfg, world_size, load_universal=load_universal, parameters=parameters, one_pass=module.pooling == "merged"
         ),
     )
     if cfg.train.zero_stage in (1, 2) and isinstance(optimizer, SkippingAdamW):
         deepspeed_private.skip_on_device(engine.optimizer, optimizer)
-    if needs.step_pool is not None and not module.merged_pool_pass:
+    if module.pooling == "separate":
         module.pool_trace = PoolTrace(engine)
     autocast = precision.policy(cfg.train.precision, cfg.train.zero_stage).autocast
     if autocast is not None:

@@ -11,6 +11,7 @@ from mmpt import distributed as mdist
 from mmpt.config import Config
 from mmpt.data.loader import StatefulLoader
 from mmpt.data.shards import count_samples
+from mmpt.engine.pool_pass import Pooling
 
 POOL_PASSES = {"merged": "one pass with gradient", "separate": "a pool pass without gradient first"}
 
@@ -32,16 +33,15 @@ def startup_summary(
     initial_weights: str | None,
     start_step: int,
     resumed_from: Path | None,
-    pool_pass: str | None = None,
+    pooling: Pooling = None,
 ) -> str:
-    """`pool_pass`: how a step pooling its micro-batches for the loss runs them ("merged" or "separate"), None
-    where the step does not pool."""
+    """`pooling`: how a step pooling its micro-batches for the loss runs them (`mmpt.engine.pool_pass`)."""
     layout, world = mdist.layout(), mdist.get_world_size()
     per_node = int(mdist.local_world_size())
     batch, accum = cfg.data.train.batch_size, cfg.train.grad_accum
     total, trainable = parameter_counts(model)
-    how = POOL_PASSES.get(pool_pass or "")
-    pooling = [f"pooled accumulation: the loss over all {accum} micro-batches, {how} (train.pool_pass)"] if how else []
+    how = POOL_PASSES.get(pooling or "")
+    pooled = [f"pooled accumulation: the loss over all {accum} micro-batches, {how} (train.pool_pass)"] if how else []
     lines = [
         f"ranks: {world} on {max(1, world // max(1, per_node))} node(s) of {per_node}"
         + (f", sequence parallel {layout.sequence_parallel}" if layout.sequence_parallel > 1 else ""),
@@ -49,7 +49,7 @@ def startup_summary(
         f"precision {cfg.train.precision}",
         f"batch: {batch} per rank x {accum} micro-batch(es) x {layout.data_size} data-parallel rank(s) = "
         f"{batch * accum * layout.data_size} samples per step, {cfg.train.max_steps} steps",
-        *pooling,
+        *pooled,
         f"parameters: {total:,} ({trainable:,} trainable)",
         f"learning rate {cfg.optim.lr:g}"
         + "".join(f", x{scale:g} for {pattern}" for pattern, scale in cfg.optim.lr_scales.items())

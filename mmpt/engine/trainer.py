@@ -172,11 +172,11 @@ def optimizer_step(
     hooks = hooks or StepHooks([])
     spans = spans or Spans(cuda=False)
     pool = None
-    pooled = engine.module.needs.step_pool is not None and len(micro_batches) > 1
-    if pooled and engine.module.merged_pool_pass:  # one pass over all (DeepSpeed then accumulates nothing)
+    pooling = engine.module.pooling
+    if pooling == "merged":  # one pass over all (DeepSpeed then accumulates nothing)
         passes = [functools.partial(engine, micro_batches, entry="merged")]
     else:  # each: forward, backward, step
-        if pooled:
+        if pooling == "separate":
             hooks.reached("forward", step)
             trace = engine.module.pool_trace
             with torch.no_grad(), trace.pool_pass() if trace is not None else contextlib.nullcontext():

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mmpt.config import Config
-from mmpt.engine.pool_pass import merges_pool_pass
+from mmpt.engine.pool_pass import step_pooling
 from mmpt.plan.batches import micro_batch
 from mmpt.plan.build import Counts, built, count
 from mmpt.plan.measure import StepMeasure, measure_step, on_fake_tensors, set_checkpointing
@@ -54,7 +54,7 @@ def profile(cfg: Config) -> Profile:
         sources = len(cfg.data.train.sources) if cfg.data.train.compose == "per_source" else 1
         sizes = (2 * sources, 4 * sources)  # two samples at least: batch norm needs more than one
         configured = bool(getattr(b.model, "grad_checkpointing", False))  # as the config built it
-        merged = merges_pool_pass(cfg, b.needs, b.model)  # as configured: every measure below runs the run's step
+        merged = step_pooling(cfg, b.needs, b.model) == "merged"  # as configured: every measure runs the run's step
         mode = on_fake_tensors(b)
         runs: dict[bool, tuple[StepMeasure, StepMeasure]] = {}
         with mode:
