@@ -50,6 +50,7 @@ machine, corpus generation included; `--web-data` keeps the corpus for later run
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -322,6 +323,7 @@ def web_main(args: argparse.Namespace) -> int:
             "torch": torch.__version__,
             "pillow": PIL.__version__,
             "libjpeg_turbo": bool(features.check_feature("libjpeg_turbo")),
+            "simplejpeg": importlib.metadata.version("simplejpeg"),  # mmpt's reduced JPEG decode
             "webdataset": getattr(webdataset, "__version__", "?"),
         },
         "corpus": corpus,

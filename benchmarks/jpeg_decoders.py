@@ -4,7 +4,7 @@ Each decoder decodes every image of a generated web-like corpus (`benchmarks/web
 4:2:0 on average) to RGB pixels, in a process pinned to one core, twice:
 - whole: every pixel, as a plain `Image.open(...).convert("RGB")` does;
 - reduced: straight from the DCT coefficients at the largest reduction that keeps the short side at least
-  `--side` px (a 224 px training crop of a photo needs no more; mmpt's loader does this with PIL,
+  `--side` px (a 224 px training crop of a photo needs no more; mmpt's loader does this with simplejpeg,
   `data/reduced_decode.py`). PIL's `draft` and simplejpeg reduce by 1/2, 1/4 and 1/8; libjpeg-turbo's
   TurboJPEG API by any of its eighths; torchvision's CPU `decode_jpeg` cannot reduce.
 Not measured here: pillow-simd (no wheels: built from source, it replaces Pillow's resize, not its JPEG

@@ -1,8 +1,10 @@
 """A training transform that starts with a RandomResizedCrop, run from image bytes, decoding JPEGs at reduced size.
 
 A 224 px crop of a 1000 px photo needs a fraction of the photo's pixels, yet a full decode pays for all of them.
-libjpeg can decode at 1/2, 1/4 or 1/8 of the size straight from the DCT coefficients (PIL's `Image.draft`),
-which costs a fraction of a full decode (not the entropy decoding, which every scale pays). The crop box is
+libjpeg can decode at 1/2, 1/4 or 1/8 of the size straight from the DCT coefficients, which costs a fraction
+of a full decode (not the entropy decoding, which every scale pays). simplejpeg runs that decode (libjpeg-turbo,
+the same pixels as PIL's `Image.draft` to the bit, ~17% more images per core: benchmarks/results/jpeg_decoders.md);
+PIL decodes the JPEGs simplejpeg would convert differently (CMYK) or refuses. The crop box is
 drawn first, on the full-size geometry with the same random draws as torchvision's `RandomResizedCrop` (the
 image's size is in its header: nothing is decoded yet), so the distribution of crops is the one the transform
 always had. The image is then decoded at the largest reduction that leaves the box at least the output size in
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
+import simplejpeg
 import torch
 from PIL import Image
 from torchvision import transforms as T
@@ -71,12 +74,27 @@ class ReducedDecodeCrop:
                 Image.Image, F.resized_crop(full, top, left, height, width, list(size), self.crop.interpolation)
             )
         factor, full_width = reduction_for(height, width, *size), image.width
-        drafted = image.draft("RGB", (full_width // factor, image.height // factor)) if factor > 1 else None
-        scale = full_width / drafted[1][2] if drafted else 1  # the reduction PIL chose: full size over reduced
-        image.load()  # truncated or damaged bytes fail here, as a full decode would
-        rgb = image if image.mode == "RGB" else image.convert("RGB")
-        box = reduced_box((left, top, left + width, top + height), scale, rgb.size)
-        return resample(rgb, box, size, self.crop.interpolation)
+        reduced = (full_width // factor, image.height // factor) if factor > 1 else (0, 0)
+        pixels = decode_reduced(data, image, reduced)
+        scale = full_width / pixels.shape[1]  # the reduction the decoder chose: full size over reduced
+        box = reduced_box((left, top, left + width, top + height), scale, (pixels.shape[1], pixels.shape[0]))
+        return resample(pixels, box, size, self.crop.interpolation)
+
+
+def decode_reduced(data: bytes, header: Image.Image, at_least: tuple[int, int]) -> np.ndarray:
+    """The JPEG `data` (opened as `header`) as RGB pixels [H, W, 3], reduced by the largest DCT scaling that keeps
+    it at least `at_least` (width, height) ((0, 0): whole). Truncated or damaged bytes fail here, as a full decode
+    would."""
+    if header.mode in ("RGB", "L"):  # YCbCr or grey: simplejpeg's pixels are PIL's
+        try:
+            width, height = at_least
+            return simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=width, min_height=height)
+        except ValueError:  # what it refuses, PIL decodes or rejects with its own error
+            pass
+    if at_least != (0, 0):
+        header.draft("RGB", at_least)
+    header.load()
+    return np.asarray(header if header.mode == "RGB" else header.convert("RGB"))
 
 
 def reduced_box(box: tuple[int, int, int, int], scale: float, bounds: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -87,17 +105,18 @@ def reduced_box(box: tuple[int, int, int, int], scale: float, bounds: tuple[int,
     return left, top, min(max(right, left + 1), bounds[0]), min(max(bottom, top + 1), bounds[1])
 
 
-def resample(image: Image.Image, box: tuple[int, int, int, int], size: tuple[int, int], mode: T.InterpolationMode):
-    """`box` of an RGB image resized to `size` (height, width) with `mode`, antialiased, as an RGB image.
+def resample(pixels: np.ndarray, box: tuple[int, int, int, int], size: tuple[int, int], mode: T.InterpolationMode):
+    """`box` of RGB pixels [H, W, 3] resized to `size` (height, width) with `mode`, antialiased, as an RGB image.
 
-    Bilinear and bicubic run on torch's uint8 antialiased resampler, Pillow's filters vectorised (within 2 of 255
+    Bilinear and bicubic run on torch's uint8 antialiased resampler (Pillow's filters vectorised: within 2 of 255
     of PIL's resize, several times faster); other modes on PIL's.
     """
     name = TORCH_MODES.get(mode)
     if name is None:
-        return image.resize((size[1], size[0]), F.pil_modes_mapping[mode], box=box)
-    pixels = torch.from_numpy(np.array(image.crop(box))).permute(2, 0, 1)[None]  # channels-last [1, 3, h, w]
-    out = torch.nn.functional.interpolate(pixels, size=size, mode=name, antialias=True)
+        return Image.fromarray(pixels).resize((size[1], size[0]), F.pil_modes_mapping[mode], box=box)
+    left, top, right, bottom = box
+    crop = torch.from_numpy(np.ascontiguousarray(pixels[top:bottom, left:right])).permute(2, 0, 1)[None]
+    out = torch.nn.functional.interpolate(crop, size=size, mode=name, antialias=True)  # channels-last [1, 3, h, w]
     return Image.fromarray(out[0].permute(1, 2, 0).contiguous().numpy())
 
 

@@ -13,8 +13,9 @@ from open_clip import image_transform
 from PIL import Image
 from torchvision import transforms as T
 
+from mmpt.data import reduced_decode
 from mmpt.data.image_text import ImageTextDecoder, decode_image, training_image_decode, uint8_transform
-from mmpt.data.reduced_decode import ReducedDecodeCrop, reduction_for
+from mmpt.data.reduced_decode import ReducedDecodeCrop, decode_reduced, reduction_for
 
 SEEDS = range(40)
 
@@ -124,6 +125,25 @@ def test_grey_and_damaged_jpegs():
     cut = encoded(photo_like(1000, 800), "JPEG", quality=90)[:20_000]
     with pytest.raises(OSError):  # counted as undecodable by the loader, as a full decode would be
         ReducedDecodeCrop(crop_then(64, scale=(0.9, 1.0)), decode_image)(cut)
+
+
+@pytest.mark.parametrize("mode, subsampling", [("RGB", "4:2:0"), ("RGB", "4:4:4"), ("L", None), ("CMYK", None)])
+def test_the_reduced_decode_gives_pils_draft_pixels_bit_for_bit(monkeypatch, mode, subsampling):
+    """simplejpeg decodes YCbCr and grey JPEGs (its pixels are PIL's draft's); PIL decodes the rest (CMYK)."""
+    calls = []
+    decode = reduced_decode.simplejpeg.decode_jpeg
+    monkeypatch.setattr(reduced_decode.simplejpeg, "decode_jpeg", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    options = {"subsampling": subsampling} if subsampling else {}
+    data = encoded(photo_like(1013, 771, seed=3).convert(mode), "JPEG", quality=90, **options)
+    for factor in (1, 2, 4, 8):
+        at_least = (1013 // factor, 771 // factor) if factor > 1 else (0, 0)
+        pil = Image.open(io.BytesIO(data))
+        if factor > 1:
+            pil.draft("RGB", at_least)
+        expected = np.asarray(pil.convert("RGB"))
+        got = np.asarray(decode_reduced(data, Image.open(io.BytesIO(data)), at_least))
+        assert got.shape == expected.shape and (got == expected).all(), (mode, factor)
+    assert len(calls) == (0 if mode == "CMYK" else 4)
 
 
 def test_training_transforms_take_it_and_others_do_not(jpeg):
