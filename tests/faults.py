@@ -25,6 +25,7 @@ a slow link.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -120,11 +121,25 @@ class FaultInjector:
         mine = [s for s in slowdowns or [] if s.rank in (None, rank)]
         self._compute = next((s for s in mine if s.kind == "slow_compute"), None)
         self._last: tuple[str, float, float] | None = None  # (point, time, collective seconds) at the last point
+        self._delays: list = []  # what this injector added to collective_timing (`close` removes it)
         if self._compute is not None:
-            collective_timing.add_late_start(lambda kind, factor=self._compute.factor: self._slow_down(None, factor))
+            late = functools.partial(self._late_start, self._compute.factor)
+            collective_timing.add_late_start(late)
+            self._delays.append(late)
         for slowdown in mine:
             if slowdown.kind == "slow_collectives":
-                collective_timing.add_delay(lambda kind, seconds=slowdown.delay: time.sleep(seconds))
+                sleep = functools.partial(_sleep_after, slowdown.delay)
+                collective_timing.add_delay(sleep)
+                self._delays.append(sleep)
+
+    def close(self) -> None:
+        """Stop slowing this process's collectives (the pool of ranks trains other runs after this one)."""
+        for delay in self._delays:
+            collective_timing.remove_delay(delay)
+        self._delays = []
+
+    def _late_start(self, factor: float, kind: str) -> None:
+        self._slow_down(None, factor)
 
     @classmethod
     def from_environment(cls, rank: int) -> FaultInjector | None:
@@ -177,6 +192,10 @@ class FaultInjector:
             return total
         self._poison_next_loss = False
         return total * float("nan")
+
+
+def _sleep_after(seconds: float, kind: str) -> None:
+    time.sleep(seconds)
 
 
 def install_from_environment() -> None:

@@ -107,6 +107,8 @@ def train_with_faults(cfg, spec: str) -> dict:
             ending = stops.ending(exc, rank)
             if ending is None:
                 raise
+        finally:
+            injector.close()
     said: list = [None] * mdist.get_world_size()
     dist.all_gather_object(said, None if ending is None else (ending.line, ending.exit_code))
     return {"stops": said}

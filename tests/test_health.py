@@ -1,8 +1,8 @@
 """Rank health: the collective clock, the judgement that tells a late rank from slow collectives, the
-injected slowdowns, and 2-rank runs (deepspeed launcher, CPU) in which each fault is named."""
+injected slowdowns, and 2-rank runs (the shared pool of ranks; two nodes with torchrun) in which each fault is
+named."""
 
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -10,11 +10,12 @@ import faults
 import pytest
 import torch
 
-from conftest import REPO, deepspeed_command, launcher_env, read_metrics, tiny_config, write_config
+from conftest import REPO, launcher_env, read_metrics, tiny_config, train_in_process, write_config
 from mmpt.config import TrainConfig
 from mmpt.engine import stops
 from mmpt.engine.resilience import collective_timing, health
 from mmpt.engine.resilience.health import HealthMonitor, RankRow, Thresholds, judge
+from pool import scenario
 
 REST = [0.0] * 3 * len(collective_timing.KINDS)  # per kind: seconds, calls, MiB
 THRESHOLDS = Thresholds(busy_factor=1.5, collective_factor=2.0, min_share=0.05, windows=3)
@@ -122,6 +123,9 @@ def test_slow_collectives_delay_is_timed_with_the_call(monkeypatch):
     assert injector.faults == []
     assert faults.FaultInjector([], rank=0, slowdowns=faults.parse_slowdowns("slow_collectives:rank=1")).faults == []
     assert collective_timing._DELAYS and len(collective_timing._DELAYS) == 1  # rank 0 added none
+    injector.close()  # the pool of ranks trains other runs in this process next
+    clock.call("barrier", lambda: None, (), {})
+    assert collective_timing._DELAYS == [] and clock.take().collective_seconds < 0.02
 
 
 def test_slow_compute_stretches_the_work_between_points_and_up_to_each_collective(monkeypatch):
@@ -143,6 +147,8 @@ def test_slow_compute_stretches_the_work_between_points_and_up_to_each_collectiv
     started = time.perf_counter()
     clock.call("barrier", lambda: None, (), {})
     assert time.perf_counter() - started < 0.02
+    injector.close()
+    assert collective_timing._LATE_STARTS == []
     with pytest.raises(ValueError, match="unknown option"):
         faults.parse_slowdowns("slow_compute:rank=1:speed=2")
     assert faults.parse("slow_compute:rank=1;kill@forward,rank=0") == [faults.Fault("kill", "forward", None, 0)]
@@ -183,66 +189,67 @@ def test_collectives_are_replaced_only_when_the_config_asks_for_rank_health(monk
 
 
 # -- 2-rank runs ------------------------------------------------------------------------------------------
+# In the shared pool of ranks: each run carries out its slowdown (tests/faults.py) on rank 1; the lines a run logs
+# are in its record's warnings, how it ended in its record's stops.
+
+HEALTH = dict(zero_stage=2, max_steps=7, save_every=0, log_every=1, rank_health=True)
+FAULTS = {"straggler": "slow_compute:rank=1:factor=2", "slow collectives": "slow_collectives:rank=1:delay=0.05"}
 
 
-def launch(tmp_path, digits_root, fault: str, **train) -> tuple[subprocess.CompletedProcess, str]:
-    run_dir = tmp_path / "run"
-    settings = {**dict(zero_stage=2, max_steps=7, save_every=0, log_every=1, rank_health=True), **train}
-    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=settings))
-    env = dict(launcher_env(), **faults.environment(fault))
-    command = deepspeed_command(config) + faults.ARGS
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    return result, result.stdout + result.stderr
+def health_scenario(name: str, fault: str | None, **train) -> str:
+    @scenario(name, fault=fault)
+    def build(corpora, run_dir):
+        return tiny_config(corpora["digits"], run_dir, train={**HEALTH, **train}), [], "train"
+
+    return name
 
 
-def named(output: str) -> list[str]:
-    return [line for line in output.splitlines() if "straggler: rank" in line or "slow collectives: rank" in line]
+NAMED = {kind: health_scenario(f"health-{kind.replace(' ', '-')}", fault) for kind, fault in FAULTS.items()}
+CLEAN = health_scenario("health-clean", None)
+STOPPED = health_scenario("health-stop", FAULTS["slow collectives"], on_unhealthy="stop")
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize(
-    "fault, kind",
-    [("slow_compute:rank=1:factor=2", "straggler"), ("slow_collectives:rank=1:delay=0.05", "slow collectives")],
-)
-def test_each_fault_is_told_apart_and_named_within_three_windows(tmp_path, digits_root, fault, kind):
-    result, output = launch(tmp_path, digits_root, fault)
-    assert result.returncode == 0, output[-3000:]
-    report = json.loads((tmp_path / "run/unhealthy.json").read_text())
-    assert [(r["kind"], r["rank"]) for r in report["ranks"]] == [(kind, 1)], named(output)
+def named(lines: list[str]) -> list[str]:
+    return [line for line in lines if "straggler: rank" in line or "slow collectives: rank" in line]
+
+
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.pool(name)) for kind, name in NAMED.items()])
+def test_each_fault_is_told_apart_and_named_within_three_windows(rank_pool, kind):
+    record = rank_pool.record(NAMED[kind])
+    assert record["stops"] == [None, None]
+    report = json.loads((rank_pool.run_dir(NAMED[kind]) / "unhealthy.json").read_text())
+    assert [(r["kind"], r["rank"]) for r in report["ranks"]] == [(kind, 1)], named(record["warnings"])
     assert report["step"] <= 4  # the first window holds start-up; named by the third after it
     other = "slow collectives" if kind == "straggler" else "straggler"
-    lines = named(output)
+    lines = named(record["warnings"])
     assert lines and all(f"{kind}: rank 1" in line and f"{other}: rank" not in line for line in lines), lines
 
 
-@pytest.mark.distributed
-def test_a_clean_run_names_nobody(tmp_path, digits_root):
-    result, output = launch(tmp_path, digits_root, "")
-    assert result.returncode == 0, output[-3000:]
-    assert named(output) == [] and not (tmp_path / "run/unhealthy.json").exists()
-    summary = json.loads((tmp_path / "run/summary.json").read_text())
+@pytest.mark.pool(CLEAN)
+def test_a_clean_run_names_nobody(rank_pool):
+    run_dir = rank_pool.run_dir(CLEAN)
+    assert named(rank_pool.record(CLEAN)["warnings"]) == [] and not (run_dir / "unhealthy.json").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stragglers"] == {} and summary["slow_collectives"] == {}
 
 
-@pytest.mark.distributed
-def test_stop_on_an_unhealthy_rank_exits_with_its_code_and_the_rest_resume(tmp_path, digits_root):
-    fault = "slow_collectives:rank=1:delay=0.05"
-    result, output = launch(tmp_path, digits_root, fault, on_unhealthy="stop", save_every=0)
-    assert result.returncode == stops.EXIT_UNHEALTHY, output[-3000:]
-    lines = sorted(line for line in output.splitlines() if line.startswith("mmpt: "))
-    assert len(lines) == 2 and lines[0] == "mmpt: rank 1: stopped on the unhealthy rank that rank 0 reports", lines
-    assert lines[1].startswith("mmpt: unhealthy rank: slow collectives: rank 1 on node "), lines
-    assert "Traceback" not in output
-    report = json.loads((tmp_path / "run/unhealthy.json").read_text())
+@pytest.mark.pool(STOPPED)
+def test_stop_on_an_unhealthy_rank_exits_with_its_code_and_the_rest_resume(rank_pool, process_group_of_one, caplog):
+    from mmpt.config_loader import load_config
+
+    run_dir, stopped = rank_pool.run_dir(STOPPED), rank_pool.record(STOPPED)["stops"]
+    assert [code for _, code in stopped] == [stops.EXIT_UNHEALTHY] * 2, stopped
+    assert stopped[0][0].startswith("unhealthy rank: slow collectives: rank 1 on node "), stopped
+    assert stopped[1][0] == "rank 1: stopped on the unhealthy rank that rank 0 reports", stopped
+    report = json.loads((run_dir / "unhealthy.json").read_text())
     assert report["action"] == "stop"
-    # The scheduler restarts without the unhealthy rank's node: here, on the one rank left.
-    command = deepspeed_command(tmp_path / "cfg.yaml", ranks=1)
-    resumed = subprocess.run(command, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=900)
-    output = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, output[-3000:]
-    assert "saved by 2 ranks" in output, output[-3000:]
-    assert f"at step {report['step']}," in output, output[-3000:]  # from the step it stopped at: none lost
-    steps = [r["step"] for r in read_metrics(tmp_path / "run") if "loss/total" in r]
+    # The scheduler restarts without the unhealthy rank's node: here, on the one rank left (this process).
+    with caplog.at_level("WARNING", logger="mmpt"):
+        train_in_process(load_config(run_dir / "config.yaml"))
+    resumed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resumed from")]
+    assert resumed and "saved by 2 ranks" in resumed[0], resumed
+    assert f"at step {report['step']}," in resumed[0], resumed  # from the step it stopped at: none lost
+    steps = [r["step"] for r in read_metrics(run_dir) if "loss/total" in r]
     assert steps and steps[-1] == 7, steps
 
 

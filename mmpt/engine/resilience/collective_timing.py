@@ -136,6 +136,13 @@ def add_late_start(delay: Delay) -> None:
     _LATE_STARTS.append(delay)
 
 
+def remove_delay(delay: Delay) -> None:
+    """Undo `add_delay` or `add_late_start` (a process that trains several runs, one of them slowed)."""
+    for delays in (_DELAYS, _LATE_STARTS):
+        if delay in delays:
+            delays.remove(delay)
+
+
 class CollectiveClock:
     """This rank's collective timings since the last `take()`."""
 
