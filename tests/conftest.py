@@ -535,7 +535,6 @@ EXTENDED = (
     "test_faults.py::test_killed_run_restarts_and_ends_with_the_uninterrupted_weights*",  # kills: process-level
     "test_faults.py::test_a_rank_that_cannot_write_its_checkpoint_stops_every_rank",
     "test_faults.py::test_watchdog_names_the_sleeping_rank_and_exits",
-    "test_faults.py::test_straggler_is_named_in_log_and_summary",
     "test_faults.py::test_nan_loss_on_one_rank_skips_the_step_on_all_ranks*",
     "test_faults.py::test_non_finite_steps_in_a_row_stop_the_run",
     "test_faults.py::test_resume_on_another_number_of_ranks_joins_the_loss_curve*",

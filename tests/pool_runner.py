@@ -4,7 +4,8 @@
 
 A scenario is a config file, dotted overrides and a kind:
 - "train": one `mmpt.engine.train(cfg)` call; the test reads the run folder afterwards.
-- "stop_at:N": a first start trains to step N (its `train.max_steps`), a second one resumes to the config's end.
+- "stop_at:N": a first start trains to step N (its `train.max_steps`), a second one resumes to the config's end
+  (a scenario's faults in both).
 - "matrix": a config-matrix cell: trains 2 steps (checkpoint at step 2; its data.eval sets evaluated at step 1
   and at the end), resumes from that checkpoint for a third step, then rank 0 exports the newest checkpoint
   with mmpt-export, loads the release with `mmpt.load` and checks its weights against the run's own
@@ -135,15 +136,17 @@ def run_scenario(scenario: dict, results: Path) -> None:
             record = run_matrix_cell(scenario["config"], scenario["overrides"], run_dir)
         else:
             overrides = [*scenario["overrides"], f"run.output_dir={run_dir}"]
+
+            def start(cfg) -> dict:  # the scenario's faults, if any, are carried out by each start
+                if scenario.get("fault"):
+                    return train_with_faults(cfg, scenario["fault"])
+                train(cfg)
+                return {}
+
             if scenario["kind"].startswith("stop_at:"):
                 stop = int(scenario["kind"].split(":")[1])
-                train(load_config(scenario["config"], [*overrides, f"train.max_steps={stop}"]))
-            cfg = load_config(scenario["config"], overrides)
-            if scenario.get("fault"):
-                record = train_with_faults(cfg, scenario["fault"])
-            else:
-                train(cfg)
-                record = {}
+                start(load_config(scenario["config"], [*overrides, f"train.max_steps={stop}"]))
+            record = start(load_config(scenario["config"], overrides))
     logging.getLogger("mmpt").removeHandler(warnings)
     if mdist.get_rank() == 0:
         record = {

@@ -6,12 +6,11 @@ import itertools
 import json
 from itertools import islice
 
-import faults
 import pytest
 import torch
 from test_data import decode, write_set
 
-from conftest import REPO, deepspeed_command, launcher_env, read_metrics, tiny_config, write_config
+from conftest import REPO, read_metrics, tiny_config
 from mmpt.config_loader import load_config
 from mmpt.data.loader import BatchStream, Source, StatefulLoader, StreamSpec
 from mmpt.engine.resilience.adaptive_batch import (
@@ -23,6 +22,7 @@ from mmpt.engine.resilience.adaptive_batch import (
     step_time,
 )
 from mmpt.errors import ConfigError
+from pool import scenario
 
 
 @pytest.mark.parametrize(
@@ -123,28 +123,21 @@ def test_units_taken_unevenly_resume_sample_exact(tmp_path, num_workers):
         )
 
 
-@pytest.mark.distributed
-def test_a_rank_slowed_twice_is_given_a_smaller_share(tmp_path, digits_root):
-    """2 ranks, rank 1's work slowed 2x: after the first windows its micro-batch shrinks, rank 0's grows, the
-    global batch stays, and the run finishes."""
-    import subprocess
+@scenario("adaptive-slowed", fault="slow_compute:rank=1:factor=2")
+def slowed_rank(corpora, run_dir):
+    settings = dict(zero_stage=2, max_steps=9, save_every=4, log_every=1, adaptive_batch=True, adaptive_batch_units=4)
+    return tiny_config(corpora["digits"], run_dir, train=settings), [], "stop_at:7"
 
-    run_dir = tmp_path / "run"
-    settings = dict(zero_stage=2, max_steps=7, save_every=4, log_every=1, adaptive_batch=True, adaptive_batch_units=4)
-    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train=settings))
-    env = dict(launcher_env(), **faults.environment("slow_compute:rank=1:factor=2"))
-    command = deepspeed_command(config) + faults.ARGS
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    shares = [record["micro_batch_per_rank"] for record in read_metrics(run_dir) if "micro_batch_per_rank" in record]
+
+@pytest.mark.pool("adaptive-slowed")
+def test_a_rank_slowed_twice_is_given_a_smaller_share(rank_pool):
+    """2 ranks, rank 1's work slowed 2x: after the first windows its micro-batch shrinks, rank 0's grows, the
+    global batch stays, and the run finishes (7 steps); then resumed for two more steps."""
+    records = [r for r in read_metrics(rank_pool.run_dir("adaptive-slowed")) if "micro_batch_per_rank" in r]
+    shares = [r["micro_batch_per_rank"] for r in records if r["step"] <= 7]
     assert shares[0] == [16, 16] and all(sum(s) == 32 for s in shares), shares
     assert shares[-1][0] > shares[-1][1], shares
-    # Resumed for two more steps: the saved shares carry on (no decision was due at the last window, and
-    # the next is due only after a few windows' measurement).
-    command = deepspeed_command(config, "train.max_steps=9") + faults.ARGS
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    resumed = [
-        r["micro_batch_per_rank"] for r in read_metrics(run_dir) if r.get("step") == 8 and "micro_batch_per_rank" in r
-    ]
+    # The resumed start's first step: the saved shares carry on (no decision was due at the last window, and the
+    # next is due only after a few windows' measurement).
+    resumed = [r["micro_batch_per_rank"] for r in records if r["step"] == 8]
     assert resumed == [shares[-1]], (resumed, shares)

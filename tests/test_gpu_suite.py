@@ -77,7 +77,7 @@ def test_dry_run_runs_every_stage_and_records_its_figures(dry_run):
 def test_a_stage_past_its_cap_is_timed_out_and_the_next_stage_runs(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     done = subprocess.run(
-        suite_command(out, work, "--only", "space2,loss_memory", "--cap", "25"),
+        suite_command(out, work, "--only", "space2,loss_memory", "--cap", "15"),
         cwd=REPO,
         env=suite_env(**{suite.STALL_VARIABLE: "space2"}),
         capture_output=True,

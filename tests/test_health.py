@@ -223,6 +223,10 @@ def test_each_fault_is_told_apart_and_named_within_three_windows(rank_pool, kind
     other = "slow collectives" if kind == "straggler" else "straggler"
     lines = named(record["warnings"])
     assert lines and all(f"{kind}: rank 1" in line and f"{other}: rank" not in line for line in lines), lines
+    summary = json.loads((rank_pool.run_dir(NAMED[kind]) / "summary.json").read_text())  # the run's summary too
+    expected = {"stragglers": [], "slow_collectives": []}
+    expected["stragglers" if kind == "straggler" else "slow_collectives"] = ["1"]
+    assert {key: list(summary[key]) for key in expected} == expected, summary
 
 
 @pytest.mark.pool(CLEAN)

@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from conftest import REPO, read_metrics, run_deepspeed, train_in_process
+from pool import scenario
 
 pytestmark = pytest.mark.distributed
 
@@ -44,6 +45,7 @@ def overrides(video, run_dir, *extra):
         "train.keep_last=3",
         "train.precision=fp32",
         "optim.warmup_steps=1",
+        "optim.min_lr_ratio=1.0",  # a constant rate after warm-up: a start stopped at step 2 is a killed one
         "optim.eps=1e-3",
         "run.progress_bar=false",
         "run.tensorboard=false",
@@ -85,31 +87,33 @@ def reference(moving_digits_root, module_tmp, process_group_of_one):
     return run_dir
 
 
-def test_sequence_parallel_zero2_equals_one_rank_and_resumes(reference, moving_digits_root, tmp_path):
-    run_dir = tmp_path / "sp2"
-    run_deepspeed(
-        REPO / "configs/victor/demo.yaml",
-        *overrides(moving_digits_root, run_dir, "train.zero_stage=2", "train.sequence_parallel=2"),
-    )
+def victor_scenario(name: str, kind: str, *extra: str) -> str:
+    @scenario(name)
+    def build(corpora, run_dir):
+        return REPO / "configs/victor/demo.yaml", overrides(corpora["video"], run_dir, *extra), kind
+
+    return name
+
+
+SPLIT = victor_scenario("victor-sp2", "train", "train.zero_stage=2", "train.sequence_parallel=2")
+# The same run stopped after step 2, then resumed to step 3 by a second start.
+SPLIT_RESUMED = victor_scenario("victor-sp2-resumed", "stop_at:2", "train.zero_stage=2", "train.sequence_parallel=2")
+DATA_PARALLEL = victor_scenario("victor-dp2", "train", "train.zero_stage=0")
+
+
+@pytest.mark.pool(SPLIT, SPLIT_RESUMED)
+def test_sequence_parallel_zero2_equals_one_rank_and_resumes(reference, rank_pool, moving_digits_root, tmp_path):
     expected, _ = losses(reference)
-    got, records = losses(run_dir)
+    got, records = losses(rank_pool.run_dir(SPLIT))
     assert_same_losses(got, expected)
     # both ranks read the same 4 samples per step: the run saw 12, as the one-rank run did
     assert records[-1]["data/seen"] == 12
 
-    # killed after step 2: the resumed run's step 3 is the uninterrupted one's
-    resumed = tmp_path / "resumed"
-    shutil.copytree(
-        run_dir, resumed, ignore=shutil.ignore_patterns("step_000000003", "model.safetensors", "metrics.jsonl")
-    )
-    (resumed / "checkpoints/latest").write_text("step_000000002")
-    result = run_deepspeed(
-        REPO / "configs/victor/demo.yaml",
-        *overrides(moving_digits_root, resumed, "train.zero_stage=2", "train.sequence_parallel=2"),
-    )
-    assert "resumed from" in result.stdout + result.stderr
-    again, _ = losses(resumed)
-    assert list(again) == [3]
+    # stopped after step 2: the resumed start's step 3 is the uninterrupted run's
+    resumed = rank_pool.run_dir(SPLIT_RESUMED)
+    assert any(line.startswith("resumed from") for line in rank_pool.record(SPLIT_RESUMED)["warnings"])
+    again, records = losses(resumed)
+    assert [r["step"] for r in records] == [1, 2, 3]
     for term in TERMS:
         assert again[3][term] == pytest.approx(got[3][term], rel=1e-6, abs=1e-7), term
 
@@ -128,17 +132,17 @@ def test_sequence_parallel_zero2_equals_one_rank_and_resumes(reference, moving_d
         assert again[3][term] == pytest.approx(got[3][term], rel=1e-3, abs=1e-6), term
 
 
-def test_sequence_parallel_inside_data_parallel(moving_digits_root, tmp_path):
+@pytest.mark.pool(DATA_PARALLEL)
+def test_sequence_parallel_inside_data_parallel(rank_pool, moving_digits_root, tmp_path):
     """4 ranks as 2 data-parallel groups of 2 sequence-parallel ranks under ZeRO-3 (the key network partitioned
-    over all 4), against 2 data-parallel ranks at ZeRO-0."""
-    plain, split = tmp_path / "dp2", tmp_path / "dp2_sp2"
-    run_deepspeed(REPO / "configs/victor/demo.yaml", *overrides(moving_digits_root, plain, "train.zero_stage=0"))
+    over all 4), against 2 data-parallel ranks at ZeRO-0 (trained in the shared pool)."""
+    split = tmp_path / "dp2_sp2"
     run_deepspeed(
         REPO / "configs/victor/demo.yaml",
         *overrides(moving_digits_root, split, "train.zero_stage=3", "train.sequence_parallel=2"),
         ranks=4,
     )
-    expected, _ = losses(plain)
+    expected, _ = losses(rank_pool.run_dir(DATA_PARALLEL))
     got, records = losses(split)
     assert_same_losses(got, expected)
     assert records[-1]["data/seen"] == 24
