@@ -6,12 +6,14 @@ import math
 
 import pytest
 
-from conftest import REPO, read_metrics, run_deepspeed, run_tool
+from conftest import REPO, read_metrics, run_tool
+from pool import scenario
 
 pytestmark = pytest.mark.distributed
 
 
-def test_space2_demo_config_trains_and_evaluates(tmp_path):
+@scenario("space2-demo")
+def space2_demo(corpora, run_dir):
     overrides = [
         "run.progress_bar=false",
         "train.max_steps=6",
@@ -22,9 +24,14 @@ def test_space2_demo_config_trains_and_evaluates(tmp_path):
         "method.intent_eval.seeds=1",
         "method.intent_eval.full=false",
     ]
-    # relative paths: run from an empty directory, which builds its own corpus and shards
-    run_deepspeed(REPO / "configs/space2/demo.yaml", *overrides, cwd=tmp_path, timeout=900)
-    run = tmp_path / "runs/space2-demo"
+    # relative paths: the pool's ranks run in an empty directory, where the demo builds its own corpus and shards
+    return REPO / "configs/space2/demo.yaml", overrides, "train"
+
+
+@pytest.mark.pool("space2-demo")
+def test_space2_demo_config_trains_and_evaluates(rank_pool, tmp_path):
+    run = rank_pool.run_dir("space2-demo")
+    cwd = run.parent  # where the demo's relative paths point
     records = [r for r in read_metrics(run) if "loss/total" in r]
     assert [r["step"] for r in records] == list(range(1, 7))
     for name in ("labelled/contrastive", "labelled/mlm", "unlabelled/contrastive", "unlabelled/mlm"):
@@ -37,5 +44,5 @@ def test_space2_demo_config_trains_and_evaluates(tmp_path):
     # the evaluation entry point on the saved run reproduces the end-of-training number
     out = tmp_path / "intent.json"
     args = ["--model", str(run), "--dataset", "dialogs", "--seeds", "1", "--no-full", "--output", str(out)]
-    run_tool("intent_eval", *args, cwd=tmp_path, timeout=300)
+    run_tool("intent_eval", *args, cwd=cwd, timeout=300)
     assert json.loads(out.read_text())["metrics"]["10shot/accuracy_mean"] == pytest.approx(accuracy, abs=1e-9)
