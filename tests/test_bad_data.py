@@ -12,10 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import REPO, deepspeed_command, launcher_env, read_metrics, run_deepspeed, tiny_config, write_config
+from conftest import REPO, deepspeed_command, launcher_env, read_metrics, tiny_config, write_config
 from mmpt.data import ShardSetWriter
 from mmpt.data.stream import ShardStream, read_shard
 from mmpt.engine.stops import EXIT_DATA
+from pool import scenario
 
 SHARDS, PER_SHARD = 6, 24
 GARBAGE, EMPTY, NO_CAPTION = 19, 23, 29  # every n-th sample of a source (counted from its first)
@@ -124,15 +125,21 @@ def expected_counts(plan: dict[str, dict], urls: list[str], position: dict, slot
     return counts_read(plan, fully, partly)
 
 
+def write_damaged_web(folder: Path, digits_root: Path) -> dict[str, dict]:
+    """Two damaged sources, en and zh, in `folder`; their damage plans (also in `folder`/plans.json)."""
+    captions = [s["txt"] for _, s in read_shard(str(sorted((digits_root / "train").glob("en-*.tar"))[0]))][:50]
+    plans = {name: write_source(folder, name, captions) for name in ("en", "zh")}
+    (folder / "plans.json").write_text(json.dumps(plans))
+    return plans
+
+
 @pytest.fixture(scope="module")
 def damaged_web(module_tmp, digits_root) -> tuple[Path, dict[str, dict]]:
-    """Two damaged sources, en and zh, and their damage plans."""
     folder = module_tmp("web")
-    captions = [s["txt"] for _, s in read_shard(str(sorted((digits_root / "train").glob("en-*.tar"))[0]))][:50]
-    return folder, {name: write_source(folder, name, captions) for name in ("en", "zh")}
+    return folder, write_damaged_web(folder, digits_root)
 
 
-def damaged_config(folder: Path, tmp_path: Path, digits_root: Path, max_skip_rate: float) -> Path:
+def damaged_config(folder: Path, run_dir: Path, digits_root: Path, max_skip_rate: float) -> dict:
     data = {
         "train": {
             "sources": [{"shards": str(folder / f"{name}-*.tar"), "name": name} for name in ("en", "zh")],
@@ -144,20 +151,23 @@ def damaged_config(folder: Path, tmp_path: Path, digits_root: Path, max_skip_rat
             "min_samples_for_skip_rate": 20,
         }
     }
-    return write_config(
-        tmp_path / "cfg.yaml",
-        tiny_config(digits_root, tmp_path / "run", data=data, train={"max_steps": 14, "save_every": 5}),
-    )
+    return tiny_config(digits_root, run_dir, data=data, train={"max_steps": 14, "save_every": 5})
 
 
-@pytest.mark.distributed
-def test_damaged_web_shards_train_through_with_exact_counts(tmp_path, digits_root, damaged_web):
-    folder, plans = damaged_web
-    run_dir = tmp_path / "run"
-    config = damaged_config(folder, tmp_path, digits_root, max_skip_rate=0.25)
-    run_deepspeed(config, "train.max_steps=5")  # stops after the checkpoint at step 5
-    result = run_deepspeed(config)  # resumes at step 5 and runs to 14, into the second epoch
-    assert "resumed from" in result.stdout + result.stderr
+@scenario("bad-data-through")
+def damaged_but_usable(corpora, run_dir):
+    """Stopped after the checkpoint at step 5, then resumed to 14, into the second epoch."""
+    folder = run_dir.parent / "damaged-web"
+    folder.mkdir()
+    write_damaged_web(folder, corpora["digits"])
+    return damaged_config(folder, run_dir, corpora["digits"], max_skip_rate=0.25), [], "stop_at:5"
+
+
+@pytest.mark.pool("bad-data-through")
+def test_damaged_web_shards_train_through_with_exact_counts(rank_pool):
+    run_dir = rank_pool.run_dir("bad-data-through")
+    plans = json.loads((run_dir.parent / "damaged-web/plans.json").read_text())
+    assert any(line.startswith("resumed from") for line in rank_pool.record("bad-data-through")["warnings"])
 
     from mmpt.engine import checkpoint
 
@@ -188,7 +198,9 @@ def test_damaged_web_shards_train_through_with_exact_counts(tmp_path, digits_roo
 
 @pytest.mark.distributed
 def test_too_much_damage_stops_in_one_line_per_rank(tmp_path, digits_root, damaged_web):
-    config = damaged_config(damaged_web[0], tmp_path, digits_root, max_skip_rate=0.02)
+    config = write_config(
+        tmp_path / "cfg.yaml", damaged_config(damaged_web[0], tmp_path / "run", digits_root, max_skip_rate=0.02)
+    )
     result = subprocess.run(
         deepspeed_command(config), cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600
     )
