@@ -25,7 +25,6 @@ a slow link.
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import time
@@ -123,23 +122,19 @@ class FaultInjector:
         self._last: tuple[str, float, float] | None = None  # (point, time, collective seconds) at the last point
         self._delays: list = []  # what this injector added to collective_timing (`close` removes it)
         if self._compute is not None:
-            late = functools.partial(self._late_start, self._compute.factor)
-            collective_timing.add_late_start(late)
-            self._delays.append(late)
+            factor = self._compute.factor
+            self._delays.append(lambda kind: self._slow_down(None, factor))
+            collective_timing.add_late_start(self._delays[-1])
         for slowdown in mine:
             if slowdown.kind == "slow_collectives":
-                sleep = functools.partial(_sleep_after, slowdown.delay)
-                collective_timing.add_delay(sleep)
-                self._delays.append(sleep)
+                self._delays.append(lambda kind, seconds=slowdown.delay: time.sleep(seconds))
+                collective_timing.add_delay(self._delays[-1])
 
     def close(self) -> None:
         """Stop slowing this process's collectives (the pool of ranks trains other runs after this one)."""
         for delay in self._delays:
             collective_timing.remove_delay(delay)
         self._delays = []
-
-    def _late_start(self, factor: float, kind: str) -> None:
-        self._slow_down(None, factor)
 
     @classmethod
     def from_environment(cls, rank: int) -> FaultInjector | None:
@@ -192,10 +187,6 @@ class FaultInjector:
             return total
         self._poison_next_loss = False
         return total * float("nan")
-
-
-def _sleep_after(seconds: float, kind: str) -> None:
-    time.sleep(seconds)
 
 
 def install_from_environment() -> None:
