@@ -17,6 +17,7 @@ the suite can spend).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -77,15 +78,24 @@ def replaced_collectives() -> list[str]:
     ]
 
 
-class Warnings(logging.Handler):
-    """The warnings mmpt logs while a scenario trains (a test reads them from the scenario's record)."""
+class Said(logging.Handler):
+    """What a scenario's run says on this rank, as its lines: mmpt's log messages (INFO and above) and what it
+    prints (the metric lines), which still reach the console. A test reads them from the scenario's record."""
 
     def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.console = sys.stdout
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+        self.lines.append(record.getMessage())
+
+    def write(self, text: str) -> int:  # stands in for sys.stdout
+        self.lines += text.splitlines()
+        return self.console.write(text)
+
+    def flush(self) -> None:
+        self.console.flush()
 
 
 def train_with_faults(cfg, spec: str) -> dict:
@@ -124,14 +134,14 @@ def run_scenario(scenario: dict, results: Path) -> None:
     started = time.perf_counter()
     run_dir = Path(scenario["run_dir"])
     replaced: set[str] = set()  # what stood in for a library's collective while a step ran
-    warnings = Warnings()
+    said = Said()
 
     def during_step(point: str, step: int) -> None:
         if point == "backward":
             replaced.update(replaced_collectives())
 
-    logging.getLogger("mmpt").addHandler(warnings)
-    with observing(during_step):
+    logging.getLogger("mmpt").addHandler(said)
+    with observing(during_step), contextlib.redirect_stdout(said):  # type: ignore[arg-type]
         if scenario["kind"] == "matrix":
             record = run_matrix_cell(scenario["config"], scenario["overrides"], run_dir)
         else:
@@ -147,14 +157,14 @@ def run_scenario(scenario: dict, results: Path) -> None:
                 stop = int(scenario["kind"].split(":")[1])
                 start(load_config(scenario["config"], [*overrides, f"train.max_steps={stop}"]))
             record = start(load_config(scenario["config"], overrides))
-    logging.getLogger("mmpt").removeHandler(warnings)
+    logging.getLogger("mmpt").removeHandler(said)
     if mdist.get_rank() == 0:
         record = {
             "name": scenario["name"],
             "run_dir": str(run_dir),
             "seconds": round(time.perf_counter() - started, 1),
             "replaced_collectives": sorted(replaced),
-            "warnings": warnings.messages,
+            "said": said.lines,
             **record,
         }
         with results.open("a") as out:
@@ -165,6 +175,7 @@ def run_scenario(scenario: dict, results: Path) -> None:
 def main(argv: list[str]) -> int:
     scenarios_file, results = (Path(a) for a in argv if not a.startswith("--local_rank"))
     logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("mmpt").setLevel(logging.INFO)  # what a run says, as `mmpt-train` shows it
     for scenario in json.loads(scenarios_file.read_text()):
         print(f"pool scenario: {scenario['name']}", flush=True)
         run_scenario(scenario, results)

@@ -167,7 +167,7 @@ def damaged_but_usable(corpora, run_dir):
 def test_damaged_web_shards_train_through_with_exact_counts(rank_pool):
     run_dir = rank_pool.run_dir("bad-data-through")
     plans = json.loads((run_dir.parent / "damaged-web/plans.json").read_text())
-    assert any(line.startswith("resumed from") for line in rank_pool.record("bad-data-through")["warnings"])
+    assert any(line.startswith("resumed from") for line in rank_pool.record("bad-data-through")["said"])
 
     from mmpt.engine import checkpoint
 

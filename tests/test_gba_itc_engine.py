@@ -235,6 +235,7 @@ def test_image_text_methods_pool_micro_batches_into_one_big_batch(tmp_path, stag
                 (str(tmp_path / f"{method}{i}"), stage, accum, image_text_section(method, loss, tmp_path)),
             )
             for i, (method, loss, accum) in enumerate(cells)
+            if stage == 0 or i in (1, 2)  # ZeRO-3: each method once; every loss variant at ZeRO-0
         ]
         + [
             (

@@ -218,10 +218,10 @@ def test_each_fault_is_told_apart_and_named_within_three_windows(rank_pool, kind
     record = rank_pool.record(NAMED[kind])
     assert record["stops"] == [None, None]
     report = json.loads((rank_pool.run_dir(NAMED[kind]) / "unhealthy.json").read_text())
-    assert [(r["kind"], r["rank"]) for r in report["ranks"]] == [(kind, 1)], named(record["warnings"])
+    assert [(r["kind"], r["rank"]) for r in report["ranks"]] == [(kind, 1)], named(record["said"])
     assert report["step"] <= 4  # the first window holds start-up; named by the third after it
     other = "slow collectives" if kind == "straggler" else "straggler"
-    lines = named(record["warnings"])
+    lines = named(record["said"])
     assert lines and all(f"{kind}: rank 1" in line and f"{other}: rank" not in line for line in lines), lines
     summary = json.loads((rank_pool.run_dir(NAMED[kind]) / "summary.json").read_text())  # the run's summary too
     expected = {"stragglers": [], "slow_collectives": []}
@@ -232,7 +232,7 @@ def test_each_fault_is_told_apart_and_named_within_three_windows(rank_pool, kind
 @pytest.mark.pool(CLEAN)
 def test_a_clean_run_names_nobody(rank_pool):
     run_dir = rank_pool.run_dir(CLEAN)
-    assert named(rank_pool.record(CLEAN)["warnings"]) == [] and not (run_dir / "unhealthy.json").exists()
+    assert named(rank_pool.record(CLEAN)["said"]) == [] and not (run_dir / "unhealthy.json").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stragglers"] == {} and summary["slow_collectives"] == {}
 

@@ -111,7 +111,7 @@ def test_sequence_parallel_zero2_equals_one_rank_and_resumes(reference, rank_poo
 
     # stopped after step 2: the resumed start's step 3 is the uninterrupted run's
     resumed = rank_pool.run_dir(SPLIT_RESUMED)
-    assert any(line.startswith("resumed from") for line in rank_pool.record(SPLIT_RESUMED)["warnings"])
+    assert any(line.startswith("resumed from") for line in rank_pool.record(SPLIT_RESUMED)["said"])
     again, records = losses(resumed)
     assert [r["step"] for r in records] == [1, 2, 3]
     for term in TERMS:

@@ -2,12 +2,14 @@
 reading different json fields, the M²-Encoder demo config trained on 2 ranks and evaluated."""
 
 import json
+from pathlib import Path
 
 import pytest
 from img2dataset_shards import write_set, write_shard
 
-from conftest import REPO, _deep_update, read_metrics, run_deepspeed, tiny_m2_arch, write_config
+from conftest import REPO, _deep_update, read_metrics, tiny_m2_arch
 from mmpt.config import read_config
+from pool import scenario
 
 SHRINK = {  # the M²-Encoder demo config at test size (as the config matrix shrinks it)
     "method": {
@@ -21,10 +23,8 @@ SHRINK = {  # the M²-Encoder demo config at test size (as the config matrix shr
 }
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(tmp_path, digits_root, zero_stage):
-    pattern = write_set(tmp_path / "web", shards=4, per_shard=24)
+def your_data_config(folder: Path, digits_root: Path, zero_stage: int) -> dict:
+    pattern = write_set(folder / "web", shards=4, per_shard=24)
     data, _, _ = read_config(REPO / "configs/m2_encoder/demo.yaml")
     cfg = _deep_update(data, SHRINK)
     cfg["extends"] = []
@@ -55,7 +55,7 @@ def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(
             "languages": ["zh"],
         },
         {
-            "dataset": str(write_shard(tmp_path / "heldout", 0, 20, start=1000)),
+            "dataset": str(write_shard(folder / "heldout", 0, 20, start=1000)),
             "task": "zeroshot_retrieval",
             "name": "heldout_zh",
             "caption_key": "json.caption_zh",
@@ -63,19 +63,36 @@ def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(
         },
     ]
     cfg["train"].update(zero_stage=zero_stage, eval_every=2)
-    cfg["run"] = {"output_dir": str(tmp_path / "run"), "progress_bar": False, "tensorboard": False}
-    result = run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
-    output = result.stdout + result.stderr
+    cfg["run"] = {"progress_bar": False, "tensorboard": False}
+    return cfg
+
+
+def your_data_scenario(zero_stage: int) -> str:
+    @scenario(f"your-data-zero{zero_stage}")
+    def build(corpora, run_dir):
+        folder = run_dir.parent / f"your-data-zero{zero_stage}-shards"
+        return your_data_config(folder, corpora["digits"], zero_stage), [], "train"
+
+    return f"your-data-zero{zero_stage}"
+
+
+SCENARIOS = {stage: your_data_scenario(stage) for stage in (2, 3)}
+
+
+@pytest.mark.parametrize("zero_stage", [pytest.param(s, marks=pytest.mark.pool(n)) for s, n in SCENARIOS.items()])
+def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(rank_pool, zero_stage):
+    run_dir = rank_pool.run_dir(SCENARIOS[zero_stage])
+    output = "\n".join(rank_pool.record(SCENARIOS[zero_stage])["said"])
     assert "caption_key=json.caption_zh" in output and "source 'en': 4 shard(s), 96 samples" in output
-    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     for source in ("en", "zh"):
         counts = summary["data"][source]
         assert counts["decoded"] > 0 and counts["skipped"] == 0, (source, counts)
     assert summary["data"]["en"]["decoded"] > summary["data"]["zh"]["decoded"]  # weights 1 : 0.5
-    final = read_metrics(tmp_path / "run")[-1]  # the evaluation at the end
+    final = read_metrics(run_dir)[-1]  # the evaluation at the end
     for language in ("en", "zh"):
         assert 0 <= final[f"eval/digits/{language}/acc1"] <= 1
-    evaluated = {r["step"]: r for r in read_metrics(tmp_path / "run") if "eval/digits/seconds" in r}
+    evaluated = {r["step"]: r for r in read_metrics(run_dir) if "eval/digits/seconds" in r}
     assert set(evaluated) == {2, 4}  # every eval_every steps, and at the end
     for record in evaluated.values():
         assert {
@@ -85,4 +102,4 @@ def test_bilingual_img2dataset_shards_train_the_m2_encoder_from_two_json_fields(
             "eval/digits_retrieval/seconds",
             "eval/heldout_zh/zh/mean_recall",
         } <= set(record)
-    assert "eval step 2 digits/en/acc1=" in result.stdout
+    assert "eval step 2 digits/en/acc1=" in output
