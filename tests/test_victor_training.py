@@ -5,14 +5,14 @@ and a resumed run restoring the memory queues exactly."""
 import json
 import math
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, read_metrics, run_deepspeed, run_tool, train_in_process
+from conftest import REPO, read_metrics, run_tool, train_in_process
+from pool import scenario
 
 pytestmark = pytest.mark.distributed
 
@@ -27,24 +27,10 @@ SHORT = [
 ]
 
 
-def train_demo(cwd: Path, *overrides: str, ranks: int = 2) -> subprocess.CompletedProcess:
-    return run_deepspeed(REPO / "configs/victor/demo.yaml", *SHORT, *overrides, ranks=ranks, cwd=cwd, timeout=900)
-
-
 def zeroshot_cli(cwd, run, dataset, language, out):
     args = ["--model", str(run), "--dataset", dataset, "--task", "zeroshot_retrieval", "--language", language]
     run_tool("zeroshot", *args, "--output", str(out), cwd=cwd, timeout=300)
     return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def zero3_run(module_tmp):
-    """4 steps of the demo config under ZeRO-3, a checkpoint after every step. Momentum 0.5: after each
-    step the key network must be the EMA of its previous value and the query towers just updated, which
-    needs the engine to gather ZeRO-3's partitioned parameters for the update."""
-    cwd = module_tmp("victor")
-    train_demo(cwd, *ZERO3)
-    return cwd
 
 
 MOMENTUM = 0.75
@@ -54,12 +40,31 @@ ZERO3 = [
     "train.keep_last=4",
     "train.zero_stage=3",
     f"method.momentum={MOMENTUM}",
+    "optim.min_lr_ratio=1.0",  # a constant rate after warm-up: a start stopped at step 2 is a killed one
 ]
 
 
-def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
-    tmp_path = zero3_run
-    run = tmp_path / "runs/victor-demo"
+def victor_scenario(name: str, kind: str) -> str:
+    """4 steps of the demo config under ZeRO-3, a checkpoint after every step, in the shared pool (whose folder
+    the demo's relative paths point into). Momentum 0.75: after each step the key network must be the EMA of its
+    previous value and the query towers just updated, which needs the engine to gather ZeRO-3's partitioned
+    parameters for the update."""
+
+    @scenario(name)
+    def build(corpora, run_dir):
+        return REPO / "configs/victor/demo.yaml", [*SHORT, *ZERO3], kind
+
+    return name
+
+
+WHOLE = victor_scenario("victor-demo-zero3", "train")
+RESUMED = victor_scenario("victor-demo-zero3-resumed", "stop_at:2")  # stopped after step 2, then resumed
+
+
+@pytest.mark.pool(WHOLE)
+def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(rank_pool, tmp_path):
+    run = rank_pool.run_dir(WHOLE)
+    cwd = run.parent  # where the demo's relative paths point
     records = [r for r in read_metrics(run) if "loss/total" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for task in TASKS:
@@ -73,7 +78,7 @@ def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
     # key_s = m * key_(s-1) + (1 - m) * query_s for every weight, the query towers' parameters whole (consolidated
     # from the ZeRO-3 shards). Batch-norm statistics are left out: the key network's own forward moves them too.
     # At step 1 the previous key network is the initial query towers: the run's model built again from its seed.
-    key = initial_towers(tmp_path, run)
+    key = initial_towers(cwd, run)
     for step in (1, 2, 3, 4):
         query, previous, key = query_parameters(run, step), key, key_network(run, step)
         assert query.keys() <= key.keys() and len(query) > 20
@@ -97,15 +102,15 @@ def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(zero3_run):
     for language in ("en", "zh"):
         for key in ("video_retrieval_recall@1", "text_retrieval_recall@10", "video_retrieval_median_rank"):
             assert f"retrieval/{language}/{key}" in final
-        record = zeroshot_cli(tmp_path, run, "moving_digits", language, tmp_path / f"{language}.json")
+        record = zeroshot_cli(cwd, run, "moving_digits", language, tmp_path / f"{language}.json")
         for key, value in record["metrics"].items():
             # The end-of-training evaluation ran inside a DeepSpeed rank, this one in a fresh process: last-bit
             # differences can swap a pair of near-tied scores of a 4-step model, moving a rank by one.
             if f"retrieval/{language}/{key}" in final:
                 assert value == pytest.approx(final[f"retrieval/{language}/{key}"], abs=0.01, rel=0.01), key
     # the MSR-VTT-style csv (first caption of each clip) over the same clips
-    csv_record = zeroshot_cli(tmp_path, run, "demo_data/moving_digits/test/msrvtt_en.csv", "en", tmp_path / "csv.json")
-    clips = len((tmp_path / "demo_data/moving_digits/test/msrvtt_en.csv").read_text().splitlines()) - 1
+    csv_record = zeroshot_cli(cwd, run, "demo_data/moving_digits/test/msrvtt_en.csv", "en", tmp_path / "csv.json")
+    clips = len((cwd / "demo_data/moving_digits/test/msrvtt_en.csv").read_text().splitlines()) - 1
     assert 1 <= csv_record["metrics"]["video_retrieval_median_rank"] <= clips
 
 
@@ -174,12 +179,13 @@ def query_parameters(run: Path, step: int) -> dict:
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix) and k not in buffers}
 
 
-def killed_after_step_2(cwd: Path, target: Path) -> Path:
-    """A copy of the ZeRO-3 run as if killed after step 2: only its step-2 checkpoint survives."""
+def killed_after_step_2(run: Path, target: Path) -> Path:
+    """A copy of the ZeRO-3 run as if killed after step 2 (only its step-2 checkpoint survives), at
+    `target`/runs/victor-demo, with the demo's data beside it."""
     target.mkdir()
-    (target / "demo_data").symlink_to(cwd / "demo_data")
+    (target / "demo_data").symlink_to(run.parent / "demo_data")
     shutil.copytree(
-        cwd / "runs/victor-demo",
+        run,
         target / "runs/victor-demo",
         ignore=shutil.ignore_patterns("step_000000003", "step_000000004", "model.safetensors", "eval", "metrics.jsonl"),
     )
@@ -187,13 +193,12 @@ def killed_after_step_2(cwd: Path, target: Path) -> Path:
     return target
 
 
-def test_resumed_run_restores_the_memory_queues(zero3_run, tmp_path):
-    run = zero3_run / "runs/victor-demo"
+@pytest.mark.pool(WHOLE, RESUMED)
+def test_resumed_run_restores_the_memory_queues(rank_pool):
+    run, resumed = rank_pool.run_dir(WHOLE), rank_pool.run_dir(RESUMED)
+    assert any(line.startswith("resumed from") for line in rank_pool.record(RESUMED)["said"])
     uninterrupted = checkpoint_module(run, 4)
-    resumed = killed_after_step_2(zero3_run, tmp_path / "resumed")
-    result = train_demo(resumed, *ZERO3)
-    assert "resumed from" in result.stdout + result.stderr
-    again = checkpoint_module(resumed / "runs/victor-demo", 4)
+    again = checkpoint_module(resumed, 4)
     queues = [k for k in uninterrupted if "_queue." in k]
     assert {k.split(".")[1] for k in queues} == {"video_queue", "text_queue", "frame_queue"}
     assert int(uninterrupted["loss.video_queue.count"]) == 24  # 4 pushes of 2 ranks x 8 keys, capped at 24
@@ -202,20 +207,21 @@ def test_resumed_run_restores_the_memory_queues(zero3_run, tmp_path):
         assert torch.equal(uninterrupted[name], again[name]), name
         assert torch.equal(uninterrupted[name], other_rank[name]), name  # the same queue on every rank
     for rank in (0, 1):  # under ZeRO-3 each rank saved its own partition of the key network
-        uninterrupted, again = checkpoint_module(run, 4, rank), checkpoint_module(resumed / "runs/victor-demo", 4, rank)
+        uninterrupted, again = checkpoint_module(run, 4, rank), checkpoint_module(resumed, 4, rank)
         keys = [k for k in uninterrupted if k.startswith("model.key.")]
         assert len(keys) > 20
         for name in keys:
             assert torch.equal(uninterrupted[name], again[name]), (rank, name)
 
 
-def test_key_network_resumes_on_another_number_of_ranks(zero3_run, tmp_path, process_group_of_one, monkeypatch, caplog):
+@pytest.mark.pool(WHOLE)
+def test_key_network_resumes_on_another_number_of_ranks(rank_pool, tmp_path, process_group_of_one, monkeypatch, caplog):
     """The 2-rank ZeRO-3 checkpoint of step 2 loaded by one rank (in this process): its key network, rebuilt from
     both ranks' partitions, is written whole into the consolidated weights, equal to what the two ranks saved."""
     from mmpt.config_loader import load_config
 
-    run = zero3_run / "runs/victor-demo"
-    elastic = killed_after_step_2(zero3_run, tmp_path / "elastic")
+    run = rank_pool.run_dir(WHOLE)
+    elastic = killed_after_step_2(run, tmp_path / "elastic")
     monkeypatch.chdir(elastic)  # the demo's relative paths
     with caplog.at_level("WARNING", logger="mmpt"):
         train_in_process(load_config(REPO / "configs/victor/demo.yaml", [*SHORT, *ZERO3[1:], "train.max_steps=2"]))
