@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import mmpt
-from conftest import REPO, launcher_env, run_deepspeed, tiny_config, write_config
+from conftest import REPO, launcher_env, tiny_config
 from mmpt.methods import get_method
 from mmpt.release import PretrainedModel, ReleaseError, load_directory, model_config
+from pool import scenario
 
 TEXTS = ["a handwritten digit seven", "手写的数字三"]
 
@@ -106,11 +107,18 @@ def test_video_round_trip(tmp_path, moving_digits_root):
     assert embed(loaded)[0].shape == (3, 16)
 
 
-@pytest.mark.distributed
-def test_export_from_a_two_rank_zero3_run_equals_the_trained_model(tmp_path, digits_root):
-    run_dir = tmp_path / "run"
-    cfg = tiny_config(digits_root, run_dir, train={"zero_stage": 3, "max_steps": 4, "save_every": 4})
-    run_deepspeed(write_config(tmp_path / "cfg.yaml", cfg))
+@scenario("release-zero3")
+def two_rank_zero3(corpora, run_dir):
+    return (
+        tiny_config(corpora["digits"], run_dir, train={"zero_stage": 3, "max_steps": 4, "save_every": 4}),
+        [],
+        "train",
+    )
+
+
+@pytest.mark.pool("release-zero3")
+def test_export_from_a_two_rank_zero3_run_equals_the_trained_model(rank_pool, tmp_path):
+    run_dir = rank_pool.run_dir("release-zero3")
     subprocess.run(
         [
             sys.executable,
