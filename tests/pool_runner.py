@@ -80,22 +80,30 @@ def replaced_collectives() -> list[str]:
 
 class Said(logging.Handler):
     """What a scenario's run says on this rank, as its lines: mmpt's log messages (INFO and above) and what it
-    prints (the metric lines), which still reach the console. A test reads them from the scenario's record."""
+    prints (the metric lines, through `printed`, which still reach the console). A test reads them from the
+    scenario's record."""
 
     def __init__(self):
         super().__init__(logging.INFO)
         self.lines: list[str] = []
-        self.console = sys.stdout
+        self.printed = _Tee(self.lines, sys.stdout)
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
 
-    def write(self, text: str) -> int:  # stands in for sys.stdout
+
+class _Tee:
+    """sys.stdout that also keeps what is written to it, as lines; the console answers everything else."""
+
+    def __init__(self, lines: list[str], console):
+        self.lines, self.console = lines, console
+
+    def write(self, text: str) -> int:
         self.lines += text.splitlines()
         return self.console.write(text)
 
-    def flush(self) -> None:
-        self.console.flush()
+    def __getattr__(self, name: str):
+        return getattr(self.console, name)
 
 
 def train_with_faults(cfg, spec: str) -> dict:
@@ -141,7 +149,7 @@ def run_scenario(scenario: dict, results: Path) -> None:
             replaced.update(replaced_collectives())
 
     logging.getLogger("mmpt").addHandler(said)
-    with observing(during_step), contextlib.redirect_stdout(said):  # type: ignore[arg-type]
+    with observing(during_step), contextlib.redirect_stdout(said.printed):  # type: ignore[arg-type]
         if scenario["kind"] == "matrix":
             record = run_matrix_cell(scenario["config"], scenario["overrides"], run_dir)
         else:
