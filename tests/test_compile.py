@@ -38,9 +38,9 @@ PARAM_RTOL = 5e-3  # each parameter holding at least 1% of the gradient's norm, 
 AFTER_UPDATE = 10
 # VICTOR: its projection heads' batch norm over 4 rows and its 1/0.07 temperatures amplify the reordering further:
 # its text tower's gradients differ by 3e-3 and the whole gradient by up to 2.3% (measured). clip: its demo ResNet's
-# batch norm over micro-batches of 4 does too after the first update; how much depends on the batches drawn
-# (2.3e-3 alone, 1.5e-2 inside the whole default run, measured).
-LOOSER = {"victor": 50, "clip": 3}
+# batch norm over micro-batches of 4 does too; how much depends on the batches drawn and differs between runs
+# (whole gradient, measured: 2.3e-3 to 1.1e-2 at the first step, up to 1.5e-2 after it).
+LOOSER = {"victor": 50, "clip": 20}
 STEPS, ACCUM = 2, 2
 
 
