@@ -228,10 +228,10 @@ def run_deepspeed(
 
 
 def threads_per_rank(ranks: int) -> int:
-    """Torch's intra-op threads for each of `ranks` processes sharing this machine: its cores split among them, one
-    each where there are fewer cores than ranks (torchrun's default). Left to itself every rank starts a thread per
-    core, and on 2 cores two ranks' threads preempt each other: a 2-rank ZeRO-3 test took 38 s so, 26 s with one
-    thread a rank. `OMP_NUM_THREADS`, where set, wins."""
+    """Torch's intra-op threads for each of `ranks` processes sharing this machine: its cores split among them, at
+    least one each (torchrun gives every rank one). Left to itself every rank starts a thread per core, and on 2 cores
+    two ranks' threads preempt each other: a 2-rank ZeRO-3 test took 38 s so, 26 s with one thread a rank.
+    `OMP_NUM_THREADS`, where set, wins."""
     return int(os.environ.get("OMP_NUM_THREADS") or max(1, len(os.sched_getaffinity(0)) // ranks))
 
 
