@@ -178,21 +178,14 @@ def deepspeed_command(config: Path, *overrides: str, ranks: int = 2) -> list[str
 
 
 def run_command(
-    command: list[str],
-    *,
-    cwd: Path = REPO,
-    timeout: int = 600,
-    env: dict | None = None,
-    check: bool = True,
-    ranks: int = 1,
+    command: list[str], *, cwd: Path = REPO, timeout: int = 600, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """`command` (starting `ranks` processes) run as a user runs it: from `cwd`, in the launcher's environment (with
-    `env` on top), its output captured as text. A non-zero exit fails the test with the tail of the output, unless
-    `check` is False."""
+    """`command` run as a user runs it: from `cwd`, in the launcher's environment (with `env` on top), its output
+    captured as text. A non-zero exit fails the test with the tail of the output, unless `check` is False."""
     result = subprocess.run(
         command,
         cwd=cwd,
-        env={**launcher_env(ranks), **(env or {})},
+        env={**launcher_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -223,25 +216,23 @@ def run_tool(tool: str, *args: str, **options) -> subprocess.CompletedProcess:
 def run_deepspeed(
     config: Path, *overrides: str, ranks: int = 2, timeout: int = 600, env: dict | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
-    command = deepspeed_command(config, *overrides, ranks=ranks)
-    return run_command(command, cwd=cwd, timeout=timeout, env=env, ranks=ranks)
+    return run_command(deepspeed_command(config, *overrides, ranks=ranks), cwd=cwd, timeout=timeout, env=env)
 
 
 def threads_per_rank(ranks: int) -> int:
-    """Torch's intra-op threads for each of `ranks` processes sharing this machine: its cores split among them, at
-    least one each (torchrun gives every rank one). Left to itself every rank starts a thread per core, and on 2 cores
-    two ranks' threads preempt each other: a 2-rank ZeRO-3 test took 38 s so, 26 s with one thread a rank.
-    `OMP_NUM_THREADS`, where set, wins."""
+    """Torch's intra-op threads for each of `ranks` spawned gloo ranks sharing this machine: its cores split among
+    them, at least one each (torchrun gives every rank one). Left to itself every rank starts a thread per core, and
+    on 2 cores two ranks' threads preempt each other: GBA-ITC's pooled accumulation at ZeRO-3 took 62 s so, 29 s
+    with one thread a rank. `OMP_NUM_THREADS`, where set, wins. Launched runs keep torch's default: the extended
+    tier's shared pool took longer with one thread a rank in two fresh clones (docs/testing.md)."""
     return int(os.environ.get("OMP_NUM_THREADS") or max(1, len(os.sched_getaffinity(0)) // ranks))
 
 
-def launcher_env(ranks: int = 1) -> dict:
-    """The environment a launch of `ranks` processes on this machine starts from."""
+def launcher_env() -> dict:
     env = dict(os.environ)
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = str(threads_per_rank(ranks))
     return env
 
 

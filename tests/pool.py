@@ -103,7 +103,7 @@ def run_pool(scenarios: list[dict], root: Path) -> RankPool:
         str(listed),
         str(results),
     ]
-    result = subprocess.run(command, cwd=root, env=launcher_env(ranks=2), capture_output=True, text=True, timeout=2400)
+    result = subprocess.run(command, cwd=root, env=launcher_env(), capture_output=True, text=True, timeout=2400)
     done = {}
     if results.exists():
         done = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())}

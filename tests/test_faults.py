@@ -46,7 +46,7 @@ def reference(rank_pool):
 
 
 def supervised(config, faults_text: str, restarts: int) -> subprocess.CompletedProcess:
-    env = dict(launcher_env(ranks=2), **faults.environment(faults_text))
+    env = dict(launcher_env(), **faults.environment(faults_text))
     command = [
         sys.executable,
         str(REPO / "launch/supervise.py"),
@@ -111,7 +111,7 @@ def test_watchdog_names_the_sleeping_rank_and_exits(tmp_path, digits_root):
         tmp_path / "cfg.yaml",
         tiny_config(digits_root, tmp_path / "run", train={**STEPS, "watchdog_timeout": 5, "save_every": 0}),
     )
-    env = dict(launcher_env(ranks=2), **faults.environment("sleep=600@data,step=3,rank=1"))
+    env = dict(launcher_env(), **faults.environment("sleep=600@data,step=3,rank=1"))
     process = subprocess.Popen(
         deepspeed_command(config) + faults.ARGS,
         cwd=REPO,

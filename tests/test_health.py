@@ -274,7 +274,7 @@ def test_two_nodes_the_faulty_rank_and_its_node_are_named(tmp_path, digits_root,
         tmp_path / "cfg.yaml",
         tiny_config(digits_root, tmp_path / "run", train=settings, data={"train": {"batch_size": 8}}),
     )
-    env = {k: v for k, v in launcher_env(ranks=4).items() if k not in STALE_LAUNCHER_VARIABLES}
+    env = {k: v for k, v in launcher_env().items() if k not in STALE_LAUNCHER_VARIABLES}
     env.update(faults.environment(fault))
     script = [str(REPO / "launch/train.py"), "--config", str(config), *faults.ARGS]
     commands = node_commands("torchrun", 2, 2, tmp_path, script)

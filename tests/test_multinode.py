@@ -173,7 +173,7 @@ def stop_tree(process: subprocess.Popen) -> None:
 
 
 def node_env(record_dir: Path) -> dict:
-    env = launcher_env(ranks=4)
+    env = launcher_env()
     for name in STALE_LAUNCHER_VARIABLES:
         env.pop(name, None)
     record_dir.mkdir(parents=True)

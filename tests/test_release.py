@@ -263,7 +263,7 @@ def test_embed_killed_and_restarted_embeds_every_sample_once(tmp_path, digits_ro
     out = tmp_path / "out"
     job = subprocess.Popen(
         embed_command(release, shards, out, processes=2),
-        env=launcher_env(ranks=2),
+        env=launcher_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -314,7 +314,7 @@ def test_embed_videos_with_a_bad_clip_recorded(tmp_path, moving_digits_root):
     out = tmp_path / "out"
     subprocess.run(
         embed_command(release, shards, out, processes=2, modality="video"),
-        env=launcher_env(ranks=2),
+        env=launcher_env(),
         check=True,
         capture_output=True,
     )

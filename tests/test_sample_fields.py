@@ -225,7 +225,7 @@ def test_an_unusable_source_stops_a_two_rank_run_with_exit_3_in_seconds(
     result = subprocess.run(
         deepspeed_command(write_config(tmp_path / "cfg.yaml", cfg)),
         cwd=REPO,
-        env=launcher_env(ranks=2),
+        env=launcher_env(),
         capture_output=True,
         text=True,
         timeout=300,

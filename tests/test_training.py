@@ -83,7 +83,7 @@ def test_torchrun_two_ranks_zero0_lowers_the_loss(tmp_path, digits_root):
         "--config",
         str(config),
     ]
-    run_command(command, ranks=2)
+    run_command(command)
     assert_loss_went_down(run_dir)
 
 
