@@ -233,6 +233,8 @@ def launcher_env() -> dict:
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     env["PYTHONUNBUFFERED"] = "1"
+    # Ranks sharing the cores: an idle OpenMP thread sleeps instead of spinning, which starved the other rank.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 
@@ -312,10 +314,13 @@ def step_losses(run_dir: Path) -> dict[int, float]:
 
 def _gloo_worker(rank, world, port, module, checks, queue):
     import torch
+    import torch._inductor.config as inductor
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(threads_per_rank(world))
+    threads = threads_per_rank(world)
+    torch.set_num_threads(threads)
+    inductor.compile_threads = threads  # its default, a compile worker a core, is for one process
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         functions = importlib.import_module(module)

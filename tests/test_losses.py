@@ -1,15 +1,11 @@
 """The contrastive loss against open_clip's ClipLoss, on one process and on 2 gloo ranks."""
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss
 
-from conftest import free_port
+from conftest import run_on_gloo_ranks
 from mmpt.distributed import all_gather_with_grad
 from mmpt.losses import GroupedContrastiveLoss
 
@@ -36,53 +32,31 @@ def test_single_process_matches_open_clip():
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
 
 
-def _worker(rank, world, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        image, text = features(100 + rank)
-        scale = torch.tensor([10.0], requires_grad=True)
-        ours = GroupedContrastiveLoss()(image, text, scale)
-        ours.backward()
-        mine = [ours.detach(), image.grad.clone(), text.grad.clone(), scale.grad.clone()]
-        for t in (image, text, scale):
-            t.grad = None
-        theirs = ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)(image, text, scale)
-        theirs.backward()
-        reference = [theirs.detach(), image.grad.clone(), text.grad.clone(), scale.grad.clone()]
-        # The gather itself: forward is rank-ordered concatenation, backward sums every rank's gradient.
-        x = torch.full((2, 3), float(rank), requires_grad=True)
-        gathered = all_gather_with_grad(x)
-        (gathered * torch.arange(1.0, 5.0)[:, None]).sum().backward()
-        dist.barrier()
-        # Plain lists: tensors would travel as shared-memory handles that die with this process.
-        queue.put(
-            (rank, [t.tolist() for t in mine], [t.tolist() for t in reference], gathered.tolist(), x.grad.tolist())
-        )
-    finally:
-        dist.destroy_process_group()
+def check_two_ranks_match_open_clip(rank: int) -> None:
+    """On each of 2 gloo ranks: loss and gradients equal open_clip's local loss with gathered gradients, and the
+    gather itself concatenates in rank order forward and sums every rank's gradient backward."""
+    image, text = features(100 + rank)
+    scale = torch.tensor([10.0], requires_grad=True)
+    ours = GroupedContrastiveLoss()(image, text, scale)
+    ours.backward()
+    mine = [ours.detach(), image.grad.clone(), text.grad.clone(), scale.grad.clone()]
+    for t in (image, text, scale):
+        t.grad = None
+    theirs = ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=2)(image, text, scale)
+    theirs.backward()
+    for a, b in zip(mine, [theirs.detach(), image.grad, text.grad, scale.grad]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    x = torch.full((2, 3), float(rank), requires_grad=True)
+    gathered = all_gather_with_grad(x)
+    (gathered * torch.arange(1.0, 5.0)[:, None]).sum().backward()
+    torch.testing.assert_close(gathered.detach(), torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))
+    # d/dx of sum_r sum_i w_i * gathered_i: each rank's rows get weights (1,2) or (3,4), times 2 ranks.
+    expected = torch.tensor([[2.0] * 3, [4.0] * 3]) if rank == 0 else torch.tensor([[6.0] * 3, [8.0] * 3])
+    torch.testing.assert_close(x.grad, expected)
 
 
 def test_two_ranks_match_open_clip_local_loss_with_gathered_gradients():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    processes = [ctx.Process(target=_worker, args=(rank, 2, port, queue)) for rank in range(2)]
-    for p in processes:
-        p.start()
-    results = dict((item[0], item[1:]) for item in (queue.get(timeout=900) for _ in processes))
-    for p in processes:
-        p.join(timeout=300)
-        assert p.exitcode == 0
-    for rank, lists in results.items():
-        mine, reference = [torch.tensor(t) for t in lists[0]], [torch.tensor(t) for t in lists[1]]
-        gathered, x_grad = torch.tensor(lists[2]), torch.tensor(lists[3])
-        for a, b in zip(mine, reference):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-        torch.testing.assert_close(gathered, torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))
-        # d/dx of sum_r sum_i w_i * gathered_i: each rank's rows get weights (1,2) or (3,4), times 2 ranks.
-        expected = torch.tensor([[2.0] * 3, [4.0] * 3]) if rank == 0 else torch.tensor([[6.0] * 3, [8.0] * 3])
-        torch.testing.assert_close(x_grad, expected)
+    run_on_gloo_ranks("test_losses", [("check_two_ranks_match_open_clip", ())], world=2)
 
 
 @pytest.mark.parametrize("rows", [1, 5])
