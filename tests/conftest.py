@@ -53,11 +53,29 @@ def process_group_of_one():
     import torch.distributed as dist
 
     backend = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` as an attribute is torch
+    freeze_what_training_imports()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(backend, "build_shm_op", lambda: None)
         yield
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def freeze_what_training_imports() -> None:
+    """Every method's modules imported, then every object so far moved out of the garbage collector's sight
+    (`gc.freeze`): the full collections of a run (the trainer's as it frees its engine, DeepSpeed's at ZeRO-3's
+    start) then walk what runs create, not the half million objects of torch, DeepSpeed and transformers (about
+    a second a collection on 2 cores, several a run). For processes that train many runs, tests/ only: frozen
+    objects are never collected, which a long-lived user process must not have."""
+    import gc
+
+    import mmpt.engine.run  # noqa: F401
+    from mmpt.methods import get_method, list_methods
+
+    for name in list_methods():
+        get_method(name)
+    gc.collect()
+    gc.freeze()
 
 
 SMALL_MOVING_DIGITS = {"clips_per_kind": 12, "test_clips_per_kind": 6, "shard_size": 8}

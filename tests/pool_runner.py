@@ -184,6 +184,9 @@ def main(argv: list[str]) -> int:
     scenarios_file, results = (Path(a) for a in argv if not a.startswith("--local_rank"))
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("mmpt").setLevel(logging.INFO)  # what a run says, as `mmpt-train` shows it
+    from conftest import freeze_what_training_imports
+
+    freeze_what_training_imports()
     for scenario in json.loads(scenarios_file.read_text()):
         print(f"pool scenario: {scenario['name']}", flush=True)
         run_scenario(scenario, results)
