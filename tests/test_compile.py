@@ -3,7 +3,8 @@
 For every method, a compiled engine and an eager one are built from the same config (the method's tiny
 size, its demo data, fp32, 2 micro-batches per step) and take 2 optimizer steps on the same batches with the
 same RNG; per step, the loss terms and the full gradient at the accumulation boundary must agree within
-`LOSS_RTOL`, `GRAD_RTOL` and `PARAM_RTOL` (inductor fuses and reorders fp32 arithmetic; not bit-exact), the second
+`LOSS_RTOL`, `GRAD_RTOL` and `PARAM_RTOL` (inductor fuses and reorders fp32 arithmetic; not bit-exact), every loss
+term within `LOSS_BOUND` (1e-3) whatever the method's looser factors, the second
 step after the optimizer applied the first. Random ops in compiled code draw as eager ones do
 (`torch._inductor.config.fallback_random`), so dropout matches too. The compiled model keeps the eager
 model's state-dict keys.
@@ -41,6 +42,9 @@ AFTER_UPDATE = 10
 # batch norm over micro-batches of 4 does too; how much depends on the batches drawn and differs between runs
 # (whole gradient, measured: 2.3e-3 to 1.1e-2 at the first step, up to 1.5e-2 after it).
 LOOSER = {"victor": 50, "clip": 20}
+# Whatever the method, stage and step, no loss term may differ by more (relative). Measured with an empty cache: at
+# most 2.4e-4 (VICTOR's dual_vsa after the update), clip 1.5e-4, every other method below 3e-7.
+LOSS_BOUND = 1e-3
 STEPS, ACCUM = 2, 2
 
 
@@ -113,7 +117,7 @@ def compare(name: str, eager: list[dict], compiled: list[dict]) -> None:
             torch.testing.assert_close(
                 mine["terms"][term],
                 value,
-                rtol=LOSS_RTOL * scale,
+                rtol=min(LOSS_RTOL * scale, LOSS_BOUND),
                 atol=0,
                 msg=lambda m, step=step, term=term: f"{name} step {step}: loss term '{term}': {m}",
             )
