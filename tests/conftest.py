@@ -64,8 +64,8 @@ def process_group_of_one():
 def freeze_what_training_imports() -> None:
     """Every method's modules imported, then every object so far moved out of the garbage collector's sight
     (`gc.freeze`): the full collections of a run (the trainer's as it frees its engine, DeepSpeed's at ZeRO-3's
-    start) then walk what runs create, not the half million objects of torch, DeepSpeed and transformers (about
-    a second a collection on 2 cores, several a run). For processes that train many runs, tests/ only: frozen
+    start) then walk what runs create, not the half million objects of torch, DeepSpeed and transformers (0.5-1 s
+    a collection on 2 cores, several a run). For processes that train many runs, tests/ only: frozen
     objects are never collected, which a long-lived user process must not have."""
     import gc
 
