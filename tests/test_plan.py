@@ -110,11 +110,6 @@ def check_planned_states_are_held(rank, tokenizer):
     assert not misses, "; ".join(misses)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with DeepSpeed's default buckets on CPU ranks, fp32 ZeRO-1/2 ranks hold 16% more optimizer bytes than "
-    "the planner predicts (it still models the former CPU bucket sizes)",
-)
 def test_planned_model_states_are_what_deepspeed_ranks_hold(digits_root):
     run_on_gloo_ranks(__name__, [("check_planned_states_are_held", (str(digits_root / "tokenizer.json"),))], 2)
 

@@ -8,7 +8,9 @@ partition (4 / n) that each bucket is reduced into. bf16 at ZeRO-0 is autocast o
 (`mmpt.engine.precision.policy`): its states are fp32 training's. fp16 at ZeRO-0 keeps the 16-bit `.grad`
 (2) plus the fp32 copy of each that DeepSpeed's unfused optimizer makes for the step (4). fp32 training
 keeps 4-byte weights and gradients, and
-ZeRO 1-3 still keep an fp32 partition of the weights beside the moments. ZeRO-1 partitions the optimizer
+ZeRO 1-3 still keep an fp32 partition of the weights beside the moments; at its step, fp32 ZeRO 1-2 holds the
+reduced gradient partition twice (DeepSpeed flattens it into the master partition's `.grad` while the
+contiguous buffer it was reduced into is still referenced). ZeRO-1 partitions the optimizer
 state, ZeRO-2 also the gradients, ZeRO-3 also the weights, except the parameters of at most
 `PERSISTENCE_THRESHOLD` elements, which every rank keeps whole; plus the largest layer gathered whole (4 bytes
 per parameter as DeepSpeed's estimator counts it) and ZeRO++'s secondary shard of `hpz` ranks. DeepSpeed's
@@ -83,6 +85,9 @@ def model_states(counts: Counts, layout: Layout) -> States:
         gradients, optimizer = (grad16 + grad32 if mixed else grad32 // n), optimizer // n
     else:  # ZeRO 2-3 reduce each bucket straight into the fp32 partition
         gradients, optimizer = grad32 // n, optimizer // n
+    if stage in (1, 2) and not mixed:
+        # fp32: the step hands the optimizer a flat copy of the reduced partition, which is still held
+        gradients += grad32 // n
     host = 0
     if layout.offload and stage > 0:
         host = optimizer + grad32 // n
