@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as profiler
 
 from mmpt.config_loader import load_config
-from mmpt.engine.precision import DTYPES
+from mmpt.engine.precision import policy
 from mmpt.plan.batches import micro_batch
 from mmpt.plan.build import built
 from mmpt.plan.held import HELD_BUCKET
@@ -46,12 +48,20 @@ CASES = [
 ]
 
 
+@contextmanager
+def real_model(config: str, overrides: list[str]) -> Iterator[Any]:
+    """The model built with real weights on CPU, initialised as training initialises them, in the dtype training
+    holds it in (bf16 at ZeRO-0 is autocast over an fp32 model: `mmpt.engine.precision.policy`)."""
+    cfg = load_config(ROOT / config, overrides)
+    with built(cfg, device="cpu") as b:
+        b.model.to(policy(cfg.train.precision, cfg.train.zero_stage).model)
+        set_checkpointing(b.model, bool(getattr(getattr(cfg.method, "arch", None), "grad_checkpointing", False)))
+        yield b
+
+
 def measured(config: str, overrides: list[str], batch: int) -> int:
     """Peak working bytes of one real micro-batch on CPU."""
-    cfg = load_config(ROOT / config, overrides)
-    with built(cfg, device="cpu") as b:  # real weights, initialised as training initialises them
-        b.model.to(DTYPES[cfg.train.precision])
-        set_checkpointing(b.model, bool(getattr(getattr(cfg.method, "arch", None), "grad_checkpointing", False)))
+    with real_model(config, overrides) as b:
         return measure_step(b, batch).peak_bytes
 
 
@@ -59,10 +69,7 @@ def allocator_peak(config: str, overrides: list[str], batch: int) -> int:
     """Peak of one real micro-batch on CPU as the allocator records it: torch.profiler's memory records (every
     allocation and free, in order) summed, their running maximum taken. Gradients are freed once accumulated,
     as the planner's working bytes exclude them (model states count them)."""
-    cfg = load_config(ROOT / config, overrides)
-    with built(cfg, device="cpu") as b:
-        b.model.to(DTYPES[cfg.train.precision])
-        set_checkpointing(b.model, bool(getattr(getattr(cfg.method, "arch", None), "grad_checkpointing", False)))
+    with real_model(config, overrides) as b:
         b.model.train()
         inputs = micro_batch(b, batch)
         handles = drop_gradients(b.model)
