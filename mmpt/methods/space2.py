@@ -289,41 +289,35 @@ class Space2Method(Method[Space2Config]):
         self, model: Space2Encoder, cfg: Config, run_dir: Path, eval_set, language: str
     ) -> dict[str, float]:
         """The intent probe of `method.intent_eval` (shots, seeds; no fine-tuning) on another set."""
-        from mmpt.eval.intent import intent_classification, resolve_intent_dataset
-
-        ev = self.settings(cfg).intent_eval
-        encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg), with_mlm=False)
-        result = intent_classification(
-            model,
-            encoder,
-            resolve_intent_dataset(eval_set.dataset, cfg.data.root),
-            shots=ev.shots,
-            full=ev.full,
-            seeds=ev.seeds,
-            batch_size=ev.batch_size,
-        )
-        return result["metrics"]
+        return self._intent_classification(model, cfg, run_dir, eval_set.dataset, fine_tune=False)["metrics"]
 
     def evaluates_at_end(self, cfg: Config) -> bool:
         return self.settings(cfg).intent_eval.dataset is not None
 
-    def evaluate(self, model: Space2Encoder, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        ev = self.settings(cfg).intent_eval
-        if ev.dataset is None:
-            return {}
+    def _intent_classification(
+        self, model: Space2Encoder, cfg: Config, run_dir: Path, dataset: str, fine_tune: bool
+    ) -> dict[str, Any]:
+        """`method.intent_eval`'s probe (and its fine-tuning, where asked and configured) on `dataset`."""
         from mmpt.eval.intent import FineTuning, intent_classification, resolve_intent_dataset
 
+        ev = self.settings(cfg).intent_eval
         encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg), with_mlm=False)
-        result = intent_classification(
+        return intent_classification(
             model,
             encoder,
-            resolve_intent_dataset(ev.dataset, cfg.data.root),
+            resolve_intent_dataset(dataset, cfg.data.root),
             shots=ev.shots,
             full=ev.full,
             seeds=ev.seeds,
             batch_size=ev.batch_size,
-            finetune=FineTuning(epochs=ev.finetune_epochs) if ev.finetune_epochs else None,
+            finetune=FineTuning(epochs=ev.finetune_epochs) if fine_tune and ev.finetune_epochs else None,
         )
+
+    def evaluate(self, model: Space2Encoder, cfg: Config, run_dir: Path) -> dict[str, Any]:
+        dataset = self.settings(cfg).intent_eval.dataset
+        if dataset is None:
+            return {}
+        result = self._intent_classification(model, cfg, run_dir, dataset, fine_tune=True)
         (run_dir / "eval").mkdir(exist_ok=True)
         (run_dir / "eval" / "intent_classification.json").write_text(json.dumps(result, indent=2))
         return {f"intent/{k}": v for k, v in result["metrics"].items()}
