@@ -42,6 +42,27 @@ def test_targets_that_match_nothing_stop_before_training(corpora, tmp_path):
         check_inputs(cfg, get_method("transformers"))
 
 
+# Every method that takes `method.lora`, with targets its demo model has.
+TARGETS = {"clip": "[query, value]", "open_clip": "[c_fc, c_proj]", "transformers": "[q_proj, v_proj]"}
+
+
+def test_every_method_with_adapters_is_listed_here():
+    from mmpt.methods import list_methods
+
+    takes = [name for name in list_methods() if "lora" in get_method(name).config_class.model_fields]
+    assert sorted(takes) == sorted(TARGETS)
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_adapters_pass_the_checks_before_a_run_and_only_they_train(name, corpora, tmp_path):
+    """The checks before a run build the adapted model on the meta device; then only the adapters train."""
+    lora = f"method.lora={{targets: {TARGETS[name]}, rank: 4, alpha: 8}}"
+    cfg, method, model = tiny(name, corpora, tmp_path, lora)
+    check_inputs(cfg, method)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n for n in trained), trained[:4]
+
+
 def lora_run(corpora, run_dir, *extra):
     from test_config_matrix import shrink
 

@@ -1,5 +1,6 @@
 """The `open_clip` method: any open_clip architecture on mmpt's engine (what the throughput comparison trains)."""
 
+import logging
 import math
 
 import open_clip
@@ -28,6 +29,15 @@ def test_model_and_tokenizer_are_open_clips():
         torch.testing.assert_close(image, reference.encode_image(images, normalize=True))
         torch.testing.assert_close(text, reference.encode_text(tokens["input_ids"], normalize=True))
     assert scale.item() == pytest.approx(1 / 0.07, rel=1e-5)
+
+
+def test_building_the_model_does_not_say_its_weights_are_random(caplog):
+    """mmpt loads the weights after open_clip builds the network; open_clip's "initialized randomly" would
+    make a fine-tuning user think the checkpoint was lost. Other warnings pass."""
+    with caplog.at_level("WARNING"):
+        OpenClipModel(CONFIG)
+        logging.warning("another warning")  # noqa: LOG015 (open_clip warns on the root logger too)
+    assert [r.getMessage() for r in caplog.records] == ["another warning"]
 
 
 def test_unknown_model_is_a_config_error():

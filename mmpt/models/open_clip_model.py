@@ -6,6 +6,7 @@ are re-made with shape [1] (same values), and every other parameter is open_clip
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +50,30 @@ def preprocess_settings(model: str, image_size: int | None = None) -> dict:
 
 
 def create_open_clip(
-    model: str, image_size: int | None, logits: dict[str, Any], quick_gelu: bool = False, device: str = "cpu"
+    model: str, image_size: int | None, logits: dict[str, Any], quick_gelu: bool = False, device: str | None = None
 ) -> Any:
-    """open_clip's network for `model`, randomly initialised (weights are mmpt's to load)."""
-    return open_clip.create_model(
-        register_model_config(model),
-        pretrained=None,
-        force_image_size=image_size,
-        force_quick_gelu=quick_gelu,
-        device=device,
-        **logits,
-    )
+    """open_clip's network for `model`, randomly initialised (weights are mmpt's to load); on `device`, by
+    default torch's current default device (the meta device inside `with torch.device("meta")`, where open_clip
+    moving the model to the CPU would fail). open_clip's warning that the model is "initialized randomly" is
+    left out: mmpt loads the weights next, and says what it loaded."""
+    quiet = _WithoutRandomInitWarning()
+    logging.getLogger().addFilter(quiet)
+    try:
+        return open_clip.create_model(
+            register_model_config(model),
+            pretrained=None,
+            force_image_size=image_size,
+            force_quick_gelu=quick_gelu,
+            device=device or torch.get_default_device(),
+            **logits,
+        )
+    finally:
+        logging.getLogger().removeFilter(quiet)
+
+
+class _WithoutRandomInitWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No pretrained weights loaded for model")
 
 
 class OpenClipModel(nn.Module):
