@@ -115,15 +115,19 @@ def save_release(
 
 
 def read_config(directory: Path) -> Config:
-    """The config of a release (config.json) or of a training run (config.yaml)."""
+    """The config of a release (config.json) or of a training run (config.yaml), pointing at the files the
+    folder carries."""
     if (directory / RELEASE_CONFIG).is_file():
         record = json.loads((directory / RELEASE_CONFIG).read_text())
         if record.get("format") != FORMAT:
             raise ReleaseError(f'{directory / RELEASE_CONFIG} is not an mmpt release (no "format": "{FORMAT}")')
-        return validate_config(record["config"], top_file=str(directory / RELEASE_CONFIG))
-    if (directory / RUN_CONFIG).is_file():
-        return load_config(directory / RUN_CONFIG)
-    raise ReleaseError(f"{directory} has neither {RELEASE_CONFIG} (a release) nor {RUN_CONFIG} (a training run)")
+        cfg = validate_config(record["config"], top_file=str(directory / RELEASE_CONFIG))
+    elif (directory / RUN_CONFIG).is_file():
+        cfg = load_config(directory / RUN_CONFIG)
+    else:
+        raise ReleaseError(f"{directory} has neither {RELEASE_CONFIG} (a release) nor {RUN_CONFIG} (a training run)")
+    get_method(cfg.method_name).use_carried_files(cfg, directory)
+    return cfg
 
 
 def load_directory(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PretrainedModel:

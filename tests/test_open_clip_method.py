@@ -76,3 +76,35 @@ def test_in_batch_diagnostics_count_each_side_s_best_match():
     assert float(found["i2t_acc"]) == 0.25  # image 0 finds its caption
     assert float(found["t2i_acc"]) == 0.25  # text 1 finds its image (text 0's best is image 1)
     assert float(found["logit_scale"]) == 20.0 and float(found["logit_bias"]) == -10.0
+
+
+def test_a_model_defined_by_a_json_file_is_carried_by_its_run_and_release(tmp_path, monkeypatch):
+    """A run keeps its JSON model config, and so does a release of it: both load from any working directory,
+    also once the file the config named (by a relative path) is gone."""
+    import shutil
+
+    import mmpt
+    from mmpt.config_loader import load_config
+    from mmpt.methods import get_method
+    from mmpt.release import read_config, save_release
+
+    (tmp_path / "defs").mkdir()
+    shutil.copyfile(CONFIG, tmp_path / "defs" / "my-tiny.json")
+    monkeypatch.chdir(tmp_path)
+    overrides = ["method.model=defs/my-tiny.json", "method.pretrained=null", "run.output_dir=run"]
+    cfg = load_config(REPO / "configs/open_clip/demo.yaml", overrides)
+    method = get_method("open_clip")
+    (tmp_path / "run").mkdir()
+    method.prepare(cfg, tmp_path / "run")
+    torch.manual_seed(0)
+    model = method.build_model(cfg, tmp_path / "run").eval()
+    save_release(tmp_path / "release", cfg, model.state_dict(), tmp_path / "run")
+    shutil.rmtree(tmp_path / "defs")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert read_config(tmp_path / "release").method.model == str(tmp_path / "release/open_clip_config/my-tiny.json")
+    loaded = mmpt.load(tmp_path / "release")
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.encode_image(images), model.clip.encode_image(images, normalize=True))

@@ -388,7 +388,7 @@ def release_card(
         (RELEASE_CONFIG, 'the format, the method and the full config (`"config"`), the training facts (`"training"`)'),
         ("model.safetensors", "the weights, fp32 (or shards and `model.safetensors.index.json`)"),
         *(
-            (name, "what the model needs besides weights (tokenizer)")
+            (name, "what the model needs besides weights (tokenizer, model config)")
             for name in get_method(cfg.method_name).release_files(cfg)
         ),
         (CARD, "this card"),

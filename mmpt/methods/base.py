@@ -196,6 +196,11 @@ class Method(Generic[SectionT]):
         """The model that is trained and saved; parameters only, no loss state."""
         raise NotImplementedError
 
+    def use_carried_files(self, cfg: Config, folder: Path) -> None:
+        """Point `cfg`, read from a run or release `folder`, at the files the folder carries (`release_files`) where
+        the config names them by the paths it was trained with, which may be gone or relative to another
+        working directory."""
+
     def resolve_defaults(self, cfg: Config) -> None:
         """Fill in config values whose defaults are found on disk (e.g. the tokenizer that comes with initial
         weights). Runs on every rank before training, so the run's saved config names them."""

@@ -8,6 +8,7 @@ throughput comparison with open_clip's own trainer runs.
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -65,6 +66,9 @@ class OpenClipConfig(MethodConfig, TowerSwitches, TowerLocks, LoraOption, Distil
     )
 
 
+MODEL_CONFIG_FOLDER = "open_clip_config"  # a run's or release's copy of a JSON model config
+
+
 class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     name = "open_clip"
     config_class = OpenClipConfig
@@ -86,10 +90,23 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         return {**super().input_paths(cfg), "method.model": model if model.endswith(".json") else None}
 
     def prepare_files(self, cfg: Config, run_dir: Path) -> None:
-        """Nothing to copy: open_clip ships its tokenizer; a JSON model config is read from its path."""
+        """A JSON model config is kept in the run (open_clip ships its tokenizer), under its own name, which
+        open_clip registers the model by."""
+        model = self.settings(cfg).model
+        if model.endswith(".json"):
+            (run_dir / MODEL_CONFIG_FOLDER).mkdir(parents=True, exist_ok=True)
+            target = run_dir / MODEL_CONFIG_FOLDER / Path(model).name
+            if Path(model).resolve() != target.resolve():
+                shutil.copyfile(model, target)
 
     def release_files(self, cfg: Config) -> list[str]:
-        return []
+        return [MODEL_CONFIG_FOLDER] if self.settings(cfg).model.endswith(".json") else []
+
+    def use_carried_files(self, cfg: Config, folder: Path) -> None:
+        model = self.settings(cfg).model
+        carried = folder / MODEL_CONFIG_FOLDER / Path(model).name
+        if model.endswith(".json") and carried.is_file():
+            self.settings(cfg).model = str(carried)
 
     def tokenizer(self, cfg: Config, run_dir: Path) -> OpenClipTokenizer:
         return OpenClipTokenizer(self.settings(cfg).model)

@@ -143,7 +143,9 @@ def directory_config(directory: Path) -> Config:
     else:
         raise ReleaseError(f"{directory} has neither {RELEASE_CONFIG} (a release) nor {RUN_CONFIG} (a training run)")
     method = get_method((data.get("method") or {}).get("name"))
-    return validate_sections(data, origins, str(top), method.config_class)
+    cfg = validate_sections(data, origins, str(top), method.config_class)
+    method.use_carried_files(cfg, directory)
+    return cfg
 
 
 def teacher_error(exc: Exception) -> ConfigError:
