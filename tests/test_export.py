@@ -451,6 +451,23 @@ def test_a_request_that_cannot_work_is_one_line_and_exit_2(case, tmp_path, capfd
     assert not (tmp_path / "out").exists()
 
 
+def test_onnx_without_its_extra_is_one_line_naming_what_to_install(tmp_path, capfd, monkeypatch):
+    """Checked before any weight is read: onnxruntime is needed only to check the written files."""
+    import importlib.util
+
+    from mmpt import cli
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else found(name))
+    folder = release_without_weights(tmp_path, {"name": "clip", "tokenizer": "tokenizer.json"})
+    code = cli.run(export, ["--run", str(folder), "--out", str(tmp_path / "out"), "--format", "onnx"])
+    err = capfd.readouterr().err
+    assert code == 2 and err == "mmpt: --format onnx needs onnxruntime: pip install -e '.[onnx]'\n", err
+    assert not (tmp_path / "out").exists()
+    code = cli.run(export, ["--run", str(folder), "--out", str(tmp_path / "out"), "--format", "onnx", "--skip-check"])
+    assert "no model.safetensors" in capfd.readouterr().err  # past the check: nothing else is missing
+
+
 def test_the_command_ends_a_bad_request_in_one_line_with_exit_code_2(tmp_path):
     folder = release_without_weights(tmp_path, {"name": "m2_encoder", "tokenizer": "sp.model"})
     result = subprocess.run(

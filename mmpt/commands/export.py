@@ -105,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, out = Path(args.run), Path(args.out)
     cfg = read_config(run_dir)
     towers = check_export(cfg, args.format, args.towers)  # before any weight is read
+    if args.format == "onnx":
+        from mmpt.export.to_onnx import missing_packages
+
+        if missing := missing_packages(check=not args.skip_check):
+            raise ConfigError(f"--format onnx needs {', '.join(missing)}: pip install -e '.[onnx]'")
     if args.checkpoint is None and has_weights(run_dir):
         state, origin = read_safetensors(run_dir), "model.safetensors"
     else:

@@ -32,6 +32,14 @@ TOLERANCE = 1e-4  # largest |onnxruntime - mmpt| accepted on the check after exp
 EXTERNAL_DATA_BYTES = 1.5 * 2**30
 
 
+def missing_packages(check: bool) -> list[str]:
+    """The packages of the `onnx` extra an export needs and this environment lacks (onnxruntime only to check)."""
+    import importlib.util
+
+    needed = ["onnx", "onnxscript", *(["onnxruntime"] if check else [])]
+    return [name for name in needed if importlib.util.find_spec(name) is None]
+
+
 # --- the contract: how raw inputs become tower inputs ---------------------------------------------------------
 
 
