@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import tarfile
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -84,6 +85,14 @@ def test_bad_pairs_are_counted_by_reason_and_a_rerun_keeps_finished_shards(input
     with pytest.raises(Exception) as error:  # 2 of 4 skipped, past the default 1%
         make_shards(args)
     assert exit_code(error.value) == 3 and "1 no caption, 1 unreadable image" in str(error.value)
+    named = [
+        pair for shard in sorted(out.glob("*_stats.json")) for pair in json.loads(shard.read_text())["skipped_pairs"]
+    ]
+    assert [(Path(p["source"]).name, p["reason"]) for p in named] == [
+        ("broken.jpg", "unreadable_image"),
+        ("uncaptioned.jpg", "no_caption"),
+    ]
+    assert f"the first: {named[0]['source']} (unreadable image)" in str(error.value)
     first = {p.name: p.read_bytes() for p in out.glob("*.tar")}
     (out / "00001.tar").unlink()
     (out / "00001_stats.json").unlink()

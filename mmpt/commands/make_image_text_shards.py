@@ -11,7 +11,8 @@ img2dataset does. --resize N shrinks images whose shorter side is longer than N 
 keep_ratio), so training decodes less. Shards are made in parallel (--processes); a shard is finished once its
 _stats.json exists: an interrupted run, started again, keeps those and makes the rest, the same shards as one run.
 
-Pairs that cannot be used are skipped and counted by reason (missing image, unreadable image, no caption).
+Pairs that cannot be used are skipped and counted by reason (missing image, unreadable image, no caption);
+each shard's _stats.json names them (`skipped_pairs`: source and reason).
 Exit 2 for a missing input or column; exit 3 when more than --max-skip-rate of the pairs were skipped (the
 shards are written, to look at).
 """
@@ -67,25 +68,25 @@ def write_shard(task: tuple[int, list[Any], Path, int | None]) -> dict[str, Any]
 
     index, pairs, out, resize = task
     name = shard_name(index)
-    skipped: Counter[str] = Counter()
+    skipped: list[dict[str, str]] = []  # {"source", "reason"} of each pair left out, in order
     written = 0
     partial = out / f"{name}.tar.partial"
     with TarWriter(str(partial), mtime=0) as tar:  # mtime fixed: the same pairs give byte-identical shards
         for position, pair in enumerate(pairs):
             if not pair.captions:
-                skipped["no_caption"] += 1
+                skipped.append({"source": pair.source, "reason": "no_caption"})
                 continue
             try:
                 if pair.offset == -1:
                     raise FileNotFoundError(pair.source)
                 data = pair.image_bytes()
             except OSError:
-                skipped["missing_image"] += 1
+                skipped.append({"source": pair.source, "reason": "missing_image"})
                 continue
             try:
                 image, sizes = jpeg_of(data, resize)
             except Exception:  # PIL raises several kinds for damaged or non-image bytes
-                skipped["unreadable_image"] += 1
+                skipped.append({"source": pair.source, "reason": "unreadable_image"})
                 continue
             key = f"{name}{position:0{KEY_DIGITS}d}"
             first = next(iter(pair.captions.values()))
@@ -100,7 +101,9 @@ def write_shard(task: tuple[int, list[Any], Path, int | None]) -> dict[str, Any]
             tar.write({"__key__": key, "jpg": image, "txt": first, "json": json.dumps(record, ensure_ascii=False)})
             written += 1
     os.replace(partial, out / f"{name}.tar")
-    stats = {"count": len(pairs), "successes": written, "failed": sum(skipped.values()), "skipped": dict(skipped)}
+    reasons = Counter(pair["reason"] for pair in skipped)
+    stats = {"count": len(pairs), "successes": written, "failed": len(skipped), "skipped": dict(reasons)}
+    stats["skipped_pairs"] = skipped
     (out / f"{name}_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     return stats
 
@@ -173,10 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     reasons = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in sorted(skipped.items())) or "none"
     kept = f" ({len(done)} kept from an earlier run)" if done else ""
     print(f"wrote {written} of {len(pairs)} pairs into {len(chunks)} shard(s) at {out}{kept}; skipped: {reasons}")
+    named = [pair for shard in stats for pair in shard.get("skipped_pairs", [])]
+    first = f"; the first: {named[0]['source']} ({named[0]['reason'].replace('_', ' ')})" if named else ""
+    if skipped:
+        print(f"each skipped pair is named in {out}/*_stats.json (skipped_pairs){first}")
     if sum(skipped.values()) > args.max_skip_rate * len(pairs):
         raise DataError(
             f"{sum(skipped.values())} of {len(pairs)} pairs skipped ({reasons}), more than --max-skip-rate="
-            f"{args.max_skip_rate}"
+            f"{args.max_skip_rate}{first}; each is named in {out}/*_stats.json"
         )
     return 0
 
