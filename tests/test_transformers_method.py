@@ -96,6 +96,24 @@ def test_sigmoid_loss_on_a_clip_checkpoint_adds_siglips_bias(checkpoints, tmp_pa
     assert model.bias is not None and model.bias.item() == -10.0 and model.hf.logit_scale.item() == 2.5
 
 
+@pytest.mark.parametrize("loss", ["sigmoid", "contrastive"])
+def test_an_export_without_a_place_for_the_trained_bias_says_so(checkpoints, loss, tmp_path, capfd):
+    """CLIPModel has no logit bias: a sigmoid-trained one exports without it, and the command says so."""
+    from mmpt.commands.export import main as export
+    from mmpt.release import PretrainedModel
+
+    method, cfg = get_method("transformers"), config(checkpoints["clip"], loss={"name": loss})
+    method.resolve_defaults(cfg)
+    method.prepare(cfg, tmp_path)
+    model = method.build_model(cfg, tmp_path).eval()
+    method.load_initial_weights(model, cfg)
+    PretrainedModel(model, cfg, tmp_path).save_pretrained(tmp_path / "release")
+    capfd.readouterr()
+    assert export(["--run", str(tmp_path / "release"), "--out", str(tmp_path / "hf"), "--format", "transformers"]) == 0
+    noted = "note: CLIPModel has no logit bias: the one the sigmoid loss trained (-10) is not in the export"
+    assert (noted in capfd.readouterr().err) == (loss == "sigmoid")
+
+
 def test_what_cannot_be_trained_stops_before_training_naming_the_key(checkpoints, tmp_path):
     from transformers import BertConfig, BertModel
 

@@ -9,6 +9,7 @@ so a run or release builds the model without the original checkpoint.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -229,8 +230,16 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
 
     def transformers_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> None:
         """The transformers model with its trained weights (the logit scale in its own shape; a bias mmpt added for
-        the sigmoid loss has no place there and is left out), and the run's tokenizer and image processor."""
+        the sigmoid loss has no place there and is left out, said in a note), and the run's tokenizer and image
+        processor."""
         dual = cast(TransformersDualEncoder, model)
+        added = getattr(dual, "logit_bias", None)
+        if added is not None:
+            print(
+                f"note: {type(dual.hf).__name__} has no logit bias: the one the sigmoid loss trained "
+                f"({float(added):.4g}) is not in the export (rankings are unchanged; sigmoid probabilities need it)",
+                file=sys.stderr,
+            )
         dual.hf.save_pretrained(out, state_dict=dual.hf_state_dict())
         read_tokenizer(run_dir / FOLDER).save_pretrained(out)
         read_image_processor(run_dir / FOLDER).save_pretrained(out)
