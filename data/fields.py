@@ -185,8 +185,22 @@ def _where(sample: dict[str, Any], key: str) -> str:
 
 
 def _missing(sample: dict[str, Any], what: str, keys: Sequence[str]) -> str:
-    fields = sorted(k for k in sample if not k.startswith("__"))
+    fields = [_described(sample, k) for k in sorted(sample) if not k.startswith("__")]
     return (
         f"sample {sample.get('__key__')!r} of {sample.get('__shard__', sample.get('__url__'))} has no non-empty "
         f"{what} under {', '.join(keys)} (it has {', '.join(fields) or 'nothing'})"
     )
+
+
+def _described(sample: dict[str, Any], member: str) -> str:
+    """A member's name; the json member's with its top-level keys, what a `json.<key>` names."""
+    if member != "json":
+        return member
+    try:
+        parsed = json.loads(sample[member])
+    except (ValueError, TypeError):
+        return member
+    if not isinstance(parsed, dict):
+        return member
+    shown = ", ".join(f"json.{key}" for key in list(parsed)[:12])
+    return f"json ({shown}{', ...' if len(parsed) > 12 else ''})"

@@ -51,8 +51,9 @@ def test_field_keys_read_members_and_json_fields():
         drawn.add(SampleFields.of(caption="json.meta.title").apply(sample)["txt"])
     assert drawn == {"t1", "t2"}
     assert SampleFields().apply(sample) is sample  # no keys named: untouched
-    with pytest.raises(MissingFieldError, match=r"sample 'k' .* no non-empty caption under json.caption_en, text"):
+    with pytest.raises(MissingFieldError, match=r"sample 'k' .* no non-empty caption under json.caption_en, text") as e:
         SampleFields.of(caption=["json.caption_en", "text"]).apply(sample)
+    assert str(e.value).endswith("(it has jpg, json (json.caption_zh, json.meta), png, txt)")  # what a key can name
     with pytest.raises(MissingFieldError, match="no non-empty image under webp"):
         SampleFields.of(image="webp").apply(sample)
     with pytest.raises(ValueError, match="holds int, not a caption"):
