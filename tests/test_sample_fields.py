@@ -260,3 +260,26 @@ def test_held_out_shards_are_a_retrieval_set_with_the_captions_their_keys_hold(t
     assert both.texts[:2] == list(captions(0)) and both.matches.sum(dim=1).tolist() == [2] * 10
     plain = read_retrieval_set(str(tmp_path / "heldout/00000.tar"))  # no keys: the txt member
     assert plain.texts == [captions(i)[0] for i in range(5)]
+
+
+def test_the_zeroshot_command_reads_a_shard_pattern_with_its_caption_key(corpora, tmp_path):
+    """`mmpt-zeroshot --dataset PATTERN --caption-key KEY` scores what the method does with data.eval's keys."""
+    from test_locking import tiny
+
+    from mmpt.commands.zeroshot import main as zeroshot
+    from mmpt.release import PretrainedModel
+
+    (tmp_path / "run").mkdir()
+    cfg, method, model = tiny("clip", corpora, tmp_path / "run")
+    PretrainedModel(model.eval(), cfg, tmp_path / "run").save_pretrained(tmp_path / "release")
+    write_set(tmp_path / "heldout", shards=2, per_shard=5)
+    pattern = str(tmp_path / "heldout/{00000..00001}.tar")
+    run = ["--model", str(tmp_path / "release"), "--dataset", pattern, "--task", "zeroshot_retrieval"]
+    run += ["--device", "cpu", "--language", "zh", "--output", str(tmp_path / "out.json")]
+    for key in (None, "json.caption_zh"):
+        assert zeroshot([*run, *(["--caption-key", key] if key else [])]) == 0
+        fields = None if key is None else SampleFields.of(caption=key)
+        expected = method.zeroshot(model, cfg, tmp_path / "release", pattern, "zh", "zeroshot_retrieval", fields=fields)
+        assert json.loads((tmp_path / "out.json").read_text())["metrics"] == expected["metrics"]
+    with pytest.raises(MissingFieldError, match="no non-empty caption under json.caption_fr"):
+        zeroshot([*run, "--caption-key", "json.caption_fr"])
