@@ -92,9 +92,12 @@ def save_release(
     directory.mkdir(parents=True, exist_ok=True)
     training = training_record(files_from)  # read before this folder's config.json is (re)written
     method = get_method(cfg.method_name)
+    made = [name for name in method.release_files(cfg) if not (files_from / name).exists()]
+    if made:  # a run from before the method kept them: made from the config, as a run's start makes them
+        method.prepare(cfg, directory)
     for name in method.release_files(cfg):
         source, target = files_from / name, directory / name
-        if source.resolve() == target.resolve():
+        if source.resolve() == target.resolve() or (name in made and target.exists()):
             continue
         if source.is_dir():
             shutil.copytree(source, target, dirs_exist_ok=True)

@@ -296,6 +296,16 @@ def clip_run(corpora, one_process, tmp_path_factory):  # noqa: F811
     return run_dir
 
 
+def test_the_card_counts_a_single_sources_samples_from_the_totals(tmp_path):
+    """A run of one source counts its samples in the totals alone (no per-source counts)."""
+    from mmpt.config_loader import load_config
+    from mmpt.export.card import training_section
+
+    cfg = load_config(REPO / "configs/clip/demo.yaml", ['data.train.sources=[{shards: "a/*.tar"}]'])
+    record = {"steps": 3, "samples": 192, "skipped": 0, "samples_per_source": {}}
+    assert "| `a/*.tar` | 1 | 192 |" in training_section(cfg, record)
+
+
 def test_every_release_carries_a_model_card_with_its_runs_evaluations(clip_run, tmp_path):
     release = tmp_path / "clip-demo"
     assert export(["--run", str(clip_run), "--out", str(release)]) == 0

@@ -99,6 +99,11 @@ def test_a_model_defined_by_a_json_file_is_carried_by_its_run_and_release(tmp_pa
     torch.manual_seed(0)
     model = method.build_model(cfg, tmp_path / "run").eval()
     save_release(tmp_path / "release", cfg, model.state_dict(), tmp_path / "run")
+    # a run from before runs kept the file: its release makes the copy from the path the config names
+    (tmp_path / "older").mkdir()
+    save_release(tmp_path / "older-release", cfg, model.state_dict(), tmp_path / "older")
+    made = tmp_path / "older-release/open_clip_config/my-tiny.json"
+    assert made.read_bytes() == (tmp_path / "defs/my-tiny.json").read_bytes()
     shutil.rmtree(tmp_path / "defs")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -152,7 +152,8 @@ def training_section(cfg: Config, record: dict[str, Any] | None) -> str:
         lines += ["| source | weight | samples trained on |", "|---|---|---|"]
         for source in data.sources:
             name = source.name or source.shards
-            count = per_source.get(name)
+            # one source: the run counts its samples in the totals alone
+            count = samples if len(data.sources) == 1 else per_source.get(name)
             shards = f" (`{source.shards}`)" if source.name else ""
             lines.append(f"| `{name}`{shards} | {source.weight:g} | {_number(count) if count is not None else '-'} |")
         lines += [
