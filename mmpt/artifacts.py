@@ -14,6 +14,7 @@ from typing import Any
 WEIGHTS = "model.safetensors"  # a finished run's consolidated weights, and a release's (or its shard index)
 RELEASE_CONFIG = "config.json"
 RUN_CONFIG = "config.yaml"
+FINAL_EVALUATION = "final_evaluation.json"  # a run's end-of-training evaluation, written once it completed
 HUB_PREFIX = "hf-hub:"
 
 

@@ -1,6 +1,7 @@
 """`train.eval_every`: the data.eval sets evaluated while training, reported as eval/<set>/<language>/<metric>,
 leave training exactly as it would be without them, and a run stopped after an evaluation resumes exactly."""
 
+import json
 import re
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import (
     step_losses,
     tiny_config,
     train_in_process,
+    write_config,
 )
 from pool import scenario
 
@@ -182,3 +184,41 @@ def test_a_saved_config_with_the_former_method_zeroshot_section_loads_as_data_ev
     with pytest.warns(FutureWarning):
         cfg = load_config(REPO / "configs/clip/demo.yaml", ["method.zeroshot={dataset: digits, languages: [en, zh]}"])
     assert [s.label for s in cfg.data.eval] == ["digits", "digits_unseen"]
+
+
+def test_a_final_evaluation_that_failed_runs_when_the_finished_run_is_started_again(
+    tmp_path, digits_root, process_group_of_one, capsys
+):
+    """The evaluation set is moved away while the run trains, so its final evaluation fails after the weights are
+    written; once the set is back, the same command evaluates the finished run instead of saying it is done."""
+    from mmpt.config_loader import load_config
+    from mmpt.engine.hooks import observing
+
+    run_dir, listing = tmp_path / "run", tmp_path / "retrieval.jsonl"
+    records = [json.loads(line) for line in (digits_root / "zeroshot/retrieval_zh.jsonl").read_text().splitlines()]
+    listing.write_text(
+        "".join(json.dumps({**r, "image": str(digits_root / "zeroshot" / r["image"])}) + "\n" for r in records)
+    )
+    cfg = tiny_config(digits_root, run_dir, train={"max_steps": 2, "save_every": 0})
+    cfg["data"]["eval"] = [{"dataset": str(listing), "task": "zeroshot_retrieval", "languages": ["zh"]}]
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+
+    def move_the_set_away(point: str, step: int) -> None:
+        if point == "step" and step == 2 and listing.exists():
+            listing.rename(tmp_path / "moved.jsonl")
+
+    with observing(move_the_set_away), pytest.raises(Exception, match="retrieval.jsonl"):
+        train_in_process(load_config(config))
+    assert (run_dir / "model.safetensors").is_file() and not (run_dir / "final_evaluation.json").exists()
+    (tmp_path / "moved.jsonl").rename(listing)
+    capsys.readouterr()
+    train_in_process(load_config(config))
+    said = capsys.readouterr().out
+    assert (
+        "already finished at step 2 (train.max_steps=2): its final evaluation did not complete; evaluating now" in said
+    )
+    final = json.loads((run_dir / "final_evaluation.json").read_text())
+    assert final["step"] == 2 and 0 <= final["metrics"]["eval/retrieval/zh/image_retrieval_recall@1"] <= 1
+    assert read_metrics(run_dir)[-1] == {"step": 2, **final["metrics"]}
+    train_in_process(load_config(config))
+    assert "nothing to do" in capsys.readouterr().out

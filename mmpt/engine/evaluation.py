@@ -1,6 +1,10 @@
 """The `data.eval` sets, evaluated every `train.eval_every` steps and at the end of training.
 
-Evaluation must leave training exactly as it would have been without it: the RNG streams (Python,
+The evaluation at the end reads the run's consolidated weights on rank 0 and records that it completed
+(`final_evaluation.json`): a run whose evaluation failed (a set that could not be read, the job stopped during it)
+evaluates when it is started again, instead of saying that it has nothing left to do.
+
+Evaluation while training must leave training exactly as it would have been without it: the RNG streams (Python,
 NumPy, torch, CUDA) and every module's train/eval mode are put back, no parameter is written, and the
 training loader is not touched. Under ZeRO-3 every rank gathers the parameters for the duration of the
 evaluation (in the training precision) instead of one rank building a whole fp32 copy; every rank runs
@@ -9,6 +13,7 @@ the evaluation, so none waits in a collective while another evaluates, and rank 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -18,7 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmpt.artifacts import FINAL_EVALUATION, WEIGHTS, atomic_write
 from mmpt.config import Config
+from mmpt.engine.checkpoint import read_weights
 from mmpt.engine.checkpoint.rng import rng_state, set_rng_state
 from mmpt.methods import Method
 from mmpt.methods.base import eval_record, save_eval_record
@@ -72,3 +79,22 @@ def evaluate_while_training(method: Method, model: nn.Module, cfg: Config, run_d
     with untouched(model), gathered, torch.no_grad():
         model.eval()
         return evaluate_sets(method, model, cfg, run_dir)
+
+
+def final_evaluation_pending(cfg: Config, method: Method, run_dir: Path) -> bool:
+    """Whether `cfg` evaluates at the end of training and `run_dir` holds no record of that evaluation."""
+    evaluates = bool(cfg.data.eval) or method.evaluates_at_end(cfg)
+    return evaluates and not (run_dir / FINAL_EVALUATION).is_file()
+
+
+def final_evaluation(cfg: Config, method: Method, run_dir: Path, device: torch.device, step: int) -> dict[str, Any]:
+    """The method's own end-of-training evaluation and every `data.eval` set, on a model loaded from the run's
+    consolidated weights; recorded in `final_evaluation.json` once every set is evaluated."""
+    model = read_weights(method.build_model(cfg, run_dir), run_dir / WEIGHTS).to(device).eval()
+    results = method.evaluate(model, cfg, run_dir)
+    with torch.no_grad():
+        results.update(evaluate_sets(method, model.eval(), cfg, run_dir, records=run_dir / "eval"))
+    atomic_write(run_dir / FINAL_EVALUATION, json.dumps({"step": step, "metrics": results}, indent=1))
+    if results:
+        print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items()), flush=True)
+    return results

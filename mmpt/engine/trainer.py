@@ -5,31 +5,32 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import json
 import operator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mmpt import distributed as mdist
-from mmpt.artifacts import WEIGHTS
 from mmpt.config import Config
 from mmpt.engine import run as runs
-from mmpt.engine.checkpoint import read_weights
-from mmpt.engine.evaluation import evaluate_sets, evaluate_while_training
+from mmpt.engine.evaluation import evaluate_while_training, final_evaluation, final_evaluation_pending
 from mmpt.engine.hooks import StepHooks
 from mmpt.engine.optim import SkippingAdamW
 from mmpt.engine.resilience import collective_timing
 from mmpt.engine.resilience.health import HealthMonitor
 from mmpt.engine.timing import Spans
 from mmpt.engine.zero3.guard import partitioned_parameter_guard
+from mmpt.methods import get_method
 from mmpt.methods.base import diagnostics, loss_terms
 
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run `cfg` to `train.max_steps` (resuming if asked); returns the final evaluation metrics."""
-    run, _ = runs.start(cfg)
+    run, step = runs.start(cfg)
     if run is None:
-        return {}
+        return evaluate_finished(cfg, step)
     mdist.GatherClock.spans = run.spans
     health = HealthMonitor.start(cfg.train, run.run_dir, run.engine.device.type == "cuda")
     if health is not None:
@@ -227,16 +228,25 @@ def finish(run: runs.Run) -> dict[str, Any]:
     free_engine(run.engine)
     run.engine = None
     mdist.barrier()
-    cfg, method = run.cfg, run.method
-    if mdist.get_rank() != 0 or not (cfg.data.eval or method.evaluates_at_end(cfg)):
+    if mdist.get_rank() != 0 or not final_evaluation_pending(run.cfg, run.method, run.run_dir):
         return {}
-    model = read_weights(method.build_model(cfg, run.run_dir), run.run_dir / WEIGHTS).to(device).eval()
-    results = method.evaluate(model, cfg, run.run_dir)
-    with torch.no_grad():
-        results.update(evaluate_sets(method, model.eval(), cfg, run.run_dir, records=run.run_dir / "eval"))
+    results = final_evaluation(run.cfg, run.method, run.run_dir, device, run.step)
     if results:
         run.metrics.write_final(run.step, results)
-        print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items()), flush=True)
+    return results
+
+
+def evaluate_finished(cfg: Config, step: int) -> dict[str, Any]:
+    """A finished run started again: its final evaluation on rank 0 if it had not completed, else nothing."""
+    from deepspeed.accelerator import get_accelerator
+
+    method, run_dir = get_method(cfg.method_name), Path(cfg.run.output_dir)
+    if mdist.get_rank() != 0 or not final_evaluation_pending(cfg, method, run_dir):
+        return {}
+    results = final_evaluation(cfg, method, run_dir, torch.device(get_accelerator().current_device_name()), step)
+    if results:
+        with (run_dir / "metrics.jsonl").open("a") as records:
+            records.write(json.dumps({"step": step, **results}) + "\n")
     return results
 
 
