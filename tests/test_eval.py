@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pytest
@@ -108,6 +109,11 @@ def test_msrvtt_csv_and_video_jsonl_layouts(tmp_path):
         load_video_retrieval_set(tmp_path / "bad.csv")
     (tmp_path / "r.jsonl").write_text(json.dumps({"video": "videos/video7.mp4", "caption": "a man sings"}) + "\n")
     assert load_video_retrieval_set(tmp_path / "r.jsonl") == ([tmp_path / "videos/video7.mp4"], [["a man sings"]])
+    # the listing given to the video shard maker: clips named by id, found under a video root
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"video": "video9", "caption": "a cat"}) + "\n")
+    assert load_video_retrieval_set(tmp_path / "ids.jsonl", videos) == ([videos / "video9.webm"], [["a cat"]])
+    with pytest.raises(DataError, match=rf"ids.jsonl: video {re.escape(str(tmp_path / 'video9'))} not found"):
+        load_video_retrieval_set(tmp_path / "ids.jsonl")  # found only in its own folder without one
     # the MSR-VTT 1k-A list as JSFusion distributes it
     (tmp_path / "MSRVTT_JSFUSION_test.csv").write_text(
         "key,vid_key,video_id,sentence\nret0,msr7,video7,a man sings\nret1,msr9,video9,a cat plays\n"

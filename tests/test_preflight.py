@@ -184,3 +184,43 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(
         r"unexpected \(1\): backbone.other.weight",
         output,
     ), output[-2000:]
+
+
+@pytest.mark.parametrize(
+    "config, override, key, says",
+    [
+        (
+            "victor/demo.yaml",
+            "data.eval=[{{dataset: {root}/listing.jsonl, task: zeroshot_retrieval}}]",
+            "data.eval.0.dataset",
+            "listing.jsonl: video {root}/clip00 not found",
+        ),
+        (
+            "victor/demo.yaml",
+            "method.retrieval.dataset={root}/listing.jsonl",
+            "method.retrieval",
+            "method.retrieval.languages ['en', 'zh'] choose the moving_digits demo's caption files",
+        ),
+        (
+            "space2/demo.yaml",
+            "data.eval=[{{dataset: {root}/intent, task: intent}}]",
+            "data.eval.0.dataset",
+            "intent dataset {root}/intent: test.csv is missing",
+        ),
+        ("space2/demo.yaml", "method.intent_eval.dataset={root}/empty", "method.intent_eval.dataset", "has no rows"),
+    ],
+)
+def test_an_evaluation_set_that_cannot_be_read_stops_before_training(tmp_path, command, config, override, key, says):
+    """What the evaluation at the end would fail on after training, found before the process group starts."""
+    (tmp_path / "listing.jsonl").write_text('{"video": "clip00", "caption": "a red square moves left"}\n')
+    for folder, rows in (("intent", "text,category\nhello,greet\n"), ("empty", "text,category\n")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "train.csv").write_text(rows)
+    (tmp_path / "empty" / "test.csv").write_text("text,category\n")
+    code, output = train(
+        command, REPO / "configs" / config, f"run.output_dir={tmp_path / 'run'}", override.format(root=tmp_path)
+    )
+    assert code == EXIT_CONFIG, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("mmpt: ")]
+    assert len(lines) == 1 and says.format(root=tmp_path) in lines[0], output[-3000:]
+    assert f"'{key}" in lines[0] or key in lines[0], lines[0]

@@ -81,10 +81,13 @@ def evaluate_while_training(method: Method, model: nn.Module, cfg: Config, run_d
         return evaluate_sets(method, model, cfg, run_dir)
 
 
-def final_evaluation_pending(cfg: Config, method: Method, run_dir: Path) -> bool:
-    """Whether `cfg` evaluates at the end of training and `run_dir` holds no record of that evaluation."""
-    evaluates = bool(cfg.data.eval) or method.evaluates_at_end(cfg)
-    return evaluates and not (run_dir / FINAL_EVALUATION).is_file()
+def final_evaluation_pending(cfg: Config, method: Method, run_dir: Path, step: int) -> bool:
+    """Whether `cfg` evaluates at the end of training and `run_dir` holds no record of that evaluation at `step`
+    (a run trained on past an earlier end evaluates again)."""
+    if not (cfg.data.eval or method.evaluates_at_end(cfg)):
+        return False
+    record = run_dir / FINAL_EVALUATION
+    return not record.is_file() or json.loads(record.read_text()).get("step") != step
 
 
 def final_evaluation(cfg: Config, method: Method, run_dir: Path, device: torch.device, step: int) -> dict[str, Any]:

@@ -278,7 +278,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
                 f"mmpt: {run_dir} already finished at step {step} (train.max_steps={cfg.train.max_steps}): "
                 + (
                     "its final evaluation did not complete; evaluating now"
-                    if final_evaluation_pending(cfg, method, run_dir)
+                    if final_evaluation_pending(cfg, method, run_dir, step)
                     else "nothing to do; raise train.max_steps to train on, or set run.output_dir to start another run"
                 ),
                 flush=True,

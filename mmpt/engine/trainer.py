@@ -228,7 +228,7 @@ def finish(run: runs.Run) -> dict[str, Any]:
     free_engine(run.engine)
     run.engine = None
     mdist.barrier()
-    if mdist.get_rank() != 0 or not final_evaluation_pending(run.cfg, run.method, run.run_dir):
+    if mdist.get_rank() != 0 or not final_evaluation_pending(run.cfg, run.method, run.run_dir, run.step):
         return {}
     results = final_evaluation(run.cfg, run.method, run.run_dir, device, run.step)
     if results:
@@ -241,7 +241,7 @@ def evaluate_finished(cfg: Config, step: int) -> dict[str, Any]:
     from deepspeed.accelerator import get_accelerator
 
     method, run_dir = get_method(cfg.method_name), Path(cfg.run.output_dir)
-    if mdist.get_rank() != 0 or not final_evaluation_pending(cfg, method, run_dir):
+    if mdist.get_rank() != 0 or not final_evaluation_pending(cfg, method, run_dir, step):
         return {}
     results = final_evaluation(cfg, method, run_dir, torch.device(get_accelerator().current_device_name()), step)
     if results:

@@ -31,11 +31,12 @@ from mmpt.eval.retrieval_formats import load_retrieval_set
 VIDEO_SUFFIXES = (".mp4", ".webm", ".avi")
 
 
-def _find_video(root: Path, video_id: str) -> Path:
-    for suffix in VIDEO_SUFFIXES:
-        if (root / f"{video_id}{suffix}").is_file():
-            return root / f"{video_id}{suffix}"
-    raise DataError(f"video '{video_id}' not found in {root} (tried {', '.join(VIDEO_SUFFIXES)})")
+def _find_video(file: Path, listing: Path) -> Path:
+    """`file`, or `file` with a video suffix added: a listing may name a clip by its id."""
+    for candidate in (file, *(file.with_name(file.name + suffix) for suffix in VIDEO_SUFFIXES)):
+        if candidate.is_file():
+            return candidate
+    raise DataError(f"{listing}: video {file} not found (also tried it with {', '.join(VIDEO_SUFFIXES)})")
 
 
 def _csv(path: Path, video_root: Path | None) -> tuple[list[Path], list[list[str]]]:
@@ -49,7 +50,7 @@ def _csv(path: Path, video_root: Path | None) -> tuple[list[Path], list[list[str
             if not row["video_id"] or not row["sentence"]:
                 raise DataError(f"{path}:{number}: empty video_id or sentence")
             grouped.setdefault(row["video_id"], []).append(row["sentence"])
-    return [_find_video(root, video_id) for video_id in grouped], list(grouped.values())
+    return [_find_video(root / video_id, path) for video_id in grouped], list(grouped.values())
 
 
 def _didemo(path: Path, root: Path) -> tuple[list[Path], list[list[str]]]:
@@ -64,7 +65,7 @@ def _didemo(path: Path, root: Path) -> tuple[list[Path], list[list[str]]]:
         raise DataError(
             f'{path}: expected DiDeMo\'s list of {{"video", "description"}} ({type(exc).__name__}: {exc})'
         ) from None
-    videos = [root / name if (root / name).is_file() else _find_video(root, Path(name).stem) for name in grouped]
+    videos = [root / name if (root / name).is_file() else _find_video(root / Path(name).stem, path) for name in grouped]
     return videos, [[" ".join(sentences)] for sentences in grouped.values()]
 
 
@@ -72,14 +73,16 @@ def load_video_retrieval_set(
     path: str | os.PathLike,
     video_root: str | os.PathLike | None = None,
 ) -> tuple[list[Path], list[list[str]]]:
-    """(video files, captions of each) from a jsonl or an MSR-VTT-style csv."""
+    """(video files, captions of each) from a jsonl, an MSR-VTT-style csv or DiDeMo's json. Relative paths and ids
+    are found under `video_root` (default: the jsonl's folder; the csv's and json's `videos/` beside them)."""
     path = Path(path)
     if not path.is_file():
         raise MissingDataError(f"retrieval annotation file {path} does not exist")
     if path.suffix == ".json":
         return _didemo(path, Path(video_root) if video_root else path.parent / "videos")
     if path.suffix != ".csv":
-        return load_retrieval_set(path, media="video")
+        videos, captions = load_retrieval_set(path, media="video", root=Path(video_root) if video_root else None)
+        return [_find_video(video, path) for video in videos], captions
     videos, captions = _csv(path, Path(video_root) if video_root else None)
     if not videos:
         raise DataError(f"{path}: no records")

@@ -23,6 +23,8 @@ from torch import nn
 from mmpt.config import Config, Section
 from mmpt.data.dialog_encoding import DialogEncoder, DialogInputSpec, collate_dialogs
 from mmpt.data.loader import BatchStream
+from mmpt.data.shards import DataError
+from mmpt.eval import DEMO_NAMES
 from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.tree_contrastive import TreeContrastiveLoss
 from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, VIEWS, LabelCodes
@@ -293,6 +295,24 @@ class Space2Method(Method[Space2Config]):
 
     def evaluates_at_end(self, cfg: Config) -> bool:
         return self.settings(cfg).intent_eval.dataset is not None
+
+    def check_eval_sets(self, cfg: Config) -> None:
+        """Every intent set's train.csv and test.csv read (and val.csv where there is one)."""
+        from mmpt.data.dialog import read_intent_csv
+        from mmpt.eval.intent import resolve_intent_dataset
+
+        sets = [(f"data.eval.{i}.dataset", s.dataset) for i, s in enumerate(cfg.data.eval)]
+        sets.append(("method.intent_eval.dataset", self.settings(cfg).intent_eval.dataset))
+        for key, dataset in sets:
+            if dataset is None or dataset in DEMO_NAMES or not Path(dataset).exists():
+                continue  # none, or the demo's set, built later
+            try:
+                folder = resolve_intent_dataset(dataset)
+                for split in ("train.csv", "test.csv", "val.csv"):
+                    if (folder / split).is_file() and not read_intent_csv(folder / split):
+                        raise DataError(f"{folder / split} has no rows")
+            except DataError as exc:
+                raise ValueError(f"config key '{key}': {exc}") from None
 
     def _intent_classification(
         self, model: Space2Encoder, cfg: Config, run_dir: Path, dataset: str, fine_tune: bool

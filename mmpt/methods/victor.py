@@ -24,8 +24,10 @@ from torch import nn
 
 from mmpt.config import Config, Section
 from mmpt.data.loader import BatchStream
+from mmpt.data.shards import DataError
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.data.video import Backend, ResizeCenterCrop, VideoTextDecoder
+from mmpt.eval import DEMO_NAMES
 from mmpt.losses.memory_queue import MemoryQueue
 from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.victor import (
@@ -83,7 +85,9 @@ class RetrievalEvalConfig(Section):
     dataset: str | None = Field(default=None, description="retrieval jsonl or MSR-VTT-style csv, or 'moving_digits'")
     languages: list[str] = Field(default_factory=lambda: ["en"], description="for 'moving_digits': caption languages")
     video_root: str | None = Field(
-        default=None, description="folder of the csv's <video_id>.mp4 files (default: videos/)"
+        default=None,
+        description="folder a retrieval listing's videos are in: a csv's <video_id>.mp4 (default: videos/ beside it), "
+        "a jsonl's relative paths or ids (default: its folder)",
     )
     batch_size: int = Field(default=64, gt=0)
 
@@ -169,8 +173,38 @@ class VictorMethod(Method[VictorConfig]):
         return record["metrics"]
 
     def check_config(self, cfg: Config) -> None:
-        if not any(self.settings(cfg).tasks.model_dump().values()):
+        m = self.settings(cfg)
+        if not any(m.tasks.model_dump().values()):
             raise ValueError("method.tasks: every task weight is 0; turn at least one task on")
+        retrieval = m.retrieval
+        if retrieval.dataset not in (None, "moving_digits") and len(retrieval.languages) > 1:
+            raise ValueError(
+                f"method.retrieval.languages {retrieval.languages} choose the moving_digits demo's caption files; "
+                f"{retrieval.dataset} is evaluated once: name one language, the label of its results (e.g. "
+                f"method.retrieval.languages=[{retrieval.languages[0]}])"
+            )
+
+    def check_eval_sets(self, cfg: Config) -> None:
+        """Every retrieval listing read and its videos found, every classification folder's class names read;
+        no video is decoded."""
+        from mmpt.eval.video_classification import load_video_classification_set
+        from mmpt.eval.video_retrieval import load_video_retrieval_set
+
+        retrieval = self.settings(cfg).retrieval
+        listed = enumerate(cfg.data.eval)
+        sets = [(f"data.eval.{i}", e.dataset, e.task, e.languages, e.foreign_class_names) for i, e in listed]
+        sets.append(("method.retrieval", retrieval.dataset, "zeroshot_retrieval", retrieval.languages, False))
+        for key, dataset, task, languages, foreign in sets:
+            if dataset is None or dataset in DEMO_NAMES or not Path(dataset).exists():
+                continue  # none, or a demo set built later
+            try:
+                if task == "zeroshot_classification":
+                    for language in languages:
+                        load_video_classification_set(dataset, language, foreign)
+                else:
+                    load_video_retrieval_set(dataset, retrieval.video_root)
+            except (DataError, ValueError) as exc:
+                raise ValueError(f"config key '{key}.dataset': {exc}") from None
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         copy_tokenizer(run_dir, TOKENIZER_FILE, self.settings(cfg).tokenizer)
