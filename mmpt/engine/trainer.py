@@ -238,12 +238,11 @@ def finish(run: runs.Run) -> dict[str, Any]:
 
 def evaluate_finished(cfg: Config, step: int) -> dict[str, Any]:
     """A finished run started again: its final evaluation on rank 0 if it had not completed, else nothing."""
-    from deepspeed.accelerator import get_accelerator
-
     method, run_dir = get_method(cfg.method_name), Path(cfg.run.output_dir)
     if mdist.get_rank() != 0 or not final_evaluation_pending(cfg, method, run_dir, step):
         return {}
-    results = final_evaluation(cfg, method, run_dir, torch.device(get_accelerator().current_device_name()), step)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    results = final_evaluation(cfg, method, run_dir, device, step)
     if results:
         with (run_dir / "metrics.jsonl").open("a") as records:
             records.write(json.dumps({"step": step, **results}) + "\n")

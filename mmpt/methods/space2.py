@@ -301,7 +301,8 @@ class Space2Method(Method[Space2Config]):
         from mmpt.data.dialog import read_intent_csv
         from mmpt.eval.intent import resolve_intent_dataset
 
-        sets = [(f"data.eval.{i}.dataset", s.dataset) for i, s in enumerate(cfg.data.eval)]
+        listed = enumerate(cfg.data.eval)
+        sets: list[tuple[str, str | None]] = [(f"data.eval.{i}.dataset", e.dataset) for i, e in listed]
         sets.append(("method.intent_eval.dataset", self.settings(cfg).intent_eval.dataset))
         for key, dataset in sets:
             if dataset is None or dataset in DEMO_NAMES or not Path(dataset).exists():

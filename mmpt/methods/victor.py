@@ -192,7 +192,9 @@ class VictorMethod(Method[VictorConfig]):
 
         retrieval = self.settings(cfg).retrieval
         listed = enumerate(cfg.data.eval)
-        sets = [(f"data.eval.{i}", e.dataset, e.task, e.languages, e.foreign_class_names) for i, e in listed]
+        sets: list[tuple[str, str | None, str, list[str], bool]] = [
+            (f"data.eval.{i}", e.dataset, e.task, e.languages, e.foreign_class_names) for i, e in listed
+        ]
         sets.append(("method.retrieval", retrieval.dataset, "zeroshot_retrieval", retrieval.languages, False))
         for key, dataset, task, languages, foreign in sets:
             if dataset is None or dataset in DEMO_NAMES or not Path(dataset).exists():
