@@ -70,6 +70,8 @@ def test_method_trains_resumes_evaluates_and_loads(name, corpora, one_process, t
     pooled = {"m2_encoder": 2, "transformers": 4}.get(name)
     says = f"pooled accumulation: the loss over all {pooled} micro-batches, a pool pass without gradient first"
     assert says in summary if pooled else "pooled" not in summary, summary
+    if name == "space2":  # its config starts the dialog encoder from a checkpoint (the packaged MiniLM)
+        assert "initial weights: dialog encoder from " in summary, summary
     assert (run_dir / "checkpoints/step_000000002/complete.json").is_file(), "no complete checkpoint at step 2"
     at_step_2 = load_file(str(run_dir / "model.safetensors"))
 

@@ -208,10 +208,17 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(
             "intent dataset {root}/intent: test.csv is missing",
         ),
         ("space2/demo.yaml", "method.intent_eval.dataset={root}/empty", "method.intent_eval.dataset", "has no rows"),
+        (
+            "victor/demo.yaml",
+            "method.text.pretrained={root}",
+            "method.text.pretrained",
+            "the victor method builds its text tower as a new BERT",
+        ),
     ],
 )
-def test_an_evaluation_set_that_cannot_be_read_stops_before_training(tmp_path, command, config, override, key, says):
-    """What the evaluation at the end would fail on after training, found before the process group starts."""
+def test_what_training_would_fail_on_or_ignore_stops_before_it_starts(tmp_path, command, config, override, key, says):
+    """An evaluation set the end of training would fail to read, or a key the method would not read, is found
+    before the process group starts."""
     (tmp_path / "listing.jsonl").write_text('{"video": "clip00", "caption": "a red square moves left"}\n')
     for folder, rows in (("intent", "text,category\nhello,greet\n"), ("empty", "text,category\n")):
         (tmp_path / folder).mkdir()

@@ -58,7 +58,7 @@ def startup_summary(
             if cfg.optim.layer_decay
             else ""
         ),
-        f"initial weights: {initial_weights or 'random (no init_from)'}",
+        f"initial weights: {initial_weights or 'random (the config names none)'}",
     ]
     if resumed_from is not None:
         lines.append(f"resuming from {resumed_from} at step {start_step}")

@@ -169,8 +169,10 @@ class Space2Method(Method[Space2Config]):
             "method.intent_eval.dataset": None if dataset == "dialogs" else dataset,
         }
 
-    def load_initial_weights(self, model: Space2Encoder, cfg: Config) -> None:
-        model.load_backbone(str(resolve_encoder_path(self.settings(cfg).encoder)))
+    def load_initial_weights(self, model: Space2Encoder, cfg: Config) -> str:
+        path = resolve_encoder_path(self.settings(cfg).encoder)
+        model.load_backbone(str(path))
+        return f"dialog encoder from {path} (the SPACE-2 heads new)"
 
     def build_loss(self, cfg: Config) -> Space2Loss:
         m = self.settings(cfg)

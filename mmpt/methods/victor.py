@@ -176,6 +176,11 @@ class VictorMethod(Method[VictorConfig]):
         m = self.settings(cfg)
         if not any(m.tasks.model_dump().values()):
             raise ValueError("method.tasks: every task weight is 0; turn at least one task on")
+        if m.text.pretrained is not None:
+            raise ValueError(
+                "method.text.pretrained: the victor method builds its text tower as a new BERT of method.text's size "
+                "with method.tokenizer; it reads no text checkpoint (remove the key)"
+            )
         retrieval = m.retrieval
         if retrieval.dataset not in (None, "moving_digits") and len(retrieval.languages) > 1:
             raise ValueError(
@@ -266,12 +271,14 @@ class VictorMethod(Method[VictorConfig]):
             "method.retrieval.video_root": m.retrieval.video_root if dataset else None,
         }
 
-    def load_initial_weights(self, model: VictorModel, cfg: Config) -> None:
+    def load_initial_weights(self, model: VictorModel, cfg: Config) -> str | None:
         weights = self.settings(cfg).video.backbone_weights
         backbone = model.unimodal.frame_encoder.backbone
-        if weights and backbone is not None:  # a features model has no backbone (its config refuses weights)
-            load_backbone_weights(backbone, weights)
-            model.key.reset()  # the key network starts from the loaded weights too
+        if not weights or backbone is None:  # a features model has no backbone (its config refuses weights)
+            return None
+        load_backbone_weights(backbone, weights)
+        model.key.reset()  # the key network starts from the loaded weights too
+        return f"frame backbone from {weights} (the rest new)"
 
     def engine_needs(self, model: VictorModel, cfg: Config) -> EngineNeeds:
         # The key network is an EMA with m close to 1: an update moves a weight by (1 - m) of its distance
