@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import platform
 import random
-from collections.abc import Callable, Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -94,9 +97,10 @@ def _decode_decord(
 
     width, height = size or (-1, -1)
     try:
-        reader = decord.VideoReader(
-            io.BytesIO(data), ctx=decord.cpu(0), width=width, height=height, num_threads=num_threads
-        )
+        with _stderr_closed():
+            reader = decord.VideoReader(
+                io.BytesIO(data), ctx=decord.cpu(0), width=width, height=height, num_threads=num_threads
+            )
         count = len(reader)
     except Exception as exc:  # decord raises RuntimeError / DECORDError with long C++ traces
         raise ValueError(f"undecodable video ({len(data)} bytes, decord): {_short(exc)}") from exc
@@ -107,6 +111,22 @@ def _decode_decord(
         raise ValueError(f"undecodable video ({len(data)} bytes, {count} frames, decord): {_short(exc)}") from exc
     frames = batch.asnumpy() if hasattr(batch, "asnumpy") else np.asarray(batch)  # any decord bridge
     return np.ascontiguousarray(frames, dtype=np.uint8)
+
+
+@contextmanager
+def _stderr_closed() -> Iterator[None]:
+    """This process's stderr (the file descriptor) sent to /dev/null for the block: decord's C++ prints the input of
+    an open that fails, for a video given as bytes the raw bytes (binary in the log). The error it raises, in the
+    skip's log line, says what failed."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _open_pyav(data: bytes):

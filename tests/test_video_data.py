@@ -2,6 +2,7 @@ import csv
 import io
 import json
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -114,6 +115,16 @@ def test_decord_and_pyav_decode_the_same_frames(corpus):
         picked = {b: decode_frames(data, lambda n: frame_indices(n, 5, False, None), b) for b in ("decord", "pyav")}
         np.testing.assert_allclose(picked["decord"], picked["pyav"], atol=16)
         np.testing.assert_array_equal(picked["pyav"], frames["pyav"][frame_indices(16, 5, False, None)])
+
+
+def test_a_video_decord_cannot_open_leaves_stderr_clean_and_says_why(corpus, capfd):
+    """decord's C++ prints a failed open's input, for bytes the video's raw bytes, which made logs binary."""
+    pytest.importorskip("decord")
+    data = bytes(range(256)) * 12  # starts like nothing FFmpeg reads
+    with pytest.raises(ValueError, match=r"undecodable video \(3072 bytes, decord\): RuntimeError"):
+        decode_frames(data, all_frames, "decord")
+    print("after", file=sys.stderr)  # the process's stderr is back
+    assert capfd.readouterr().err == "after\n"
 
 
 @pytest.mark.parametrize("backend", backends())
