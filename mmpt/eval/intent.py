@@ -175,8 +175,15 @@ def intent_classification(
             draws = [rows]
             splits[f"{k}shot"] = fixed.name
         else:
-            draws = [[train[i] for i in kshot_indices(train_y, k, seed)] for seed in range(seeds)]
-            splits[f"{k}shot"] = f"{seeds} random draws of {k} per intent from train.csv"
+            short = sorted(c for c in set(train_y) if train_y.count(c) <= k)
+            if len(short) == len(set(train_y)):  # every draw would be the whole training split: one run
+                draws = [train]
+                splits[f"{k}shot"] = f"all of train.csv: no intent has more than {k} examples"
+            else:
+                draws = [[train[i] for i in kshot_indices(train_y, k, seed)] for seed in range(seeds)]
+                splits[f"{k}shot"] = f"{seeds} random draws of {k} per intent from train.csv" + (
+                    f" ({len(short)} of {len(set(train_y))} intents have {k} or fewer: all of theirs)" if short else ""
+                )
         scores = []
         for seed, rows in enumerate(draws):
             x = embed_utterances(model, encoder, [t for t, _ in rows], batch_size)
@@ -197,7 +204,13 @@ def intent_classification(
         "kshot_splits": splits,
         "protocols": {
             "accuracy": "linear probe on the frozen encoder",
-            "finetuned_accuracy": "whole encoder + linear head fine-tuned"
-            + (", test accuracy at the best validation epoch" if val else ", after the last epoch"),
+            **(
+                {
+                    "finetuned_accuracy": "whole encoder + linear head fine-tuned"
+                    + (", test accuracy at the best validation epoch" if val else ", after the last epoch")
+                }
+                if finetune
+                else {}
+            ),
         },
     }
