@@ -76,7 +76,7 @@ def type_name(annotation: Any) -> str:
     if origin is Literal:
         return " | ".join(json.dumps(a) if isinstance(a, str) else str(a) for a in args)
     if _is_union(annotation):
-        return " | ".join(type_name(a) for a in args)
+        return " | ".join(dict.fromkeys(type_name(a) for a in args))
     if origin is typing.Annotated:
         return type_name(args[0])
     if origin in (list, tuple, dict, set, frozenset):
@@ -113,13 +113,13 @@ def _constraints(field: FieldInfo) -> list[str]:
 
 
 def _sections_in(annotation: Any) -> list[tuple[str, type[BaseModel]]]:
-    """(path suffix, section class) for each way `annotation` holds a section: itself, optional, in a list
-    (`.N`), as a mapping's values (`.<name>`)."""
+    """(path suffix, section class) for each way `annotation` holds a section: itself, optional, one of several
+    (each), in a list (`.N`), as a mapping's values (`.<name>`)."""
     if _is_model(annotation):
         return [("", annotation)]
     origin, args = get_origin(annotation), get_args(annotation)
     if _is_union(annotation) or origin is typing.Annotated:
-        return [found for arg in args for found in _sections_in(arg)][:1]
+        return [found for arg in args for found in _sections_in(arg)]
     if origin in (list, tuple, set, frozenset) and args:
         return [(".N" + suffix, model) for suffix, model in _sections_in(args[0])]
     if origin is dict and len(args) == 2:
@@ -194,8 +194,28 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[Row]:
             description = _summary(nested[0][1])
         type_cell = f"`{kind}`" + (f" ({', '.join(bounds)})" if bounds else "")
         out.append(Row(key, type_cell, shown, description))
-        for suffix, section in nested:
-            out.extend(rows(section, f"{key}{suffix}."))
+        out.extend(_variant_rows(key, nested))
+    return out
+
+
+def _variant_rows(key: str, nested: list[tuple[str, type[BaseModel]]]) -> list[Row]:
+    """The rows of a field's sections; where it is one of several (a loss by its `name`), every key once: a key
+    they share with the values of each, a key of a later one marked with that one's name."""
+    out: list[Row] = []
+    where: dict[str, int] = {}
+    for index, (suffix, section) in enumerate(nested):
+        tag = section.model_fields["name"].default if "name" in section.model_fields else section.__name__
+        for row in rows(section, f"{key}{suffix}."):
+            if row.key in where:
+                first = out[where[row.key]]
+                if row.type != first.type:
+                    joined = " | ".join(dict.fromkeys(t.strip("`") for t in (first.type, row.type)))
+                    out[where[row.key]] = Row(first.key, f"`{joined}`", first.default, first.description)
+                continue
+            if index:
+                row = Row(row.key, row.type, row.default, f"(name: {tag}) {row.description}".strip())
+            where[row.key] = len(out)
+            out.append(row)
     return out
 
 
@@ -239,7 +259,7 @@ def render() -> str:
     )
     for name in common:
         field = Config.model_fields[name]
-        ((_, section),) = _sections_in(field.annotation)
+        ((_, section),) = _sections_in(field.annotation)  # the shared sections are each one class
         blocks += ["", f"## {name}", ""]
         if _summary(section):
             blocks += [_summary(section), ""]

@@ -82,6 +82,17 @@ def test_the_config_reference_is_the_current_schema():
     )
 
 
+def test_the_config_reference_lists_the_keys_of_every_kind_a_section_may_be():
+    """`method.loss` is a contrastive or a sigmoid loss: the sigmoid one's own key is listed too, marked."""
+    from mmpt.config_reference import rows
+    from mmpt.methods import get_method
+
+    listed = {row.key: row for row in rows(get_method("clip").config_class, "method.")}
+    assert listed["method.loss.name"].type == '`"contrastive" | "sigmoid"`'
+    assert listed["method.loss.exchange"].description.startswith("(name: sigmoid) how texts reach the other ranks")
+    assert listed["method.loss"].type == "`mapping`"
+
+
 def test_github_anchors():
     assert github_anchor("Partial redundancy (ZeRO++ hpZ)") == "partial-redundancy-zero-hpz"
     assert github_anchor("method: m2_encoder") == "method-m2_encoder"
