@@ -160,6 +160,14 @@ def test_no_room_for_one_sample_is_one_line_and_exit_2(capfd):
     assert "Traceback" not in done.stderr
 
 
+def test_the_usable_share_of_gpu_memory_is_an_option(capfd):
+    done = run_plan(capfd, "--gpus", "2", "--gpu-memory", "80", "--usable-share", "0.5", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["assumptions"]["usable_share"] == 0.5
+    done = run_plan(capfd, "--gpus", "2", "--usable-share", "1.5")
+    assert done.returncode == 2 and "--usable-share 1.5 must be in (0, 1]" in done.stderr
+
+
 def test_live_bytes_follow_frees():
     from mmpt.plan.measure import LiveBytes
 

@@ -37,7 +37,7 @@ esac
 FAKE_LAUNCHER = """#!/bin/bash
 # a launcher: its arguments, one a line, and the exit code this node is told to give
 printf "%s\\n" "$@" > "$FAKE_LOG/$(basename "$0").$SLURM_NODEID"
-echo "$NCCL_DEBUG $TORCH_NCCL_ASYNC_ERROR_HANDLING $DEEPSPEED_TIMEOUT" > "$FAKE_LOG/env.$SLURM_NODEID"
+echo "$NCCL_DEBUG $TORCH_NCCL_ASYNC_ERROR_HANDLING" > "$FAKE_LOG/env.$SLURM_NODEID"
 code=FAKE_EXIT_$SLURM_NODEID
 [[ -n ${FAKE_UNHEALTHY:-} ]] && printf "%s" "$FAKE_UNHEALTHY" > "$RUN_DIR/unhealthy.json"  # the run named a node
 exit ${!code:-0}
@@ -119,7 +119,7 @@ def test_torchrun_script_starts_one_torchrun_per_node_with_its_node_rank(tmp_pat
         assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", node, "4")
         assert (args.master_addr, args.master_port, args.rdzv_backend) == (HOSTS[0], 20000 + JOB_ID, "static")
         assert [args.training_script, *args.training_script_args] == training_command(tmp_path)
-    assert (log / "env.1").read_text().split() == ["WARN", "1", "45"]
+    assert (log / "env.1").read_text().split() == ["WARN", "1"]
     srun_options = set((log / "srun").read_text().split())
     assert {"--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=64"} <= srun_options
     assert not (log / "requeue").exists()

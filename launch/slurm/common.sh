@@ -39,10 +39,8 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # A collective that fails or times out tears its process down, so the launcher sees a dead rank and
 # the job ends, instead of the other ranks waiting forever.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
-# Process-group timeout in minutes (mmpt starts its process group through deepspeed.init_distributed,
-# which reads this). Keep it above train.watchdog_timeout (default 1800 s): a hang then ends with the
-# watchdog's report of every rank's step and exit code 75, not with an anonymous collective timeout.
-export DEEPSPEED_TIMEOUT=${DEEPSPEED_TIMEOUT:-45}
+# No process-group timeout to set: mmpt gives its groups one above train.watchdog_timeout itself, so a hang
+# ends with the watchdog's report of every rank's step and exit code 75, not an anonymous collective timeout.
 export PYTHONUNBUFFERED=1
 
 # Runs the command string $1 once on every node (one srun task per node); the string is expanded on

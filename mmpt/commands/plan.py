@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mfu", type=float, default=defaults.mfu)
     parser.add_argument("--intra-node-gb-s", type=float, default=defaults.intra_node_gb_s)
     parser.add_argument("--inter-node-gb-s", type=float, default=defaults.inter_node_gb_s)
+    parser.add_argument(
+        "--usable-share", type=float, default=defaults.usable_share, help="share of GPU memory a plan may fill"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser.parse_args(argv)
 
@@ -48,7 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     gpu = GPUS[args.gpu]
     cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), gpu, args.gpu_memory or gpu.memory_gib)
-    assume = Assumptions(mfu=args.mfu, intra_node_gb_s=args.intra_node_gb_s, inter_node_gb_s=args.inter_node_gb_s)
+    if not 0 < args.usable_share <= 1:
+        raise ConfigError(f"--usable-share {args.usable_share} must be in (0, 1]")
+    assume = Assumptions(
+        mfu=args.mfu,
+        intra_node_gb_s=args.intra_node_gb_s,
+        inter_node_gb_s=args.inter_node_gb_s,
+        usable_share=args.usable_share,
+    )
     found = profile(cfg)
     plan = make_plan(cfg, found, cluster, assume)
     if plan.largest_micro_batch == 0:
