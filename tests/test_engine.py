@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_config, write_config
+from conftest import REPO, tiny_config, write_config
 from mmpt.config import ConfigError
 from mmpt.config_loader import load_config
 from mmpt.engine.deepspeed_config import deepspeed_config
@@ -301,3 +301,13 @@ def test_a_step_pools_where_the_method_and_accumulation_ask_and_merges_where_the
     for needs, accum in ((EngineNeeds(), 4), (mergeable, 1), (separate_only, 4)):
         with pytest.raises(ConfigError, match="config key 'train.pool_pass'"):
             pooling("merged", accum, needs, checkpointing=True)
+
+
+def test_the_run_summary_says_when_warmup_outlasts_the_run():
+    """A demo shrunk by overrides keeps its 30 warmup steps: over 3 steps the learning rate never reaches its value."""
+    from mmpt.config_loader import load_config
+    from mmpt.engine.summary import learning_rate_line
+
+    short = load_config(REPO / "configs/victor/demo.yaml", ["train.max_steps=3"])
+    assert learning_rate_line(short).endswith(", never reached: optim.warmup_steps 30 > train.max_steps 3")
+    assert "never reached" not in learning_rate_line(load_config(REPO / "configs/victor/demo.yaml"))

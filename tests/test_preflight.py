@@ -149,7 +149,7 @@ def test_a_run_says_what_it_will_do_and_a_finished_run_says_it_is_done(tmp_path,
         "evaluation",
         "output",
     ], summary
-    assert summary[4].strip() == "learning rate 0.001"
+    assert summary[4].strip() == "learning rate 0.001"  # warmup_steps 2 of 2: reached at the last step
     assert summary[9].strip() == "evaluation every 2 steps and at the end: zeroshot (zeroshot_classification, en/zh)"
     assert "16 per rank x 1 micro-batch(es) x 1 data-parallel rank(s) = 16 samples per step, 2 steps" in summary[2]
     assert summary[7].strip().startswith("source 'zh': 8 shard(s), ") and summary[7].endswith("caption_key=txt")

@@ -51,13 +51,7 @@ def startup_summary(
         f"{batch * accum * layout.data_size} samples per step, {cfg.train.max_steps} steps",
         *pooled,
         f"parameters: {total:,} ({trainable:,} trainable)",
-        f"learning rate {cfg.optim.lr:g}"
-        + "".join(f", x{scale:g} for {pattern}" for pattern, scale in cfg.optim.lr_scales.items())
-        + (
-            f", layer decay {cfg.optim.layer_decay:g} (x{cfg.optim.layer_decay:g}^k, k blocks below a tower's head)"
-            if cfg.optim.layer_decay
-            else ""
-        ),
+        learning_rate_line(cfg),
         f"initial weights: {initial_weights or 'random (the config names none)'}",
     ]
     if resumed_from is not None:
@@ -80,3 +74,22 @@ def startup_summary(
         lines.append(f"evaluation {when}: {sets}")
     lines.append(f"output: {Path(cfg.run.output_dir).resolve()}")
     return "run summary\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def learning_rate_line(cfg: Config) -> str:
+    """The peak learning rate, its per-parameter scales, and whether the run is long enough to reach it."""
+    optim = cfg.optim
+    return (
+        f"learning rate {optim.lr:g}"
+        + "".join(f", x{scale:g} for {pattern}" for pattern, scale in optim.lr_scales.items())
+        + (
+            f", layer decay {optim.layer_decay:g} (x{optim.layer_decay:g}^k, k blocks below a tower's head)"
+            if optim.layer_decay
+            else ""
+        )
+        + (
+            f", never reached: optim.warmup_steps {optim.warmup_steps} > train.max_steps {cfg.train.max_steps}"
+            if optim.warmup_steps > cfg.train.max_steps
+            else ""
+        )
+    )
