@@ -467,7 +467,12 @@ def _load_with_bases(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict, dic
     merged: dict = {}
     origins: dict[str, str] = {}
     for base in bases:
-        data, base_origins = _load_with_bases(path.parent / base, (*seen, path))
+        local = path.parent / base
+        try:  # a path beside this file, else a shipped config's name (`clip/demo`), as --config takes it
+            found = local if local.is_file() else shipped_config(base)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: 'extends': {exc}") from None
+        data, base_origins = _load_with_bases(found, (*seen, path))
         merged = _merge(merged, data, origins, None)
         origins.update(base_origins)  # a later base wins for the keys it sets
     return _merge(merged, raw, origins, str(path)), origins

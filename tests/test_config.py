@@ -76,6 +76,18 @@ def test_extends_merges_and_overrides_win(config_file):
     assert cfg.optim.lr == 0.25 and cfg.data.train.sources[1].weight == 3
 
 
+def test_extends_names_a_shipped_config_from_anywhere(tmp_path):
+    """A user's config outside the repository extends `space2/demo` (or `configs/space2/demo.yaml`), as
+    --config names it; a name that is neither a file beside it nor a shipped config is one line listing them."""
+    for name in ("space2/demo", "configs/space2/demo.yaml"):
+        (tmp_path / "mine.yaml").write_text(f"extends: [{name}]\ntrain: {{max_steps: 3}}\n")
+        cfg = load_config(tmp_path / "mine.yaml")
+        assert cfg.method_name == "space2" and cfg.train.max_steps == 3
+    (tmp_path / "typo.yaml").write_text("extends: [space2/dmeo]\n")
+    with pytest.raises(ConfigError, match=r"typo.yaml: 'extends': config file not found: space2/dmeo \(nor a shipped"):
+        load_config(tmp_path / "typo.yaml")
+
+
 def test_resolved_config_round_trips(tmp_path, config_file):
     cfg = load_config(config_file, ["train.max_steps=77"])
     save_config(cfg, tmp_path / "saved.yaml")
