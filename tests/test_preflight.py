@@ -209,6 +209,12 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(
         ),
         ("space2/demo.yaml", "method.intent_eval.dataset={root}/empty", "method.intent_eval.dataset", "has no rows"),
         (
+            "clip/demo.yaml",
+            "data.eval=[{{dataset: {root}/images.jsonl, task: zeroshot_retrieval}}]",
+            "data.eval.0.dataset",
+            "images.jsonl: image {root}/cat.jpg does not exist (1 missing)",
+        ),
+        (
             "victor/demo.yaml",
             "method.text.pretrained={root}",
             "method.text.pretrained",
@@ -220,6 +226,7 @@ def test_what_training_would_fail_on_or_ignore_stops_before_it_starts(tmp_path, 
     """An evaluation set the end of training would fail to read, or a key the method would not read, is found
     before the process group starts."""
     (tmp_path / "listing.jsonl").write_text('{"video": "clip00", "caption": "a red square moves left"}\n')
+    (tmp_path / "images.jsonl").write_text('{"image": "cat.jpg", "caption": ["a cat"]}\n')
     for folder, rows in (("intent", "text,category\nhello,greet\n"), ("empty", "text,category\n")):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "train.csv").write_text(rows)

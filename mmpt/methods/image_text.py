@@ -19,6 +19,7 @@ from mmpt.data.loader import BatchStream
 from mmpt.data.shards import DataError
 from mmpt.eval import DEMO_SETS, resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
+from mmpt.eval.retrieval_formats import load_retrieval_set
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.losses.sigmoid import INIT_LOGIT_BIAS, INIT_LOGIT_SCALE, Exchange, SigmoidLoss
@@ -193,6 +194,19 @@ class ImageTextMethod(Method[SettingsT]):
         return {"method.tokenizer": self.tokenizer_source(cfg)}
 
     def check_eval_sets(self, cfg: Config) -> None:
+        """Classification folders' class names read; a jsonl retrieval listing read and its images found (the
+        other retrieval layouts are read whole only when evaluated)."""
+        for i, s in enumerate(cfg.data.eval):
+            listing = Path(s.dataset)
+            if s.task != "zeroshot_retrieval" or listing.suffix != ".jsonl" or listing.name.endswith("_texts.jsonl"):
+                continue
+            try:
+                if listing.is_file():
+                    missing = [f for f in load_retrieval_set(listing)[0] if not f.is_file()]
+                    if missing:
+                        raise DataError(f"{listing}: image {missing[0]} does not exist ({len(missing)} missing)")
+            except DataError as exc:
+                raise ValueError(f"config key 'data.eval.{i}.dataset': {exc}") from None
         sets = [
             (f"data.eval.{i}.dataset", s.dataset, s.languages, s.foreign_class_names)
             for i, s in enumerate(cfg.data.eval)
