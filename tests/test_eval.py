@@ -109,6 +109,10 @@ def test_msrvtt_csv_and_video_jsonl_layouts(tmp_path):
         load_video_retrieval_set(tmp_path / "bad.csv")
     (tmp_path / "r.jsonl").write_text(json.dumps({"video": "videos/video7.mp4", "caption": "a man sings"}) + "\n")
     assert load_video_retrieval_set(tmp_path / "r.jsonl") == ([tmp_path / "videos/video7.mp4"], [["a man sings"]])
+    # found beside the listing first: a video root set for another listing (a csv's) does not move them
+    assert load_video_retrieval_set(tmp_path / "r.jsonl", tmp_path / "msrvtt") == load_video_retrieval_set(
+        tmp_path / "r.jsonl"
+    )
     # the listing given to the video shard maker: clips named by id, found under a video root
     (tmp_path / "ids.jsonl").write_text(json.dumps({"video": "video9", "caption": "a cat"}) + "\n")
     assert load_video_retrieval_set(tmp_path / "ids.jsonl", videos) == ([videos / "video9.webm"], [["a cat"]])

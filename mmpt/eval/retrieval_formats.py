@@ -80,11 +80,8 @@ def _resolve(folder: Path, file: str) -> Path:
     return Path(file) if os.path.isabs(file) else folder / file
 
 
-def load_retrieval_set(
-    path: str | os.PathLike, media: str = "image", root: Path | None = None
-) -> tuple[list[Path], list[list[str]]]:
-    """(files, captions of each) from `{"<media>": path, "caption": [...]}` lines; relative paths are under `root`
-    (default: the file's folder)."""
+def load_retrieval_set(path: str | os.PathLike, media: str = "image") -> tuple[list[Path], list[list[str]]]:
+    """(files, captions of each) from `{"<media>": path, "caption": [...]}` lines."""
     path = Path(path)
     files, captions = [], []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
@@ -98,7 +95,7 @@ def load_retrieval_set(
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts:
             raise DataError(f"{path}:{number}: no captions")
-        files.append(_resolve(root or path.parent, file))
+        files.append(_resolve(path.parent, file))
         captions.append(texts)
     if not files:
         raise DataError(f"{path}: no records")

@@ -31,11 +31,12 @@ from mmpt.eval.retrieval_formats import load_retrieval_set
 VIDEO_SUFFIXES = (".mp4", ".webm", ".avi")
 
 
-def _find_video(file: Path, listing: Path) -> Path:
-    """`file`, or `file` with a video suffix added: a listing may name a clip by its id."""
-    for candidate in (file, *(file.with_name(file.name + suffix) for suffix in VIDEO_SUFFIXES)):
-        if candidate.is_file():
-            return candidate
+def _find_video(file: Path, listing: Path, *elsewhere: Path) -> Path:
+    """`file` (else each of `elsewhere`), or it with a video suffix added: a listing may name a clip by its id."""
+    for place in (file, *elsewhere):
+        for candidate in (place, *(place.with_name(place.name + suffix) for suffix in VIDEO_SUFFIXES)):
+            if candidate.is_file():
+                return candidate
     raise DataError(f"{listing}: video {file} not found (also tried it with {', '.join(VIDEO_SUFFIXES)})")
 
 
@@ -73,16 +74,21 @@ def load_video_retrieval_set(
     path: str | os.PathLike,
     video_root: str | os.PathLike | None = None,
 ) -> tuple[list[Path], list[list[str]]]:
-    """(video files, captions of each) from a jsonl, an MSR-VTT-style csv or DiDeMo's json. Relative paths and ids
-    are found under `video_root` (default: the jsonl's folder; the csv's and json's `videos/` beside them)."""
+    """(video files, captions of each) from a jsonl, an MSR-VTT-style csv or DiDeMo's json. A jsonl's relative paths
+    and ids are found beside it, else under `video_root`; a csv's and a json's under `video_root` (default: the
+    `videos/` folder beside them)."""
     path = Path(path)
     if not path.is_file():
         raise MissingDataError(f"retrieval annotation file {path} does not exist")
     if path.suffix == ".json":
         return _didemo(path, Path(video_root) if video_root else path.parent / "videos")
     if path.suffix != ".csv":
-        videos, captions = load_retrieval_set(path, media="video", root=Path(video_root) if video_root else None)
-        return [_find_video(video, path) for video in videos], captions
+        videos, captions = load_retrieval_set(path, media="video")  # relative to the jsonl's folder
+        under_root = [
+            Path(video_root) / v.relative_to(path.parent) if video_root and v.is_relative_to(path.parent) else v
+            for v in videos
+        ]
+        return [_find_video(v, path, r) for v, r in zip(videos, under_root)], captions
     videos, captions = _csv(path, Path(video_root) if video_root else None)
     if not videos:
         raise DataError(f"{path}: no records")

@@ -87,7 +87,7 @@ class RetrievalEvalConfig(Section):
     video_root: str | None = Field(
         default=None,
         description="folder a retrieval listing's videos are in: a csv's <video_id>.mp4 (default: videos/ beside it), "
-        "a jsonl's relative paths or ids (default: its folder)",
+        "a jsonl's relative paths or ids not found beside it",
     )
     batch_size: int = Field(default=64, gt=0)
 
