@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, tiny_config, write_config
+from conftest import REPO, tiny_config, train_in_process, write_config
 from mmpt.config import ConfigError
 from mmpt.config_loader import load_config
 from mmpt.engine.deepspeed_config import deepspeed_config
@@ -311,3 +311,19 @@ def test_the_run_summary_says_when_warmup_outlasts_the_run():
     short = load_config(REPO / "configs/victor/demo.yaml", ["train.max_steps=3"])
     assert learning_rate_line(short).endswith(", never reached: optim.warmup_steps 30 > train.max_steps 3")
     assert "never reached" not in learning_rate_line(load_config(REPO / "configs/victor/demo.yaml"))
+
+
+def test_resuming_with_a_config_that_builds_another_model_is_one_line(tmp_path, digits_root, process_group_of_one):
+    """A finished step's checkpoint and a config changed since (a wider text tower): a config error naming the
+    checkpoint and the run's own config, not torch's load traceback."""
+    from mmpt.config import ConfigError
+    from mmpt.config_loader import load_config
+
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, run_dir, train={"max_steps": 2}))
+    train_in_process(load_config(config, ["train.save_every=2", "train.max_steps=2"]))
+    with pytest.raises(ConfigError) as stopped:
+        train_in_process(load_config(config, ["train.max_steps=3", "method.text.width=48"]))
+    said = str(stopped.value)
+    assert "\n" not in said and said.startswith(f"{run_dir / 'checkpoints/step_000000002'} does not fit the model")
+    assert "size mismatch for " in said and f"resume with the run's own ({run_dir / 'config.yaml'})" in said

@@ -29,6 +29,7 @@ from mmpt.artifacts import fsync
 from mmpt.engine import deepspeed_private
 from mmpt.engine.checkpoint.parts import PartitionedTensors, whole_from_partitions
 from mmpt.engine.checkpoint.protocol import COMPLETE
+from mmpt.errors import ConfigError
 
 PARTITIONED = "partitioned_buffers"  # model-states entry: {name: full shape} of buffers saved as per-rank partitions
 
@@ -95,7 +96,18 @@ def load_engine(engine, checkpoint: Path) -> int:
     """Restore model, optimizer and schedule; returns the step."""
     if not checkpoint.is_dir():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
-    _, client = engine.load_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+    try:
+        _, client = engine.load_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+    except RuntimeError as exc:  # torch's strict load: the config builds another model than the one saved
+        if "Error(s) in loading state_dict" not in str(exc):
+            raise
+        lines = str(exc).strip().splitlines()
+        run_dir = checkpoint.parent.parent
+        raise ConfigError(
+            f"{checkpoint} does not fit the model this config builds ({(lines[1:] or lines)[0].strip()}): the config "
+            f"changed since it was saved; resume with the run's own ({run_dir / 'config.yaml'}), or set "
+            "run.output_dir to start another run"
+        ) from None
     if client is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {checkpoint}")
     unshare_step_counters(engine.optimizer)
