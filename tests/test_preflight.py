@@ -193,7 +193,8 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(
             "victor/demo.yaml",
             "data.eval=[{{dataset: {root}/listing.jsonl, task: zeroshot_retrieval}}]",
             "data.eval.0.dataset",
-            "listing.jsonl: video {root}/clip00 not found",
+            "listing.jsonl: video {root}/clip00 not found (also tried it with .mp4, .webm, .avi) (set "
+            "method.retrieval.video_root to the folder of the clips)",
         ),
         (
             "victor/demo.yaml",

@@ -211,7 +211,9 @@ class VictorMethod(Method[VictorConfig]):
                 else:
                     load_video_retrieval_set(dataset, retrieval.video_root)
             except (DataError, ValueError) as exc:
-                raise ValueError(f"config key '{key}.dataset': {exc}") from None
+                unrooted = "not found" in str(exc) and not retrieval.video_root
+                hint = " (set method.retrieval.video_root to the folder of the clips)" if unrooted else ""
+                raise ValueError(f"config key '{key}.dataset': {exc}{hint}") from None
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         copy_tokenizer(run_dir, TOKENIZER_FILE, self.settings(cfg).tokenizer)
