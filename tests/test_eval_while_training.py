@@ -222,3 +222,9 @@ def test_a_final_evaluation_that_failed_runs_when_the_finished_run_is_started_ag
     assert read_metrics(run_dir)[-1] == {"step": 2, **final["metrics"]}
     train_in_process(load_config(config))
     assert "nothing to do" in capsys.readouterr().out
+    # a set added to the finished run's config: its evaluation at the end runs again, over both sets
+    added = f"{{dataset: {digits_root / 'zeroshot'}, task: zeroshot_classification, name: held, languages: [en]}}"
+    train_in_process(load_config(config, [f"data.eval=[{{dataset: {listing}, task: zeroshot_retrieval}}, {added}]"]))
+    said = capsys.readouterr().out
+    assert "its final evaluation covered retrieval, the config names retrieval, held; evaluating now" in said, said
+    assert 0 <= json.loads((run_dir / "final_evaluation.json").read_text())["metrics"]["eval/held/en/acc1"] <= 1

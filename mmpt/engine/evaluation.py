@@ -81,13 +81,26 @@ def evaluate_while_training(method: Method, model: nn.Module, cfg: Config, run_d
         return evaluate_sets(method, model, cfg, run_dir)
 
 
-def final_evaluation_pending(cfg: Config, method: Method, run_dir: Path, step: int) -> bool:
-    """Whether `cfg` evaluates at the end of training and `run_dir` holds no record of that evaluation at `step`
-    (a run trained on past an earlier end evaluates again)."""
-    if not (cfg.data.eval or method.evaluates_at_end(cfg)):
-        return False
+def final_sets(cfg: Config, method: Method) -> list[str]:
+    """What the evaluation at the end covers: the method's own (`method`) and each `data.eval` set by its name."""
+    return [*(["method"] if method.evaluates_at_end(cfg) else []), *(s.label for s in cfg.data.eval)]
+
+
+def final_evaluation_due(cfg: Config, method: Method, run_dir: Path, step: int) -> str | None:
+    """Why the evaluation at the end is still to run at `step` (None: it ran, or `cfg` has none): it did not
+    complete, it ran at an earlier end (the run trained on), or it covered other sets than `cfg` names."""
+    sets = final_sets(cfg, method)
     record = run_dir / FINAL_EVALUATION
-    return not record.is_file() or json.loads(record.read_text()).get("step") != step
+    if not sets:
+        return None
+    if not record.is_file():
+        return "its final evaluation did not complete"
+    done = json.loads(record.read_text())
+    if done.get("step") != step:
+        return f"its final evaluation was at step {done.get('step')}"
+    if done.get("sets") != sets:
+        return f"its final evaluation covered {', '.join(done.get('sets') or [])}, the config names {', '.join(sets)}"
+    return None
 
 
 def final_evaluation(cfg: Config, method: Method, run_dir: Path, device: torch.device, step: int) -> dict[str, Any]:
@@ -97,7 +110,8 @@ def final_evaluation(cfg: Config, method: Method, run_dir: Path, device: torch.d
     results = method.evaluate(model, cfg, run_dir)
     with torch.no_grad():
         results.update(evaluate_sets(method, model.eval(), cfg, run_dir, records=run_dir / "eval"))
-    atomic_write(run_dir / FINAL_EVALUATION, json.dumps({"step": step, "metrics": results}, indent=1))
+    record = {"step": step, "sets": final_sets(cfg, method), "metrics": results}
+    atomic_write(run_dir / FINAL_EVALUATION, json.dumps(record, indent=1))
     if results:
         print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items()), flush=True)
     return results

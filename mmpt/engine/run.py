@@ -24,7 +24,7 @@ from mmpt.engine.batch_norm import RunningStatisticsKept, batch_norm_across_rank
 from mmpt.engine.checkpoint import Checkpointer, RngState, deepspeed_io, find_resume, saved_world_size
 from mmpt.engine.compile import check_compile, compile_towers, compiles
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
-from mmpt.engine.evaluation import final_evaluation_pending
+from mmpt.engine.evaluation import final_evaluation_due
 from mmpt.engine.flops import flops_per_sample, peak_tflops, step_flops
 from mmpt.engine.grad_buckets import BucketedAllReduce
 from mmpt.engine.guards import NonFiniteGuard
@@ -274,11 +274,12 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     if step >= cfg.train.max_steps and mdist.all_gather_floats([(run_dir / WEIGHTS).is_file()])[0][0]:
         watchdog.close()
         if rank == 0:
+            due = final_evaluation_due(cfg, method, run_dir, step)
             print(
                 f"mmpt: {run_dir} already finished at step {step} (train.max_steps={cfg.train.max_steps}): "
                 + (
-                    "its final evaluation did not complete; evaluating now"
-                    if final_evaluation_pending(cfg, method, run_dir, step)
+                    f"{due}; evaluating now"
+                    if due
                     else "nothing to do; raise train.max_steps to train on, or set run.output_dir to start another run"
                 ),
                 flush=True,

@@ -15,7 +15,7 @@ import torch
 from mmpt import distributed as mdist
 from mmpt.config import Config
 from mmpt.engine import run as runs
-from mmpt.engine.evaluation import evaluate_while_training, final_evaluation, final_evaluation_pending
+from mmpt.engine.evaluation import evaluate_while_training, final_evaluation, final_evaluation_due
 from mmpt.engine.hooks import StepHooks
 from mmpt.engine.optim import SkippingAdamW
 from mmpt.engine.resilience import collective_timing
@@ -228,7 +228,7 @@ def finish(run: runs.Run) -> dict[str, Any]:
     free_engine(run.engine)
     run.engine = None
     mdist.barrier()
-    if mdist.get_rank() != 0 or not final_evaluation_pending(run.cfg, run.method, run.run_dir, run.step):
+    if mdist.get_rank() != 0 or final_evaluation_due(run.cfg, run.method, run.run_dir, run.step) is None:
         return {}
     results = final_evaluation(run.cfg, run.method, run.run_dir, device, run.step)
     if results:
@@ -239,7 +239,7 @@ def finish(run: runs.Run) -> dict[str, Any]:
 def evaluate_finished(cfg: Config, step: int) -> dict[str, Any]:
     """A finished run started again: its final evaluation on rank 0 if it had not completed, else nothing."""
     method, run_dir = get_method(cfg.method_name), Path(cfg.run.output_dir)
-    if mdist.get_rank() != 0 or not final_evaluation_pending(cfg, method, run_dir, step):
+    if mdist.get_rank() != 0 or final_evaluation_due(cfg, method, run_dir, step) is None:
         return {}
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     results = final_evaluation(cfg, method, run_dir, device, step)
