@@ -156,26 +156,6 @@ def _unpadded_rows(counts: tuple[int, ...], device: torch.device) -> torch.Tenso
     return torch.cat([torch.arange(count, device=device) + rank * most for rank, count in enumerate(counts)])
 
 
-class _SumWithGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        total = tensor.clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        total = grad.clone()  # every rank's output depends on this rank's input: the gradients sum likewise
-        dist.all_reduce(total, group=ctx.group)
-        return total, None
-
-
-def all_reduce_with_grad(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The sum of `tensor` over the group, differentiable (torch's own, `torch.distributed.nn`, is deprecated)."""
-    return cast(torch.Tensor, _SumWithGrad.apply(tensor, group))
-
-
 def reduce_scatter_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum `tensor` over the group and keep this rank's block of rows.
 
