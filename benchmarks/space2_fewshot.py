@@ -50,7 +50,7 @@ def train(name: str, overrides: list[str], runs: Path) -> tuple[Path, float]:
         str(REPO / "configs/space2/demo.yaml"),
         f"run.output_dir={run}",
         "run.progress_bar=false",
-        "method.intent_eval.dataset=null",
+        "data.eval=[]",
         *overrides,
     ]
     started = time.time()

@@ -44,7 +44,11 @@ def main() -> None:
     ]
     for name, row in rows.items():
         for language in ("en", "zh"):
-            m = {k.split("/", 2)[2]: v for k, v in row["final"].items() if k.startswith(f"retrieval/{language}/")}
+            m = {
+                k.split("/", 3)[3]: v
+                for k, v in row["final"].items()
+                if k.startswith(f"eval/moving_digits/{language}/")
+            }
             lines.append(
                 f"| {name} | {language} | {100 * m['video_retrieval_recall@1']:.1f} | {100 * m['video_retrieval_recall@5']:.1f} | "
                 f"{100 * m['video_retrieval_recall@10']:.1f} | {m['video_retrieval_median_rank']:.0f} | "

@@ -32,8 +32,7 @@ def validate_config(data: dict, origins: dict[str, str] | None = None, top_file:
         method = get_method(section.get("name"))
     except ConfigError as exc:
         raise ConfigError(f"{origin(origins, 'method.name', top_file)}: {exc}") from None
-    if "zeroshot" in section and "zeroshot" not in method.config_class.model_fields:
-        data = zeroshot_as_eval_sets(data, origins, top_file)
+    data = legacy_eval_sets(data, origins, top_file)
     cfg = validate_sections(data, origins, top_file, method.config_class)
     for index, source in enumerate(cfg.data.train.sources):
         for name in source.fields_set():
@@ -65,51 +64,56 @@ def validate_config(data: dict, origins: dict[str, str] | None = None, top_file:
     return cfg
 
 
-LEGACY_ZEROSHOT_KEYS = ("dataset", "extra_datasets", "languages", "batch_size", "foreign_class_names")
+# Method sections that named evaluation sets before every set was a `data.eval` entry, as releases' config.json
+# and runs' config.yaml still do: {section: (the entries' task, the section's keys read as entries)}. The rest of
+# a section stays where it is, but for `zeroshot`, which goes whole (its `batch_size`: `method.eval_batch_size`).
+LEGACY_EVAL_SECTIONS = {
+    "zeroshot": ("zeroshot_classification", ("dataset", "extra_datasets", "languages", "foreign_class_names")),
+    "retrieval": ("zeroshot_retrieval", ("dataset", "languages")),
+    "intent_eval": ("intent", ("dataset",)),
+}
 
 
-def zeroshot_as_eval_sets(data: dict, origins: dict[str, str], top_file: str) -> dict:
-    """`data` with a `method.zeroshot` section (how configs named the zero-shot sets of the image-text methods
-    before every evaluation set was a `data.eval` entry, as releases' config.json and runs' config.yaml still
-    do) read as what it meant: `dataset` and each of `extra_datasets` a zeroshot_classification entry of
-    `data.eval` in `languages` (none when `dataset` is null), and `batch_size` as `method.eval_batch_size`.
-    Warns, naming the file, with what to write instead."""
-    where = origin(origins, "method.zeroshot", top_file)
-    legacy = data["method"]["zeroshot"]
-    if not isinstance(legacy, dict):
-        raise ConfigError(f"{where}: config key 'method.zeroshot' must be a mapping (better: data.eval entries)")
-    for key in legacy:
-        if key not in LEGACY_ZEROSHOT_KEYS:
-            raise ConfigError(
-                f"{where}: unknown config key 'method.zeroshot.{key}' (method.zeroshot is read as data.eval entries)"
-            )
-    method = {k: v for k, v in data["method"].items() if k != "zeroshot"}
-    if "batch_size" in legacy:
-        method.setdefault("eval_batch_size", legacy["batch_size"])
-    section = data.get("data")
+def legacy_eval_sets(data: dict, origins: dict[str, str], top_file: str) -> dict:
+    """`data` with the evaluation sets its method sections name (`LEGACY_EVAL_SECTIONS`) read as what they meant:
+    `dataset` and each of `extra_datasets` a `data.eval` entry in `languages` (none when `dataset` is null). Warns,
+    naming the file, with what to write instead."""
+    method, section = dict(data["method"]), data.get("data")
     sets: list[Any] = list(section.get("eval") or []) if isinstance(section, dict) else []
-    added = []
-    if legacy.get("dataset") is not None:
-        extra = legacy.get("extra_datasets") or []
-        for dataset in [legacy["dataset"], *(extra if isinstance(extra, list) else [extra])]:
-            entry: dict[str, Any] = {"dataset": dataset, "task": "zeroshot_classification"}
-            for key in ("languages", "foreign_class_names"):
-                if key in legacy:
-                    entry[key] = legacy[key]
-            if not any(
-                isinstance(s, dict) and s.get("dataset") == dataset and s.get("task") == entry["task"] for s in sets
-            ):
-                origins[f"data.eval.{len(sets)}"] = where
-                sets.append(entry)
-                added.append(str(dataset))
+    for name, (task, keys) in LEGACY_EVAL_SECTIONS.items():
+        legacy = method.get(name)
+        if name not in method or (isinstance(legacy, dict) and not any(k in legacy for k in keys)):
+            continue
+        where = origin(origins, f"method.{name}", top_file)
+        if not isinstance(legacy, dict):
+            raise ConfigError(f"{where}: config key 'method.{name}' must be a mapping (better: data.eval entries)")
+        rest = {k: v for k, v in legacy.items() if k not in keys}
+        if name == "zeroshot":
+            for key in rest.keys() - {"batch_size"}:
+                raise ConfigError(f"{where}: unknown config key 'method.zeroshot.{key}' (read as data.eval entries)")
+            if "batch_size" in rest:
+                method.setdefault("eval_batch_size", rest["batch_size"])
+            del method[name]
+        else:
+            method[name] = rest
+        added = []
+        if legacy.get("dataset") is not None:
+            extra = legacy.get("extra_datasets") or []
+            for dataset in [legacy["dataset"], *(extra if isinstance(extra, list) else [extra])]:
+                entry = {"dataset": dataset, "task": task}
+                entry.update({k: legacy[k] for k in ("languages", "foreign_class_names") if k in legacy})
+                if not any(isinstance(s, dict) and s.get("dataset") == dataset and s.get("task") == task for s in sets):
+                    origins[f"data.eval.{len(sets)}"] = where
+                    sets.append(entry)
+                    added.append(str(dataset))
+        written = f"data.eval entries ({', '.join(added)})" if added else "no evaluation set (its dataset is null)"
+        warnings.warn(
+            f"{where}: 'method.{name}' is read as {written}; name evaluation sets in data.eval instead "
+            "(docs/evaluation.md)",
+            FutureWarning,
+            stacklevel=3,
+        )
     upgraded = {**data, "method": method}
     if isinstance(section, dict):
         upgraded["data"] = {**section, "eval": sets}
-    written = f"data.eval entries ({', '.join(added)})" if added else "no evaluation set (its dataset is null)"
-    warnings.warn(
-        f"{where}: 'method.zeroshot' is read as {written}; name evaluation sets in data.eval instead "
-        "(docs/evaluation.md)",
-        FutureWarning,
-        stacklevel=3,
-    )
     return upgraded

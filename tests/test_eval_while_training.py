@@ -186,6 +186,35 @@ def test_a_saved_config_with_the_former_method_zeroshot_section_loads_as_data_ev
     assert [s.label for s in cfg.data.eval] == ["digits", "digits_unseen"]
 
 
+@pytest.mark.parametrize(
+    "config, section, task",
+    [
+        (
+            "victor/demo.yaml",
+            {"retrieval": {"dataset": "moving_digits", "languages": ["zh"], "batch_size": 8}},
+            "zeroshot_retrieval",
+        ),
+        ("space2/demo.yaml", {"intent_eval": {"dataset": "dialogs", "shots": [5]}}, "intent"),
+    ],
+)
+def test_a_saved_config_naming_its_evaluation_set_in_the_method_section_loads_as_data_eval_sets(config, section, task):
+    """VICTOR's and SPACE-2's saved configs named their evaluation set in `method.retrieval` and `method.intent_eval`:
+    it reads as a data.eval entry (with a warning), the section's other keys stay."""
+    from mmpt.config import read_config
+    from mmpt.config_loader import validate_config
+
+    data, origins, top = read_config(REPO / "configs" / config, ["data.eval=[]"])
+    name, legacy = next(iter(section.items()))
+    data["method"][name] = legacy
+    with pytest.warns(FutureWarning, match=rf"'method.{name}' is read as data.eval entries \(\w+\)"):
+        cfg = validate_config(data, origins, top)
+    assert [(s.dataset, s.task, s.languages) for s in cfg.data.eval] == [
+        (legacy["dataset"], task, legacy.get("languages", ["en"]))
+    ]
+    kept = {k: v for k, v in legacy.items() if k not in ("dataset", "languages")}
+    assert getattr(cfg.method, name).model_dump().items() >= kept.items()
+
+
 def test_a_final_evaluation_that_failed_runs_when_the_finished_run_is_started_again(
     tmp_path, digits_root, process_group_of_one, capsys
 ):

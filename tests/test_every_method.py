@@ -158,7 +158,7 @@ def test_a_run_with_nothing_to_evaluate_builds_no_evaluation_model(corpora, one_
         ],
     )
     method = get_method(cfg.method_name)
-    assert not cfg.data.eval and not method.evaluates_at_end(cfg)
+    assert not cfg.data.eval
     builds = []
     build_model = method.build_model
     monkeypatch.setattr(method, "build_model", lambda *args: builds.append(args) or build_model(*args))

@@ -198,9 +198,9 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(
         ),
         (
             "victor/demo.yaml",
-            "method.retrieval.dataset={root}/listing.jsonl",
-            "method.retrieval",
-            "method.retrieval.languages ['en', 'zh'] choose the moving_digits demo's caption files",
+            "data.eval=[{{dataset: {root}/listing.jsonl, task: zeroshot_retrieval, languages: [en, zh]}}]",
+            "data.eval.0.languages",
+            "data.eval.0.languages ['en', 'zh'] choose the moving_digits demo's caption files",
         ),
         (
             "space2/demo.yaml",
@@ -208,7 +208,12 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(
             "data.eval.0.dataset",
             "intent dataset {root}/intent: test.csv is missing",
         ),
-        ("space2/demo.yaml", "method.intent_eval.dataset={root}/empty", "method.intent_eval.dataset", "has no rows"),
+        (
+            "space2/demo.yaml",
+            "data.eval=[{{dataset: {root}/empty, task: intent}}]",
+            "data.eval.0.dataset",
+            "has no rows",
+        ),
         (
             "clip/demo.yaml",
             "data.eval=[{{dataset: {root}/images.jsonl, task: zeroshot_retrieval}}]",

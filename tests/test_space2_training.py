@@ -38,7 +38,7 @@ def test_space2_demo_config_trains_and_evaluates(rank_pool, tmp_path):
         assert all(math.isfinite(r[f"loss/{name}"]) and r[f"loss/{name}"] > 0 for r in records), name
     assert records[-1]["data/seen"] == 6 * 8 * 2 and records[-1]["data/skipped"] == 0
     final = read_metrics(run)[-1]
-    accuracy = final["intent/10shot/accuracy_mean"]
+    accuracy = final["eval/dialogs/en/10shot/accuracy_mean"]
     assert 1 / 31 < accuracy <= 1
 
     # the evaluation entry point on the saved run reproduces the end-of-training number

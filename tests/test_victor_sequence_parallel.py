@@ -34,7 +34,7 @@ def overrides(video, run_dir, *extra):
         "method.cross_layers=1",
         "method.queue_size=16",
         "method.frame_queue_size=40",
-        "method.retrieval.dataset=null",
+        "data.eval=[]",
         "method.backend=pyav",
         "data.train.batch_size=4",
         "data.train.num_workers=1",

@@ -101,13 +101,13 @@ def test_victor_demo_trains_under_zero3_and_evaluates_retrieval(rank_pool, tmp_p
     final = read_metrics(run)[-1]
     for language in ("en", "zh"):
         for key in ("video_retrieval_recall@1", "text_retrieval_recall@10", "video_retrieval_median_rank"):
-            assert f"retrieval/{language}/{key}" in final
+            assert f"eval/moving_digits/{language}/{key}" in final
         record = zeroshot_cli(cwd, run, "moving_digits", language, tmp_path / f"{language}.json")
         for key, value in record["metrics"].items():
             # The end-of-training evaluation ran inside a DeepSpeed rank, this one in a fresh process: last-bit
             # differences can swap a pair of near-tied scores of a 4-step model, moving a rank by one.
-            if f"retrieval/{language}/{key}" in final:
-                assert value == pytest.approx(final[f"retrieval/{language}/{key}"], abs=0.01, rel=0.01), key
+            if f"eval/moving_digits/{language}/{key}" in final:
+                assert value == pytest.approx(final[f"eval/moving_digits/{language}/{key}"], abs=0.01, rel=0.01), key
     # the MSR-VTT-style csv (first caption of each clip) over the same clips
     csv_record = zeroshot_cli(cwd, run, "demo_data/moving_digits/test/msrvtt_en.csv", "en", tmp_path / "csv.json")
     clips = len((cwd / "demo_data/moving_digits/test/msrvtt_en.csv").read_text().splitlines()) - 1

@@ -28,7 +28,7 @@ from mmpt.config import Config
 from mmpt.engine.checkpoint import read_weights
 from mmpt.engine.checkpoint.rng import rng_state, set_rng_state
 from mmpt.methods import Method
-from mmpt.methods.base import eval_record, save_eval_record
+from mmpt.methods.base import save_eval_record
 
 
 def evaluate_sets(
@@ -36,19 +36,18 @@ def evaluate_sets(
 ) -> dict[str, float]:
     """{eval/<set>/<language>/<metric>: value, eval/<set>/seconds: time} of every `data.eval` set; with `records`,
     each set's result in each language is also written there as a CLIP_benchmark-style record (the end of
-    training writes them to <run>/eval/, which the model card shows)."""
+    training writes them to <run>/eval/, which the model card shows) and the methods' costlier protocols run."""
     results: dict[str, float] = {}
     for eval_set in cfg.data.eval:
         started = time.perf_counter()
         for language in eval_set.languages:
-            metrics = method.evaluate_set(model, cfg, run_dir, eval_set, language)
+            record = method.evaluate_set(model, cfg, run_dir, eval_set, language, final=records is not None)
             if records is not None:
-                record = eval_record(run_dir, eval_set.dataset, eval_set.task, language, metrics)
                 save_eval_record(record, records)
             results.update(
                 {
                     f"eval/{eval_set.label}/{language}/{name}": value
-                    for name, value in metrics.items()
+                    for name, value in record["metrics"].items()
                     if isinstance(value, (int, float))
                 }
             )
@@ -81,15 +80,10 @@ def evaluate_while_training(method: Method, model: nn.Module, cfg: Config, run_d
         return evaluate_sets(method, model, cfg, run_dir)
 
 
-def final_sets(cfg: Config, method: Method) -> list[str]:
-    """What the evaluation at the end covers: the method's own (`method`) and each `data.eval` set by its name."""
-    return [*(["method"] if method.evaluates_at_end(cfg) else []), *(s.label for s in cfg.data.eval)]
-
-
-def final_evaluation_due(cfg: Config, method: Method, run_dir: Path, step: int) -> str | None:
+def final_evaluation_due(cfg: Config, run_dir: Path, step: int) -> str | None:
     """Why the evaluation at the end is still to run at `step` (None: it ran, or `cfg` has none): it did not
     complete, it ran at an earlier end (the run trained on), or it covered other sets than `cfg` names."""
-    sets = final_sets(cfg, method)
+    sets = [s.label for s in cfg.data.eval]
     record = run_dir / FINAL_EVALUATION
     if not sets:
         return None
@@ -104,13 +98,12 @@ def final_evaluation_due(cfg: Config, method: Method, run_dir: Path, step: int) 
 
 
 def final_evaluation(cfg: Config, method: Method, run_dir: Path, device: torch.device, step: int) -> dict[str, Any]:
-    """The method's own end-of-training evaluation and every `data.eval` set, on a model loaded from the run's
-    consolidated weights; recorded in `final_evaluation.json` once every set is evaluated."""
+    """Every `data.eval` set, on a model loaded from the run's consolidated weights; recorded in
+    `final_evaluation.json` once every set is evaluated."""
     model = read_weights(method.build_model(cfg, run_dir), run_dir / WEIGHTS).to(device).eval()
-    results = method.evaluate(model, cfg, run_dir)
     with torch.no_grad():
-        results.update(evaluate_sets(method, model.eval(), cfg, run_dir, records=run_dir / "eval"))
-    record = {"step": step, "sets": final_sets(cfg, method), "metrics": results}
+        results = evaluate_sets(method, model, cfg, run_dir, records=run_dir / "eval")
+    record = {"step": step, "sets": [s.label for s in cfg.data.eval], "metrics": results}
     atomic_write(run_dir / FINAL_EVALUATION, json.dumps(record, indent=1))
     if results:
         print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items()), flush=True)

@@ -274,7 +274,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     if step >= cfg.train.max_steps and mdist.all_gather_floats([(run_dir / WEIGHTS).is_file()])[0][0]:
         watchdog.close()
         if rank == 0:
-            due = final_evaluation_due(cfg, method, run_dir, step)
+            due = final_evaluation_due(cfg, run_dir, step)
             print(
                 f"mmpt: {run_dir} already finished at step {step} (train.max_steps={cfg.train.max_steps}): "
                 + (

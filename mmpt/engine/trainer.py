@@ -228,7 +228,7 @@ def finish(run: runs.Run) -> dict[str, Any]:
     free_engine(run.engine)
     run.engine = None
     mdist.barrier()
-    if mdist.get_rank() != 0 or final_evaluation_due(run.cfg, run.method, run.run_dir, run.step) is None:
+    if mdist.get_rank() != 0 or final_evaluation_due(run.cfg, run.run_dir, run.step) is None:
         return {}
     results = final_evaluation(run.cfg, run.method, run.run_dir, device, run.step)
     if results:
@@ -239,7 +239,7 @@ def finish(run: runs.Run) -> dict[str, Any]:
 def evaluate_finished(cfg: Config, step: int) -> dict[str, Any]:
     """A finished run started again: its final evaluation on rank 0 if it had not completed, else nothing."""
     method, run_dir = get_method(cfg.method_name), Path(cfg.run.output_dir)
-    if mdist.get_rank() != 0 or final_evaluation_due(cfg, method, run_dir, step) is None:
+    if mdist.get_rank() != 0 or final_evaluation_due(cfg, run_dir, step) is None:
         return {}
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     results = final_evaluation(cfg, method, run_dir, device, step)

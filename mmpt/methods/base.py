@@ -304,20 +304,12 @@ class Method(Generic[SectionT]):
         """
         raise NotImplementedError
 
-    def evaluates_at_end(self, cfg: Config) -> bool:
-        """Whether `evaluate` has work for this config: without any (and no `data.eval` set), the engine builds
-        no evaluation model when training ends. By default, whether the method has an `evaluate` of its own."""
-        return type(self).evaluate is not Method.evaluate
-
-    def evaluate(self, model: nn.Module, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        """Evaluation at the end of training, on one process with the full (unsharded) model."""
-        return {}
-
     def evaluate_set(
-        self, model: nn.Module, cfg: Config, run_dir: Path, eval_set: EvalSetConfig, language: str
-    ) -> dict[str, float]:
-        """Metrics of one `data.eval` set in one language (a task of `eval_tasks`), with `model` in eval mode,
-        during training (the engine restores modes and RNG afterwards) or at its end."""
+        self, model: nn.Module, cfg: Config, run_dir: Path, eval_set: EvalSetConfig, language: str, final: bool
+    ) -> dict[str, Any]:
+        """One `data.eval` set in one language (a task of `eval_tasks`) as a CLIP_benchmark-style record
+        (`eval_record`, its metrics under "metrics"), with `model` in eval mode, during training (the engine restores
+        modes and RNG afterwards) or at its end (`final`: where a method runs a costlier protocol)."""
         raise NotImplementedError
 
 

@@ -334,8 +334,10 @@ class ImageTextMethod(Method[SettingsT]):
     eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")
     eval_sample_fields = ("caption", "image")
 
-    def evaluate_set(self, model: nn.Module, cfg: Config, run_dir: Path, eval_set, language: str) -> dict[str, float]:
-        record = self.zeroshot(
+    def evaluate_set(
+        self, model: nn.Module, cfg: Config, run_dir: Path, eval_set, language: str, final: bool
+    ) -> dict[str, Any]:
+        return self.zeroshot(
             model,
             cfg,
             run_dir,
@@ -345,7 +347,6 @@ class ImageTextMethod(Method[SettingsT]):
             foreign_class_names=eval_set.foreign_class_names,
             fields=eval_set.sample_fields(),
         )
-        return record["metrics"]
 
     caption_normalization = None  # applied to retrieval captions, as the method's official evaluation does
     uses_attention_mask = True  # False: training batches carry no attention mask (the model does not read it)

@@ -29,7 +29,7 @@ from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.tree_contrastive import TreeContrastiveLoss
 from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, VIEWS, LabelCodes
 from mmpt.methods import register
-from mmpt.methods.base import EngineNeeds, Method, MethodConfig, stream_spec
+from mmpt.methods.base import EngineNeeds, Method, MethodConfig, eval_record, stream_spec
 from mmpt.methods.towers import BATCH, SEQUENCE, DialogTower, TensorSpec, Tower, features, with_output_dims
 from mmpt.models.space2 import TURN_ROWS, Space2Encoder
 
@@ -54,9 +54,8 @@ def resolve_encoder_path(spec: str) -> Path:
 
 
 class IntentEvalConfig(Section):
-    dataset: str | None = Field(
-        default=None, description="directory with train.csv and test.csv (text,category), or 'dialogs'"
-    )
+    """The protocol of the `data.eval` intent sets (folders with train.csv and test.csv, or 'dialogs')."""
+
     shots: list[int] = Field(default_factory=lambda: [10], description="k-shot settings (k examples per intent)")
     full: bool = Field(default=True, description="also train the head on all training examples")
     seeds: int = Field(default=3, gt=0, description="k-shot draws (and head seeds) averaged")
@@ -120,7 +119,6 @@ class Space2Method(Method[Space2Config]):
         "method.max_len=64",
         "method.max_turns=4",
         "method.max_utt_len=16",
-        "method.intent_eval.dataset=null",
         "method.intent_eval.shots=[2]",
         "method.intent_eval.seeds=1",
         'data.eval=[{{dataset: "{dialogs}/intent", task: intent}}]',
@@ -163,11 +161,7 @@ class Space2Method(Method[Space2Config]):
         )
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
-        dataset = self.settings(cfg).intent_eval.dataset
-        return {
-            "method.encoder": str(resolve_encoder_path(self.settings(cfg).encoder)),
-            "method.intent_eval.dataset": None if dataset == "dialogs" else dataset,
-        }
+        return {"method.encoder": str(resolve_encoder_path(self.settings(cfg).encoder))}
 
     def load_initial_weights(self, model: Space2Encoder, cfg: Config) -> str:
         path = resolve_encoder_path(self.settings(cfg).encoder)
@@ -290,25 +284,35 @@ class Space2Method(Method[Space2Config]):
     eval_tasks = ("intent",)
 
     def evaluate_set(
-        self, model: Space2Encoder, cfg: Config, run_dir: Path, eval_set, language: str
-    ) -> dict[str, float]:
-        """The intent probe of `method.intent_eval` (shots, seeds; no fine-tuning) on another set."""
-        return self._intent_classification(model, cfg, run_dir, eval_set.dataset, fine_tune=False)["metrics"]
+        self, model: Space2Encoder, cfg: Config, run_dir: Path, eval_set, language: str, final: bool
+    ) -> dict[str, Any]:
+        """`method.intent_eval`'s probe on the set; at the end of training also its fine-tuning, where configured
+        (one run per setting: the costly protocol)."""
+        from mmpt.eval.intent import FineTuning, intent_classification, resolve_intent_dataset
 
-    def evaluates_at_end(self, cfg: Config) -> bool:
-        return self.settings(cfg).intent_eval.dataset is not None
+        ev = self.settings(cfg).intent_eval
+        encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg), with_mlm=False)
+        result = intent_classification(
+            model,
+            encoder,
+            resolve_intent_dataset(eval_set.dataset, cfg.data.root),
+            shots=ev.shots,
+            full=ev.full,
+            seeds=ev.seeds,
+            batch_size=ev.batch_size,
+            finetune=FineTuning(epochs=ev.finetune_epochs) if final and ev.finetune_epochs else None,
+        )
+        return {**result, **eval_record(run_dir, eval_set.dataset, eval_set.task, language, result["metrics"])}
 
     def check_eval_sets(self, cfg: Config) -> None:
         """Every intent set's train.csv and test.csv read (and val.csv where there is one)."""
         from mmpt.data.dialog import read_intent_csv
         from mmpt.eval.intent import resolve_intent_dataset
 
-        listed = enumerate(cfg.data.eval)
-        sets: list[tuple[str, str | None]] = [(f"data.eval.{i}.dataset", e.dataset) for i, e in listed]
-        sets.append(("method.intent_eval.dataset", self.settings(cfg).intent_eval.dataset))
-        for key, dataset in sets:
-            if dataset is None or dataset in DEMO_NAMES or not Path(dataset).exists():
-                continue  # none, or the demo's set, built later
+        for index, eval_set in enumerate(cfg.data.eval):
+            key, dataset = f"data.eval.{index}.dataset", eval_set.dataset
+            if dataset in DEMO_NAMES or not Path(dataset).exists():
+                continue  # the demo's set, built later
             try:
                 folder = resolve_intent_dataset(dataset)
                 for split in ("train.csv", "test.csv", "val.csv"):
@@ -316,34 +320,6 @@ class Space2Method(Method[Space2Config]):
                         raise DataError(f"{folder / split} has no rows")
             except DataError as exc:
                 raise ValueError(f"config key '{key}': {exc}") from None
-
-    def _intent_classification(
-        self, model: Space2Encoder, cfg: Config, run_dir: Path, dataset: str, fine_tune: bool
-    ) -> dict[str, Any]:
-        """`method.intent_eval`'s probe (and its fine-tuning, where asked and configured) on `dataset`."""
-        from mmpt.eval.intent import FineTuning, intent_classification, resolve_intent_dataset
-
-        ev = self.settings(cfg).intent_eval
-        encoder = DialogEncoder(self.tokenizer(run_dir), self.input_spec(cfg), with_mlm=False)
-        return intent_classification(
-            model,
-            encoder,
-            resolve_intent_dataset(dataset, cfg.data.root),
-            shots=ev.shots,
-            full=ev.full,
-            seeds=ev.seeds,
-            batch_size=ev.batch_size,
-            finetune=FineTuning(epochs=ev.finetune_epochs) if fine_tune and ev.finetune_epochs else None,
-        )
-
-    def evaluate(self, model: Space2Encoder, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        dataset = self.settings(cfg).intent_eval.dataset
-        if dataset is None:
-            return {}
-        result = self._intent_classification(model, cfg, run_dir, dataset, fine_tune=True)
-        (run_dir / "eval").mkdir(exist_ok=True)
-        (run_dir / "eval" / "intent_classification.json").write_text(json.dumps(result, indent=2))
-        return {f"intent/{k}": v for k, v in result["metrics"].items()}
 
 
 METHOD = register(Space2Method())

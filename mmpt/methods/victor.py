@@ -50,7 +50,6 @@ from mmpt.methods.base import (
     copy_tokenizer,
     count,
     eval_record,
-    save_eval_record,
     stream_spec,
 )
 from mmpt.methods.towers import (
@@ -82,8 +81,8 @@ class TaskWeights(Section):
 
 
 class RetrievalEvalConfig(Section):
-    dataset: str | None = Field(default=None, description="retrieval jsonl or MSR-VTT-style csv, or 'moving_digits'")
-    languages: list[str] = Field(default_factory=lambda: ["en"], description="for 'moving_digits': caption languages")
+    """How the `data.eval` sets (retrieval listings, classification folders) are read."""
+
     video_root: str | None = Field(
         default=None,
         description="folder a retrieval listing's videos are in: a csv's <video_id>.mp4 (default: videos/ beside it), "
@@ -153,15 +152,17 @@ class VictorMethod(Method[VictorConfig]):
         "method.cross_layers=1",
         "method.queue_size=16",
         "method.frame_queue_size=32",
-        "method.retrieval.dataset=null",
         "method.backend=pyav",
+        "method.retrieval.video_root=null",
         'data.eval=[{{dataset: "{video}/test/retrieval_en.jsonl", task: zeroshot_retrieval}}]',
     )
     sample_fields = ("caption", "video")
     eval_tasks = ("zeroshot_classification", "zeroshot_retrieval")
 
-    def evaluate_set(self, model: VictorModel, cfg: Config, run_dir: Path, eval_set, language: str) -> dict[str, float]:
-        record = self.zeroshot(
+    def evaluate_set(
+        self, model: VictorModel, cfg: Config, run_dir: Path, eval_set, language: str, final: bool
+    ) -> dict[str, Any]:
+        return self.zeroshot(
             model,
             cfg,
             run_dir,
@@ -170,7 +171,6 @@ class VictorMethod(Method[VictorConfig]):
             task=eval_set.task,
             foreign_class_names=eval_set.foreign_class_names,
         )
-        return record["metrics"]
 
     def check_config(self, cfg: Config) -> None:
         m = self.settings(cfg)
@@ -181,13 +181,14 @@ class VictorMethod(Method[VictorConfig]):
                 "method.text.pretrained: the victor method builds its text tower as a new BERT of method.text's size "
                 "with method.tokenizer; it reads no text checkpoint (remove the key)"
             )
-        retrieval = m.retrieval
-        if retrieval.dataset not in (None, "moving_digits") and len(retrieval.languages) > 1:
-            raise ValueError(
-                f"method.retrieval.languages {retrieval.languages} choose the moving_digits demo's caption files; "
-                f"{retrieval.dataset} is evaluated once: name one language, the label of its results (e.g. "
-                f"method.retrieval.languages=[{retrieval.languages[0]}])"
-            )
+        for index, eval_set in enumerate(cfg.data.eval):
+            retrieval = eval_set.task == "zeroshot_retrieval" and eval_set.dataset != "moving_digits"
+            if retrieval and len(eval_set.languages) > 1:
+                raise ValueError(
+                    f"data.eval.{index}.languages {eval_set.languages} choose the moving_digits demo's caption files; "
+                    f"{eval_set.dataset} is evaluated once: name one language, the label of its results (e.g. "
+                    f"languages: [{eval_set.languages[0]}])"
+                )
 
     def check_eval_sets(self, cfg: Config) -> None:
         """Every retrieval listing read and its videos found, every classification folder's class names read;
@@ -195,25 +196,21 @@ class VictorMethod(Method[VictorConfig]):
         from mmpt.eval.video_classification import load_video_classification_set
         from mmpt.eval.video_retrieval import load_video_retrieval_set
 
-        retrieval = self.settings(cfg).retrieval
-        listed = enumerate(cfg.data.eval)
-        sets: list[tuple[str, str | None, str, list[str], bool]] = [
-            (f"data.eval.{i}", e.dataset, e.task, e.languages, e.foreign_class_names) for i, e in listed
-        ]
-        sets.append(("method.retrieval", retrieval.dataset, "zeroshot_retrieval", retrieval.languages, False))
-        for key, dataset, task, languages, foreign in sets:
-            if dataset is None or dataset in DEMO_NAMES or not Path(dataset).exists():
-                continue  # none, or a demo set built later
+        video_root = self.settings(cfg).retrieval.video_root
+        for index, eval_set in enumerate(cfg.data.eval):
+            dataset = eval_set.dataset
+            if dataset in DEMO_NAMES or not Path(dataset).exists():
+                continue  # a demo set, built later
             try:
-                if task == "zeroshot_classification":
-                    for language in languages:
-                        load_video_classification_set(dataset, language, foreign)
+                if eval_set.task == "zeroshot_classification":
+                    for language in eval_set.languages:
+                        load_video_classification_set(dataset, language, eval_set.foreign_class_names)
                 else:
-                    load_video_retrieval_set(dataset, retrieval.video_root)
+                    load_video_retrieval_set(dataset, video_root)
             except (DataError, ValueError) as exc:
-                unrooted = "not found" in str(exc) and not retrieval.video_root
+                unrooted = "not found" in str(exc) and not video_root
                 hint = " (set method.retrieval.video_root to the folder of the clips)" if unrooted else ""
-                raise ValueError(f"config key '{key}.dataset': {exc}{hint}") from None
+                raise ValueError(f"config key 'data.eval.{index}.dataset': {exc}{hint}") from None
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         copy_tokenizer(run_dir, TOKENIZER_FILE, self.settings(cfg).tokenizer)
@@ -265,12 +262,11 @@ class VictorMethod(Method[VictorConfig]):
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
         m = self.settings(cfg)
-        dataset = None if m.retrieval.dataset == "moving_digits" else m.retrieval.dataset
+        listings = any(e.task == "zeroshot_retrieval" and e.dataset != "moving_digits" for e in cfg.data.eval)
         return {
             "method.tokenizer": m.tokenizer,
             "method.video.backbone_weights": m.video.backbone_weights,
-            "method.retrieval.dataset": dataset,  # its video_root is read only with a dataset (csv) to read
-            "method.retrieval.video_root": m.retrieval.video_root if dataset else None,
+            "method.retrieval.video_root": m.retrieval.video_root if listings else None,  # read only with a listing
         }
 
     def load_initial_weights(self, model: VictorModel, cfg: Config) -> str | None:
@@ -469,26 +465,6 @@ class VictorMethod(Method[VictorConfig]):
             assert key_frames is not None
             loss.frame_queue.push(key_frames.flatten(0, 1))
         return terms
-
-    def evaluates_at_end(self, cfg: Config) -> bool:
-        return self.settings(cfg).retrieval.dataset is not None
-
-    def evaluate(self, model: VictorModel, cfg: Config, run_dir: Path) -> dict[str, Any]:
-        ev = self.settings(cfg).retrieval
-        if ev.dataset is None:
-            return {}
-        results = {}
-        for language in ev.languages:
-            record = self.zeroshot(model, cfg, run_dir, ev.dataset, language)
-            save_eval_record(record, run_dir / "eval")
-            results.update(
-                {
-                    f"retrieval/{language}/{key}": value
-                    for key, value in record["metrics"].items()
-                    if "recall@" in key or "rank" in key
-                }
-            )
-        return results
 
     def zeroshot(
         self,
