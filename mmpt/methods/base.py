@@ -212,8 +212,22 @@ class Method(Generic[SectionT]):
         return {}
 
     def check_eval_sets(self, cfg: Config) -> None:
-        """Read what each configured evaluation set needs before it can be evaluated (class names, prompts) and
-        raise ValueError naming its config key if it cannot be: found before training, not after it."""
+        """`check_eval_set` on each `data.eval` set (but the demos', built later), raising ValueError naming its
+        config key where one cannot be read: found before training, not after it."""
+        from mmpt.data.shards import DataError
+        from mmpt.eval import DEMO_NAMES
+
+        for index, eval_set in enumerate(cfg.data.eval):
+            if eval_set.dataset in DEMO_NAMES or not Path(eval_set.dataset).exists():
+                continue  # a demo set, or tar shards (read whole when evaluated)
+            try:
+                self.check_eval_set(cfg, eval_set)
+            except (DataError, ValueError) as exc:
+                raise ValueError(f"config key 'data.eval.{index}.dataset': {exc}") from None
+
+    def check_eval_set(self, cfg: Config, eval_set: EvalSetConfig) -> None:
+        """Read what `eval_set` needs before it can be evaluated (class names, a listing's files; nothing decoded);
+        raise DataError or ValueError where it cannot be."""
 
     def check_initial_weights(self, cfg: Config) -> None:
         """Find the initial weights and raise ConfigError naming the key where they cannot be read or do not fit

@@ -12,12 +12,12 @@ from pydantic import Field
 from torch import nn
 from torchvision import transforms as T
 
-from mmpt.config import Config, Section
+from mmpt.config import Config, EvalSetConfig, Section
 from mmpt.data.fields import SampleFields
 from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, training_image_decode, uint8_transform
 from mmpt.data.loader import BatchStream
 from mmpt.data.shards import DataError
-from mmpt.eval import DEMO_SETS, resolve_dataset
+from mmpt.eval import resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
 from mmpt.eval.retrieval_formats import load_retrieval_set
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
@@ -193,33 +193,20 @@ class ImageTextMethod(Method[SettingsT]):
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
         return {"method.tokenizer": self.tokenizer_source(cfg)}
 
-    def check_eval_sets(self, cfg: Config) -> None:
-        """Classification folders' class names read; a jsonl retrieval listing read and its images found (the
+    def check_eval_set(self, cfg: Config, eval_set: EvalSetConfig) -> None:
+        """A classification folder's class names in each language; a jsonl retrieval listing, its images found (the
         other retrieval layouts are read whole only when evaluated)."""
-        for i, s in enumerate(cfg.data.eval):
-            listing = Path(s.dataset)
-            if s.task != "zeroshot_retrieval" or listing.suffix != ".jsonl" or listing.name.endswith("_texts.jsonl"):
-                continue
-            try:
-                if listing.is_file():
-                    missing = [f for f in load_retrieval_set(listing)[0] if not f.is_file()]
-                    if missing:
-                        raise DataError(f"{listing}: image {missing[0]} does not exist ({len(missing)} missing)")
-            except DataError as exc:
-                raise ValueError(f"config key 'data.eval.{i}.dataset': {exc}") from None
-        sets = [
-            (f"data.eval.{i}.dataset", s.dataset, s.languages, s.foreign_class_names)
-            for i, s in enumerate(cfg.data.eval)
-            if s.task == "zeroshot_classification"
-        ]
-        for key, dataset, languages, foreign in sets:
-            if dataset in DEMO_SETS or not Path(dataset).is_dir():
-                continue  # a demo set (built later) or a retrieval file
-            for language in languages:
+        listing = Path(eval_set.dataset)
+        if eval_set.task == "zeroshot_classification" and listing.is_dir():
+            for language in eval_set.languages:
                 try:
-                    load_classification_set(dataset, language, foreign)
+                    load_classification_set(eval_set.dataset, language, eval_set.foreign_class_names)
                 except (DataError, ValueError) as exc:  # ValueError: class names that are ids or foreign
-                    raise ValueError(f"config key '{key}' ({language}): {exc}") from None
+                    raise ValueError(f"({language}) {exc}") from None
+        elif listing.suffix == ".jsonl" and not listing.name.endswith("_texts.jsonl") and listing.is_file():
+            missing = [f for f in load_retrieval_set(listing)[0] if not f.is_file()]
+            if missing:
+                raise DataError(f"{listing}: image {missing[0]} does not exist ({len(missing)} missing)")
 
     def tokenizer_source(self, cfg: Config) -> str | None:
         """The tokenizer file a run starts from (`method.tokenizer`; None: the model brings its own); the run

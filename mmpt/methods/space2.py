@@ -20,11 +20,10 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from mmpt.config import Config, Section
+from mmpt.config import Config, EvalSetConfig, Section
 from mmpt.data.dialog_encoding import DialogEncoder, DialogInputSpec, collate_dialogs
 from mmpt.data.loader import BatchStream
 from mmpt.data.shards import DataError
-from mmpt.eval import DEMO_NAMES
 from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.tree_contrastive import TreeContrastiveLoss
 from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, VIEWS, LabelCodes
@@ -304,22 +303,15 @@ class Space2Method(Method[Space2Config]):
         )
         return {**result, **eval_record(run_dir, eval_set.dataset, eval_set.task, language, result["metrics"])}
 
-    def check_eval_sets(self, cfg: Config) -> None:
-        """Every intent set's train.csv and test.csv read (and val.csv where there is one)."""
+    def check_eval_set(self, cfg: Config, eval_set: EvalSetConfig) -> None:
+        """The intent folder's train.csv and test.csv read (and val.csv where there is one)."""
         from mmpt.data.dialog import read_intent_csv
         from mmpt.eval.intent import resolve_intent_dataset
 
-        for index, eval_set in enumerate(cfg.data.eval):
-            key, dataset = f"data.eval.{index}.dataset", eval_set.dataset
-            if dataset in DEMO_NAMES or not Path(dataset).exists():
-                continue  # the demo's set, built later
-            try:
-                folder = resolve_intent_dataset(dataset)
-                for split in ("train.csv", "test.csv", "val.csv"):
-                    if (folder / split).is_file() and not read_intent_csv(folder / split):
-                        raise DataError(f"{folder / split} has no rows")
-            except DataError as exc:
-                raise ValueError(f"config key '{key}': {exc}") from None
+        folder = resolve_intent_dataset(eval_set.dataset)
+        for split in ("train.csv", "test.csv", "val.csv"):
+            if (folder / split).is_file() and not read_intent_csv(folder / split):
+                raise DataError(f"{folder / split} has no rows")
 
 
 METHOD = register(Space2Method())

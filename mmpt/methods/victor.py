@@ -22,12 +22,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from mmpt.config import Config, Section
+from mmpt.config import Config, EvalSetConfig, Section
 from mmpt.data.loader import BatchStream
 from mmpt.data.shards import DataError
 from mmpt.data.tokenizer import TextTokenizer
 from mmpt.data.video import Backend, ResizeCenterCrop, VideoTextDecoder
-from mmpt.eval import DEMO_NAMES
 from mmpt.losses.memory_queue import MemoryQueue
 from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.victor import (
@@ -190,27 +189,23 @@ class VictorMethod(Method[VictorConfig]):
                     f"languages: [{eval_set.languages[0]}])"
                 )
 
-    def check_eval_sets(self, cfg: Config) -> None:
-        """Every retrieval listing read and its videos found, every classification folder's class names read;
-        no video is decoded."""
+    def check_eval_set(self, cfg: Config, eval_set: EvalSetConfig) -> None:
+        """A retrieval listing read and its videos found, a classification folder's class names read; no video
+        is decoded."""
         from mmpt.eval.video_classification import load_video_classification_set
         from mmpt.eval.video_retrieval import load_video_retrieval_set
 
         video_root = self.settings(cfg).retrieval.video_root
-        for index, eval_set in enumerate(cfg.data.eval):
-            dataset = eval_set.dataset
-            if dataset in DEMO_NAMES or not Path(dataset).exists():
-                continue  # a demo set, built later
-            try:
-                if eval_set.task == "zeroshot_classification":
-                    for language in eval_set.languages:
-                        load_video_classification_set(dataset, language, eval_set.foreign_class_names)
-                else:
-                    load_video_retrieval_set(dataset, video_root)
-            except (DataError, ValueError) as exc:
-                unrooted = "not found" in str(exc) and not video_root
-                hint = " (set method.retrieval.video_root to the folder of the clips)" if unrooted else ""
-                raise ValueError(f"config key 'data.eval.{index}.dataset': {exc}{hint}") from None
+        if eval_set.task == "zeroshot_classification":
+            for language in eval_set.languages:
+                load_video_classification_set(eval_set.dataset, language, eval_set.foreign_class_names)
+            return
+        try:
+            load_video_retrieval_set(eval_set.dataset, video_root)
+        except DataError as exc:
+            if "not found" in str(exc) and not video_root:
+                raise DataError(f"{exc} (set method.retrieval.video_root to the folder of the clips)") from None
+            raise
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         copy_tokenizer(run_dir, TOKENIZER_FILE, self.settings(cfg).tokenizer)
