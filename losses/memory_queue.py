@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmpt.distributed import all_gather_with_grad, data_parallel_group
+from mmpt.distributed import all_gather_with_grad, collectives
 
 
 class MemoryQueue(nn.Module):
@@ -70,7 +70,7 @@ class MemoryQueue(nn.Module):
         """Enqueue every rank's `keys` [n, dim] (n may differ between ranks); every rank must call it. Without a group
         of its own the queue gathers over the data-parallel ranks (ranks splitting one batch's sequences hold
         the same keys)."""
-        group = self.group if self.group is not None else data_parallel_group()
+        group = self.group if self.group is not None else collectives().layout.data_group
         self._pending.append(all_gather_with_grad(keys.detach().contiguous(), group).to(self.entries.dtype))
 
     @torch.no_grad()

@@ -3,8 +3,11 @@
 Losses gather features across ranks with gradient. `torch.distributed.nn.all_gather` scatters its
 gradient with group-local ranks used as global ranks, which breaks on sub-groups, so the gather
 here is an autograd Function of its own: all_gather forward, reduce-scatter backward (emulated
-with scatters on gloo, which has no reduce-scatter). Ranks may hold different numbers of rows once
-`allow_uneven_rows` is on (per-rank batches that follow each rank's speed).
+with scatters on gloo, which has no reduce-scatter).
+
+What a gather needs that the loss calling it does not say (the ranks' layout, whether they hold uneven rows, where
+to report its waits) is a run's `Collectives`, current while the run trains (`using`), and the whole world with even
+rows outside any run.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NamedTuple, Protocol, TypeVar, cast
 
@@ -111,14 +117,6 @@ class SpanClock(Protocol):
     def stop(self, name: str) -> None: ...
 
 
-class GatherClock:
-    """Where forward gathers report their span ("gather"): mostly waiting for other ranks, which the engine
-    subtracts from its forward time to see how long a rank itself takes (straggler detection). The engine
-    sets `spans` (an `mmpt.engine.timing.Spans`); None (the default) times nothing."""
-
-    spans: SpanClock | None = None
-
-
 class _GatherWithGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None, counts: tuple[int, ...]) -> torch.Tensor:
@@ -130,7 +128,7 @@ class _GatherWithGrad(torch.autograd.Function):
             tensor = torch.cat([tensor, tensor.new_zeros((most - tensor.shape[0], *tensor.shape[1:]))])
         # Gathered straight into the output: no per-rank pieces to concatenate (one copy of the result fewer).
         gathered = tensor.new_empty((len(counts) * most, *tensor.shape[1:]))
-        spans = GatherClock.spans
+        spans = collectives().spans
         if spans is not None:
             spans.start("gather")
         dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=group)
@@ -218,20 +216,20 @@ class ParallelLayout:
     data_rank: int = 0
     data_size: int = 1
 
-
-_layout: ParallelLayout | None = None
+    @classmethod
+    def whole_world(cls) -> ParallelLayout:
+        """Every rank reads its own samples (sequence parallelism off)."""
+        return cls(data_rank=get_rank(), data_size=get_world_size())
 
 
 def set_sequence_parallel(size: int) -> ParallelLayout:
     """Form the sequence and data-parallel groups for `size` ranks per sequence (a collective; every rank calls
     it once, after the process group starts)."""
-    global _layout
     world, rank = get_world_size(), get_rank()
     if size < 1 or world % size:
         raise ConfigError(f"config key 'train.sequence_parallel': {size} must divide the {world} ranks")
     if size == 1:
-        _layout = ParallelLayout(data_rank=rank, data_size=world)
-        return _layout
+        return ParallelLayout.whole_world()
     sequence_group: dist.ProcessGroup | None = None
     data_group: dist.ProcessGroup | None = None
     for start in range(0, world, size):
@@ -242,18 +240,39 @@ def set_sequence_parallel(size: int) -> ParallelLayout:
         group = dist.new_group(list(range(offset, world, size)))  # one rank when all ranks split one batch
         if rank % size == offset:
             data_group = cast(dist.ProcessGroup, group)
-    _layout = ParallelLayout(size, sequence_group, data_group, rank // size, world // size)
-    return _layout
+    return ParallelLayout(size, sequence_group, data_group, rank // size, world // size)
 
 
-def layout() -> ParallelLayout:
-    """The layout `set_sequence_parallel` formed; without one, every rank reads its own samples."""
-    return _layout or ParallelLayout(data_rank=get_rank(), data_size=get_world_size())
+@dataclass
+class Collectives:
+    """A run's settings for the gathers its losses make: the ranks' layout (a queue without a group of its own
+    gathers over its data-parallel ranks), whether ranks hand gathers different numbers of rows (each rank's
+    share of the global batch following its speed: each gather then first exchanges the ranks' row counts, one
+    8-byte-per-rank collective read on the host), and the clock forward gathers report their span to ("gather":
+    mostly waiting for other ranks, which the engine subtracts from its forward time to see how long a rank
+    itself takes)."""
+
+    layout: ParallelLayout = field(default_factory=ParallelLayout.whole_world)
+    uneven_rows: bool = False
+    spans: SpanClock | None = None
 
 
-def data_parallel_group() -> dist.ProcessGroup | None:
-    """The ranks that read different samples (None: all ranks): what a loss gathers over."""
-    return layout().data_group
+_current: ContextVar[Collectives | None] = ContextVar("mmpt_collectives", default=None)
+
+
+@contextmanager
+def using(settings: Collectives) -> Iterator[Collectives]:
+    """Make `settings` the gathers' for the block (a run's training loop, a test's checks)."""
+    token = _current.set(settings)
+    try:
+        yield settings
+    finally:
+        _current.reset(token)
+
+
+def collectives() -> Collectives:
+    """The current run's `Collectives`; outside any: the whole world, even rows, no clock."""
+    return _current.get() or Collectives()
 
 
 class RanksPerNode(int):
@@ -323,22 +342,10 @@ def _spans(ranks: list[int]) -> str:
     return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
-_uneven_rows = False
-
-
-def allow_uneven_rows(allowed: bool = True) -> None:
-    """Let ranks hand gathers different numbers of rows (each rank's share of the global batch following its
-    speed). Off (the default), every rank is taken to hold as many rows as this one and a gather moves only
-    the rows; on, each gather first exchanges the ranks' row counts: one 8-byte-per-rank collective, read on
-    the host (on a GPU, a wait for the stream to reach it)."""
-    global _uneven_rows
-    _uneven_rows = allowed
-
-
 def rows_per_rank(rows: int, group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
-    """Every rank's row count, in group rank order, when this rank holds `rows` (see `allow_uneven_rows`)."""
+    """Every rank's row count, in group rank order, when this rank holds `rows` (see `Collectives.uneven_rows`)."""
     size = get_world_size(group)
-    if not _uneven_rows or size == 1:
+    if not collectives().uneven_rows or size == 1:
         return (rows,) * size
     mine = torch.tensor([rows], dtype=torch.int64, device=_comm_device())
     every = torch.empty(size, dtype=torch.int64, device=mine.device)

@@ -299,15 +299,11 @@ def small_clip_demo(digits_root: Path, run_dir: Path, *overrides: str):
 
 def train_in_process(cfg) -> None:
     """`mmpt.engine.train(cfg)` in this process (in `process_group_of_one`); the rendezvous variables a plain start
-    sets are removed afterwards, and sequence parallelism set back to 1, so that later launches start clean."""
-    from mmpt import distributed as mdist
+    sets are removed afterwards, so that later launches start clean."""
     from mmpt.engine import train
 
-    try:
-        with kept_environment():
-            train(cfg)
-    finally:
-        mdist.set_sequence_parallel(1)
+    with kept_environment():
+        train(cfg)
 
 
 @contextlib.contextmanager

@@ -82,7 +82,7 @@ def steps_of(name: str, corpora: dict, run_dir: Path, stage: int, compiled: bool
     run_dir.mkdir(parents=True, exist_ok=True)
     method.prepare(cfg, run_dir)
     graphs_before = counters["stats"]["unique_graphs"]
-    engine, _, _ = build_engine(cfg, method, mdist.layout(), world)
+    engine, _, _ = build_engine(cfg, method, mdist.ParallelLayout.whole_world(), world)
     towers = engine.module.needs.compilable
     assert towers, f"method '{name}' declares no tower to compile"
     assert [all(is_compiled(r) for r in regions(t)) for t in towers] == [compiled] * len(towers)
@@ -154,7 +154,6 @@ def start_world_of_one() -> int:
     mdist.ensure_rendezvous_env()  # a module before may have removed the variables of the group still running
     if not dist.is_initialized():
         start_process_group(1800.0)
-    mdist.set_sequence_parallel(1)
     return mdist.get_world_size()
 
 
@@ -227,7 +226,7 @@ def test_compile_refuses_what_does_not_compose(override, names, corpora, tmp_pat
 
     cfg = make_config("clip", corpora, tmp_path, 0, True, override)
     with pytest.raises(ConfigError) as error:  # before anything is built
-        build_engine(cfg, get_method("clip"), mdist.layout(), 1)
+        build_engine(cfg, get_method("clip"), mdist.ParallelLayout.whole_world(), 1)
     message = str(error.value)
     assert "'train.compile'" in message and names in message and "\n" not in message, message
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, tiny_config, train_in_process, write_config
+from conftest import REPO, small_clip_demo, tiny_config, train_in_process, write_config
 from mmpt.config import ConfigError
 from mmpt.config_loader import load_config
 from mmpt.engine.deepspeed_config import deepspeed_config
@@ -327,3 +327,19 @@ def test_resuming_with_a_config_that_builds_another_model_is_one_line(tmp_path, 
     said = str(stopped.value)
     assert "\n" not in said and said.startswith(f"{run_dir / 'checkpoints/step_000000002'} does not fit the model")
     assert "size mismatch for " in said and f"resume with the run's own ({run_dir / 'config.yaml'})" in said
+
+
+def test_a_run_gives_its_gathers_its_own_settings_while_it_trains_and_leaves_none_behind(
+    tmp_path, digits_root, process_group_of_one
+):
+    """The layout, row counts and clock a loss's gathers read are the run's (`Run.collectives`) while it trains, and
+    the defaults again once it ends: nothing of one run stays in the process for the next."""
+    from mmpt import distributed as mdist
+    from mmpt.engine.hooks import observing
+
+    seen: list = []
+    with observing(lambda point, step: seen.append(mdist.collectives()) if point == "forward" else None):
+        train_in_process(small_clip_demo(digits_root, tmp_path / "run", "train.max_steps=2", "data.eval=[]"))
+    assert len(seen) == 2 and seen[0] is seen[1]
+    assert seen[0].spans is not None and seen[0].layout.data_size == 1 and not seen[0].uneven_rows
+    assert mdist.collectives().spans is None and mdist.collectives() is not seen[0]

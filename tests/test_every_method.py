@@ -22,11 +22,8 @@ from mmpt.methods import list_methods
 def one_process(process_group_of_one):
     """This module's runs in the session's process group of one (conftest.py), with the rendezvous variables
     `train` sets for a plain `python` start removed afterwards, so that later launches start clean."""
-    from mmpt import distributed as mdist
-
     saved = dict(os.environ)
     yield
-    mdist.set_sequence_parallel(1)
     os.environ.clear()
     os.environ.update(saved)
 
@@ -220,7 +217,7 @@ def test_bf16_at_zero_0_is_autocast_over_an_fp32_model(name, corpora, one_proces
     method = get_method(name)
     start_process_group(cfg.train.watchdog_timeout)  # the session's world of one, started here if not yet
     prepare_run_dir(cfg, method, run_dir)
-    engine, _, _ = build_engine(cfg, method, mdist.layout(), 1)
+    engine, _, _ = build_engine(cfg, method, mdist.ParallelLayout.whole_world(), 1)
     try:
         assert isinstance(engine.optimizer, SkippingAdamW), type(engine.optimizer).__name__
         assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
@@ -265,7 +262,7 @@ def test_the_engine_never_synchronizes_the_device_in_a_step(stage, corpora, one_
     method = get_method("clip")
     start_process_group(cfg.train.watchdog_timeout)
     prepare_run_dir(cfg, method, run_dir)
-    engine, _, _ = build_engine(cfg, method, mdist.layout(), 1)
+    engine, _, _ = build_engine(cfg, method, mdist.ParallelLayout.whole_world(), 1)
     floats = set_training_precision(engine, cfg)  # autocast over fp32 at ZeRO-0, DeepSpeed's bf16 above
     accelerator = get_accelerator()
     calls: list[str] = []

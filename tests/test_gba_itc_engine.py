@@ -103,7 +103,7 @@ def train_and_record(rank, run_dir, stage, accum, section, pool_pass="auto", mer
 
     method = get_method(section["name"])
     cfg = make_config(run_dir, stage, accum, ROWS * 4 // accum, section, pool_pass)
-    engine, _, _ = build_engine(cfg, method, mdist.layout(), WORLD)
+    engine, _, _ = build_engine(cfg, method, mdist.ParallelLayout.whole_world(), WORLD)
     assert (engine.module.pooling == "merged") == merged
     size = 16  # both image-text models' input size (see image_text_section)
     named = list(engine.module.model.named_parameters())

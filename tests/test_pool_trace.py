@@ -33,7 +33,7 @@ def count_invalidations(rank, tmp):
         late = {}
         for own in (True, False):
             cfg = make_config(f"{tmp}/{own}", 3, 2, ROWS * 2, m2_section(1, 0))
-            engine, _, _ = build_engine(cfg, get_method("m2_encoder"), mdist.layout(), WORLD)
+            engine, _, _ = build_engine(cfg, get_method("m2_encoder"), mdist.ParallelLayout.whole_world(), WORLD)
             assert engine.module.pool_trace is not None
             if not own:
                 engine.module.pool_trace = None

@@ -46,7 +46,11 @@ def paper_loss(images, texts, counts):
 
 
 def check(rank: int, world: int, exchange: str, tile: int | None, micro_batches: int, uneven: bool) -> None:
-    mdist.allow_uneven_rows(uneven)
+    with mdist.using(mdist.Collectives(uneven_rows=uneven)):
+        check_exchange(rank, world, exchange, tile, micro_batches, uneven)
+
+
+def check_exchange(rank: int, world: int, exchange: str, tile: int | None, micro_batches: int, uneven: bool) -> None:
     images, texts, counts = global_batch(world, micro_batches, uneven)
     losses, grad_x, grad_y, grad_t, grad_b = paper_loss(images, texts, counts)
     start, n = sum(counts[:rank]), counts[rank]

@@ -3,6 +3,8 @@ loss, each rank's loss weighted by its share of the global batch as the engine w
 gradients of one process computing the whole global batch (open_clip's ClipLoss, SPACE-2's formula
 transcribed in float64), on 4 gloo ranks holding 2, 5, 3 and 4 rows."""
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -41,8 +43,19 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return value / WORLD
 
 
+def with_uneven_rows(check):
+    """`check` with the gathers of a run whose ranks hold uneven rows (`Collectives.uneven_rows`)."""
+
+    @functools.wraps(check)
+    def checked(*args):
+        with mdist.using(mdist.Collectives(uneven_rows=True)):
+            return check(*args)
+
+    return checked
+
+
+@with_uneven_rows
 def check_gather(rank):
-    mdist.allow_uneven_rows()
     everything = torch.arange(TOTAL * 3, dtype=torch.float32).view(TOTAL, 3)
     leaf = everything[mine(rank)].clone().requires_grad_()
     gathered = mdist.gather_rows_with_grad(leaf)
@@ -55,8 +68,8 @@ def check_gather(rank):
     torch.testing.assert_close(grad, summed[mine(rank)], atol=1e-6, rtol=0)
 
 
+@with_uneven_rows
 def check_global_loss(rank):
-    mdist.allow_uneven_rows()
     images, texts = unit(1), unit(2)
     image, text = images[mine(rank)].clone().requires_grad_(), texts[mine(rank)].clone().requires_grad_()
     scale = torch.tensor(9.0, requires_grad=True)
@@ -73,10 +86,10 @@ def check_global_loss(rank):
     torch.testing.assert_close(mean_over_ranks(g_scale), r_scale, atol=1e-6, rtol=0)
 
 
+@with_uneven_rows
 def check_grouped_accumulation(rank, group_size, tile):
     """GBA-ITC: K micro-batches per rank of its own size over a pool, groups of `group_size` ranks; against
     each group's ClipLoss over its ranks' K micro-batches at once, weighted by the group's rows."""
-    mdist.allow_uneven_rows()
     group = mdist.contiguous_group(group_size)
     torch.manual_seed(0)  # the same encoder weights on every rank
     image_encoder, text_encoder = torch.nn.Linear(6, DIM), torch.nn.Linear(7, DIM)
@@ -115,8 +128,8 @@ def check_grouped_accumulation(rank, group_size, tile):
         torch.testing.assert_close(mean_over_ranks(ours), theirs, atol=1e-5, rtol=0)
 
 
+@with_uneven_rows
 def check_tree_loss(rank):
-    mdist.allow_uneven_rows()
     views = list(range(len(VIEWS)))
     features, labels = features_and_labels(TOTAL, views=len(views), seed=11)
     features = features.float()
@@ -132,9 +145,9 @@ def check_tree_loss(rank):
     torch.testing.assert_close(grad.double(), WORLD * ref_grad[mine(rank)], atol=1e-5, rtol=1e-4)
 
 
+@with_uneven_rows
 def check_memory_queue(rank):
     """VICTOR's queue: a push of uneven keys enqueues every rank's, in rank order."""
-    mdist.allow_uneven_rows()
     queue = MemoryQueue(size=32, dim=DIM)
     keys = unit(3)
     queue.push(keys[mine(rank)])

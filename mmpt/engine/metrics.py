@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from mmpt import distributed as mdist
@@ -75,9 +76,11 @@ class MetricLogger:
         wandb: WandbConfig | None = None,
         config: dict | None = None,
         gpu: bool = False,
+        data_group: dist.ProcessGroup | None = None,
         peak_tflops: float | None = None,
     ):
         """`gpu`: the run trains on GPUs (every rank alike): each window then gathers each rank's peak memory.
+        `data_group`: the ranks that read different samples (None: all), over which sample counts are summed.
         `peak_tflops`: the dense TFLOP/s per GPU `perf/mfu` is stated against; with it and `flops_per_sample` (set
         by the engine once counted, `mmpt.engine.flops`) each window logs perf/tflops and perf/mfu."""
         self.rank = mdist.get_rank()
@@ -85,6 +88,7 @@ class MetricLogger:
         self.health_summary: dict[str, dict[str, float]] = {"stragglers": {}}  # the ranks the health monitor named
         self.global_batch = global_batch
         self.gpu = gpu
+        self.data_group = data_group
         self.peak_tflops = peak_tflops
         self.flops_per_sample: float | None = None  # a training step's FLOPs per sample, recompute included
         self.data_counts: dict[str, dict[str, int]] = {}  # the latest reduced sample counts, for the summary
@@ -133,7 +137,7 @@ class MetricLogger:
         `per_rank`: fields already gathered over ranks (the health monitor's collective timings).
         """
         local = data_counts.flatten(counts, sources)
-        summed = mdist.all_reduce_sum(torch.tensor(local, dtype=torch.float64), mdist.data_parallel_group()).tolist()
+        summed = mdist.all_reduce_sum(torch.tensor(local, dtype=torch.float64), self.data_group).tolist()
         self.data_counts = data_counts.nest(summed, sources)
         optimizer_bytes, momentum_bytes = state_bytes or (0.0, None)
         mib = mdist.all_gather_floats([optimizer_bytes / 2**20, (momentum_bytes or 0.0) / 2**20])

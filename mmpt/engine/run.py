@@ -156,10 +156,12 @@ class Run:
     flops_counted: bool = False  # whether `count_flops` has run
     guard: NonFiniteGuard = field(init=False)
     spans: Spans = field(init=False)
+    collectives: mdist.Collectives = field(init=False)  # current while the run trains (`mdist.using`)
 
     def __post_init__(self) -> None:
         self.guard = NonFiniteGuard(self.cfg.train.max_bad_steps, self.engine.device)
         self.spans = Spans(cuda=self.engine.device.type == "cuda")
+        self.collectives = mdist.Collectives(self.layout, uneven_rows=self.shares is not None, spans=self.spans)
 
     @property
     def needs(self) -> EngineNeeds:
@@ -244,7 +246,6 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     shares = BatchShares.of(cfg, layout.data_size, layout.data_rank)
     if shares is not None:
         loader.read_in_units(shares.unit)
-    mdist.allow_uneven_rows(shares is not None)
     watchdog = Watchdog(run_dir, rank, world_size, cfg.train.watchdog_timeout)
     hooks = StepHooks([watchdog.reached])
     spec = loader.dataset.spec
@@ -287,7 +288,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         return None, step
     if rank == 0:
         pooling = engine.module.pooling
-        log.info(startup_summary(cfg, engine.module.model, loader, initial_weights, step, checkpoint, pooling))
+        log.info(startup_summary(cfg, engine.module.model, layout, loader, initial_weights, step, checkpoint, pooling))
 
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * layout.data_size
     metrics = MetricLogger(
@@ -300,6 +301,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         wandb=cfg.run.wandb,
         config=cfg.to_dict(),
         gpu=engine.device.type == "cuda",
+        data_group=layout.data_group,
         peak_tflops=peak_tflops(cfg.train.peak_tflops, cfg.train.precision, engine.device),
     )
     return Run(
@@ -405,7 +407,7 @@ def build_engine(
     model.train()
     needs = method.engine_needs(model, cfg)
     if needs.batch_norm_across_ranks:
-        batch_norm_across_ranks(model, mdist.data_parallel_group())
+        batch_norm_across_ranks(model, layout.data_group)
     if layout.sequence_parallel > 1:
         if not needs.sequence_parallel:
             raise ConfigError(

@@ -29,6 +29,7 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
 def startup_summary(
     cfg: Config,
     model: nn.Module,
+    layout: mdist.ParallelLayout,
     loader: StatefulLoader,
     initial_weights: str | None,
     start_step: int,
@@ -36,7 +37,7 @@ def startup_summary(
     pooling: Pooling = None,
 ) -> str:
     """`pooling`: how a step pooling its micro-batches for the loss runs them (`mmpt.engine.pool_pass`)."""
-    layout, world = mdist.layout(), mdist.get_world_size()
+    world = mdist.get_world_size()
     per_node = int(mdist.local_world_size())
     batch, accum = cfg.data.train.batch_size, cfg.train.grad_accum
     total, trainable = parameter_counts(model)

@@ -31,39 +31,16 @@ def train(cfg: Config) -> dict[str, Any]:
     run, step = runs.start(cfg)
     if run is None:
         return evaluate_finished(cfg, step)
-    mdist.GatherClock.spans = run.spans
     health = HealthMonitor.start(cfg.train, run.run_dir, run.engine.device.type == "cuda")
     if health is not None:
         run.hooks.observers.append(health.reached)
-    first_step = run.step
     try:
-        while run.step < cfg.train.max_steps:
-            # Under ZeRO-3 the first step of a process is checked for parameters used while partitioned.
-            check = run.step == first_step and cfg.train.zero_stage == 3
-            with partitioned_parameter_guard(run.engine.module, f"step {run.step + 1}", active=check):
-                losses = train_step(run)
-            run.step += 1
-            run.guard.update(step_skipped(run.engine))
-            run.metrics.update(losses)
-            if run.due(cfg.train.log_every):
-                log_window(run, health)
-            if run.eval_due():
-                run.hooks.reached("eval", run.step)
-                run.metrics.write_eval(
-                    run.step, evaluate_while_training(run.method, run.engine.module.model, cfg, run.run_dir)
-                )
-                run.hooks.reached("eval", run.step)
-            # A stop on an unhealthy rank is planned: the step it stops at is saved, so the restart loses none.
-            if run.due(cfg.train.save_every) or (health is not None and health.stops):
-                run.hooks.reached("checkpoint", run.step)
-                run.checkpointer.save(run.engine, run.step)
-            if health is not None:
-                health.act(run.step)  # warns, or stops the run (every rank alike)
+        with mdist.using(run.collectives):  # the run's layout, row counts and gather clock, for its losses
+            train_steps(run, health)
     except BaseException:
         run.metrics.close()
         raise
     finally:
-        mdist.GatherClock.spans = None
         if health is not None:
             collective_timing.uninstall()
         run.close()
@@ -71,6 +48,33 @@ def train(cfg: Config) -> dict[str, Any]:
         return finish(run)
     finally:
         run.metrics.close()
+
+
+def train_steps(run: runs.Run, health: HealthMonitor | None) -> None:
+    """The loop: a step, then what is due after it (a log window, an evaluation, a checkpoint), to the last step."""
+    cfg, first_step = run.cfg, run.step
+    while run.step < cfg.train.max_steps:
+        # Under ZeRO-3 the first step of a process is checked for parameters used while partitioned.
+        check = run.step == first_step and cfg.train.zero_stage == 3
+        with partitioned_parameter_guard(run.engine.module, f"step {run.step + 1}", active=check):
+            losses = train_step(run)
+        run.step += 1
+        run.guard.update(step_skipped(run.engine))
+        run.metrics.update(losses)
+        if run.due(cfg.train.log_every):
+            log_window(run, health)
+        if run.eval_due():
+            run.hooks.reached("eval", run.step)
+            run.metrics.write_eval(
+                run.step, evaluate_while_training(run.method, run.engine.module.model, cfg, run.run_dir)
+            )
+            run.hooks.reached("eval", run.step)
+        # A stop on an unhealthy rank is planned: the step it stops at is saved, so the restart loses none.
+        if run.due(cfg.train.save_every) or (health is not None and health.stops):
+            run.hooks.reached("checkpoint", run.step)
+            run.checkpointer.save(run.engine, run.step)
+        if health is not None:
+            health.act(run.step)  # warns, or stops the run (every rank alike)
 
 
 def train_step(run: runs.Run) -> dict[str, torch.Tensor]:

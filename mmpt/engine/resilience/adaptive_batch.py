@@ -11,7 +11,7 @@ at different shares (proportional to its units until it has run at two); the new
 make the slowest rank's predicted time smallest, adopted only when that is at least `MIN_GAIN` shorter than
 now (measurements are noisy; shares that flap cost recompilations and steady memory).
 
-The losses then hold uneven rows (`mmpt.distributed.allow_uneven_rows`), and each rank's loss is weighed by
+The losses then hold uneven rows (the run's `mmpt.distributed.Collectives`), and each rank's loss is weighed by
 its share (`loss_weight`), so that the engine's gradient mean over ranks is the gradient of the whole global
 batch, as with equal shares.
 """
