@@ -303,14 +303,16 @@ def test_a_step_pools_where_the_method_and_accumulation_ask_and_merges_where_the
             pooling("merged", accum, needs, checkpointing=True)
 
 
-def test_the_run_summary_says_when_warmup_outlasts_the_run():
+def test_the_run_summary_says_when_warmup_or_checkpoints_outlast_the_run():
     """A demo shrunk by overrides keeps its 30 warmup steps: over 3 steps the learning rate never reaches its value."""
     from mmpt.config_loader import load_config
-    from mmpt.engine.summary import learning_rate_line
+    from mmpt.engine.summary import checkpoint_line, learning_rate_line
 
     short = load_config(REPO / "configs/victor/demo.yaml", ["train.max_steps=3"])
     assert learning_rate_line(short).endswith(", never reached: optim.warmup_steps 30 > train.max_steps 3")
     assert "never reached" not in learning_rate_line(load_config(REPO / "configs/victor/demo.yaml"))
+    assert checkpoint_line(short) == "checkpoints at the end (keep 2)"  # save_every 100 on a 3-step run
+    assert checkpoint_line(load_config(REPO / "configs/victor/demo.yaml")).startswith("checkpoints every 100 steps and")
 
 
 def test_resuming_with_a_config_that_builds_another_model_is_one_line(tmp_path, digits_root, process_group_of_one):

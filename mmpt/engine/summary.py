@@ -67,14 +67,20 @@ def startup_summary(
             + (f", {keys}" if keys else "")
             + (f", text {source.text_encoding}" if source.text_encoding != "utf-8" else "")
         )
-    save = f"every {cfg.train.save_every} steps" if cfg.train.save_every else "at the end"
-    lines.append(f"checkpoints {save} (keep {cfg.train.keep_last})")
+    lines.append(checkpoint_line(cfg))
     if cfg.data.eval:
         when = f"every {cfg.train.eval_every} steps and at the end" if cfg.train.eval_every else "at the end"
         sets = ", ".join(f"{s.label} ({s.task}, {'/'.join(s.languages)})" for s in cfg.data.eval)
         lines.append(f"evaluation {when}: {sets}")
     lines.append(f"output: {Path(cfg.run.output_dir).resolve()}")
     return "run summary\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def checkpoint_line(cfg: Config) -> str:
+    """When checkpoints are written: every `train.save_every` steps where the run has that many, and at the end."""
+    every, steps = cfg.train.save_every, cfg.train.max_steps
+    when = f"every {every} steps and at the end" if 0 < every < steps else "at the end"
+    return f"checkpoints {when} (keep {cfg.train.keep_last})"
 
 
 def learning_rate_line(cfg: Config) -> str:
