@@ -191,6 +191,8 @@ def read_intent_csv(path: str | Path, report: DialogReport | None = None) -> lis
     with path.open(encoding="utf-8", newline="") as handle:
         reader = csv.DictReader(handle)
         missing = {"text", "category"} - set(reader.fieldnames or [])
+        if reader.fieldnames is None:
+            raise DataError(f"{path} is empty (expected a text,category header and rows)")
         if missing:
             raise DataError(f"{path}: intent CSV needs columns text and category; missing {', '.join(sorted(missing))}")
         rows = []

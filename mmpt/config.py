@@ -165,12 +165,13 @@ class DataConfig(Section):
     )
     root: str = Field(default="demo_data", description="directory the demo corpus is built in")
 
-    @model_validator(mode="after")
-    def _distinct_eval_names(self) -> DataConfig:
-        labels = [s.label for s in self.eval]
+    @field_validator("eval")
+    @classmethod
+    def _distinct_eval_names(cls, sets: list[EvalSetConfig]) -> list[EvalSetConfig]:
+        labels = [s.label for s in sets]
         if len(set(labels)) != len(labels):
-            raise ValueError(f"evaluation sets need distinct names (set 'name'), got {labels}")
-        return self
+            raise ValueError(f"evaluation sets need distinct names (set 'name' on all but one), got {labels}")
+        return sets
 
     @field_validator("prepare")
     @classmethod
@@ -585,7 +586,9 @@ def _explain(
     method_section: type[BaseModel],
     prefix: tuple = (),
 ) -> str:
-    err = exc.errors()[0]
+    errors = exc.errors()
+    # A misspelt key is also a missing one: name the misspelling, with its likely meaning.
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = _without_tags(prefix + tuple(err["loc"]), data)
     dotted = ".".join(str(p) for p in loc)
     where = origin(origins, dotted, top_file)
@@ -601,13 +604,16 @@ def _explain(
                 hint = f" (valid keys{' under ' + repr(parent) if parent else ''}: {', '.join(owner.model_fields)})"
         return f"{where}: unknown config key '{dotted}'{hint}"
     if err["type"] == "missing":
+        if any(isinstance(part, int) for part in loc):  # in a list entry: where the list was written
+            return f"{where}: required config key '{dotted}' is missing"
         return f"{top_file}: required config key '{dotted}' is missing (set it there or in a file it extends)"
     if err["type"] == "union_tag_not_found":  # a section of several kinds set key by key, without its name
         kinds = err.get("ctx", {}).get("discriminator", "'name'")
         return f"{where}: config key '{dotted}' needs its {kinds} beside the other keys (e.g. {dotted}.name=...)"
-    value = err.get("input")
-    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
-    return f"{where}: config key '{dotted}' = {shown}: {err['msg'].removeprefix('Value error, ')}"
+    value, message = err.get("input"), err["msg"].removeprefix("Value error, ")
+    if isinstance(value, (dict, list)):
+        return f"{where}: config key '{dotted}': {message}"
+    return f"{where}: config key '{dotted}' = {value!r}: {message}"
 
 
 def shipped_configs() -> Path:

@@ -84,7 +84,8 @@ def legacy_eval_sets(data: dict, origins: dict[str, str], top_file: str) -> dict
         legacy = method.get(name)
         if name not in method or (isinstance(legacy, dict) and not any(k in legacy for k in keys)):
             continue
-        where = origin(origins, f"method.{name}", top_file)
+        named = next((k for k in keys if isinstance(legacy, dict) and k in legacy), "")
+        where = origin(origins, f"method.{name}.{named}".rstrip("."), top_file)  # the file that names a set there
         if not isinstance(legacy, dict):
             raise ConfigError(f"{where}: config key 'method.{name}' must be a mapping (better: data.eval entries)")
         rest = {k: v for k, v in legacy.items() if k not in keys}
@@ -106,7 +107,13 @@ def legacy_eval_sets(data: dict, origins: dict[str, str], top_file: str) -> dict
                     origins[f"data.eval.{len(sets)}"] = where
                     sets.append(entry)
                     added.append(str(dataset))
-        written = f"data.eval entries ({', '.join(added)})" if added else "no evaluation set (its dataset is null)"
+        written = (
+            f"data.eval entries ({', '.join(added)})"
+            if added
+            else "no evaluation set (its dataset is null)"
+            if legacy.get("dataset") is None
+            else f"no new evaluation set (data.eval has {legacy['dataset']} already)"
+        )
         warnings.warn(
             f"{where}: 'method.{name}' is read as {written}; name evaluation sets in data.eval instead "
             "(docs/evaluation.md)",

@@ -205,3 +205,25 @@ def test_the_wheel_carries_the_shipped_configs(tmp_path):
         check=True,
     )
     assert result.stdout.strip() == str(unpacked / "mmpt/configs/m2_encoder/0.4b.yaml")
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        (
+            "data.eval=[{datset: x, task: intent}]",
+            "<command line>: unknown config key 'data.eval.0.datset' (did you mean 'data.eval.0.dataset'?)",
+        ),
+        ("data.eval=[{task: intent}]", "<command line>: required config key 'data.eval.0.dataset' is missing"),
+        (
+            "data.eval=[{dataset: a/x, task: intent}, {dataset: b/x, task: intent}]",
+            "<command line>: config key 'data.eval': evaluation sets need distinct names",
+        ),
+    ],
+)
+def test_an_evaluation_list_given_on_the_command_line_is_named_there(override, says):
+    """Errors in `data.eval` entries name the command line that wrote the list, not the config it replaced, and a
+    misspelt key by its misspelling (it is also a missing one)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/space2/demo.yaml", [override])
+    assert str(err.value).startswith(says), str(err.value)

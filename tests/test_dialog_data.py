@@ -96,6 +96,9 @@ def test_unlabelled_and_intent_readers(tmp_path):
     (tmp_path / "bad.csv").write_text("sentence,label\nx,y\n")
     with pytest.raises(DataError, match="bad.csv.*category"):
         read_intent_csv(tmp_path / "bad.csv")
+    (tmp_path / "empty.csv").write_text("")
+    with pytest.raises(DataError, match="empty.csv is empty"):
+        read_intent_csv(tmp_path / "empty.csv")
 
 
 def test_examples_per_triggered_turn_with_history():

@@ -215,6 +215,18 @@ def test_a_saved_config_naming_its_evaluation_set_in_the_method_section_loads_as
     assert getattr(cfg.method, name).model_dump().items() >= kept.items()
 
 
+def test_the_warning_names_the_file_that_names_the_set_in_the_method_section(tmp_path):
+    """A config of one's own extending a demo: the warning names that file (not the demo, which set the section
+    first), and says when the set it names is in data.eval already."""
+    from mmpt.config_loader import load_config
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("extends: [space2/demo]\nmethod: {intent_eval: {dataset: dialogs, shots: [5]}}\n")
+    with pytest.warns(FutureWarning, match=re.escape(f"{mine}: 'method.intent_eval' is read as no new evaluation set")):
+        cfg = load_config(mine)
+    assert [s.dataset for s in cfg.data.eval] == ["dialogs"] and cfg.method.intent_eval.shots == [5]  # type: ignore[attr-defined]
+
+
 def test_a_final_evaluation_that_failed_runs_when_the_finished_run_is_started_again(
     tmp_path, digits_root, process_group_of_one, capsys
 ):

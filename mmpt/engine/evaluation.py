@@ -106,5 +106,8 @@ def final_evaluation(cfg: Config, method: Method, run_dir: Path, device: torch.d
     record = {"step": step, "sets": [s.label for s in cfg.data.eval], "metrics": results}
     atomic_write(run_dir / FINAL_EVALUATION, json.dumps(record, indent=1))
     if results:
-        print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in results.items()), flush=True)
+        print(
+            "final evaluation: " + ", ".join(f"{k.removeprefix('eval/')}={v:.4f}" for k, v in results.items()),
+            flush=True,
+        )
     return results

@@ -181,8 +181,13 @@ def intent_classification(
                 splits[f"{k}shot"] = f"all of train.csv: no intent has more than {k} examples"
             else:
                 draws = [[train[i] for i in kshot_indices(train_y, k, seed)] for seed in range(seeds)]
-                splits[f"{k}shot"] = f"{seeds} random draws of {k} per intent from train.csv" + (
-                    f" ({len(short)} of {len(set(train_y))} intents have {k} or fewer: all of theirs)" if short else ""
+                splits[f"{k}shot"] = (
+                    f"{seeds} random draw{'s' if seeds > 1 else ''} of {k} per intent from train.csv"
+                    + (
+                        f" ({len(short)} of {len(set(train_y))} intents have {k} or fewer: all of theirs)"
+                        if short
+                        else ""
+                    )
                 )
         scores = []
         for seed, rows in enumerate(draws):
