@@ -276,12 +276,14 @@ def tiny_m2_arch(**changes) -> dict:
 
 
 def small_clip_demo(digits_root: Path, run_dir: Path, *overrides: str):
-    """configs/clip/demo.yaml at test size for a run in this process: the tokenizer of `digits_root`, a 16-wide
-    embedding and a one-layer text tower, ZeRO 0, no checkpoints, written to `run_dir`; `overrides` on top."""
+    """configs/clip/demo.yaml at test size for a run in this process: the shards, sets and tokenizer of `digits_root`,
+    a 16-wide embedding and a one-layer text tower, ZeRO 0, no checkpoints, written to `run_dir`; `overrides` on top."""
     from mmpt.config_loader import load_config
 
     small = [
         "data.prepare=null",
+        f"data.root={digits_root.parent}",  # where the demo's sets (digits, digits_unseen) are read
+        f'data.train.sources=[{{shards: "{digits_root}/train/en-*.tar"}}, {{shards: "{digits_root}/train/zh-*.tar"}}]',
         f"method.tokenizer={digits_root}/tokenizer.json",
         "method.embed_dim=16",
         "method.text.width=32",

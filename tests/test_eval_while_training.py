@@ -116,8 +116,6 @@ def test_eval_every_on_the_clip_demo_evaluates_its_sets_at_those_steps_and_at_th
         run_dir,
         "train.eval_every=5",
         "train.max_steps=10",
-        f"data.root={digits_root.parent}",  # the demo's sets (digits, digits_unseen) are read there
-        f'data.train.sources=[{{shards: "{digits_root}/train/en-*.tar"}}, {{shards: "{digits_root}/train/zh-*.tar"}}]',
         "data.train.batch_size=8",
         "data.train.shuffle_buffer=20",
         "train.log_every=5",
