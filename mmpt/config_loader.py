@@ -81,13 +81,16 @@ def legacy_eval_sets(data: dict, origins: dict[str, str], top_file: str) -> dict
     method, section = dict(data["method"]), data.get("data")
     sets: list[Any] = list(section.get("eval") or []) if isinstance(section, dict) else []
     for name, (task, keys) in LEGACY_EVAL_SECTIONS.items():
-        legacy = method.get(name)
-        if name not in method or (isinstance(legacy, dict) and not any(k in legacy for k in keys)):
+        if name not in method:
             continue
-        named = next((k for k in keys if isinstance(legacy, dict) and k in legacy), "")
-        where = origin(origins, f"method.{name}.{named}".rstrip("."), top_file)  # the file that names a set there
+        legacy = method[name]
         if not isinstance(legacy, dict):
+            where = origin(origins, f"method.{name}", top_file)
             raise ConfigError(f"{where}: config key 'method.{name}' must be a mapping (better: data.eval entries)")
+        named = [k for k in keys if k in legacy]
+        if not named:
+            continue  # a section that names no set (VICTOR's retrieval settings, SPACE-2's intent protocol)
+        where = origin(origins, f"method.{name}.{named[0]}", top_file)  # the file that names a set there
         rest = {k: v for k, v in legacy.items() if k not in keys}
         if name == "zeroshot":
             for key in rest.keys() - {"batch_size"}:

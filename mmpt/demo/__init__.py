@@ -7,6 +7,7 @@ A corpus is a module of this package whose builder is decorated with `@register(
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ CORPORA: Registry[Builder] = Registry(
     },
 )
 register = CORPORA.register
+log = logging.getLogger(__name__)
 
 
 def corpora() -> list[str]:
@@ -32,4 +34,9 @@ def corpora() -> list[str]:
 
 def build(name: str, parent: str | os.PathLike, **options) -> Path:
     """Build corpus `name` in `parent/name` unless it is already complete; its folder."""
-    return CORPORA.get(name)(Path(parent) / name, **options)
+    from mmpt.demo.corpus import COMPLETE_MARKER
+
+    folder = Path(parent) / name
+    if not (folder / COMPLETE_MARKER).is_file():
+        log.info("building the %s demo corpus in %s (once: later uses read it)", name, folder)
+    return CORPORA.get(name)(folder, **options)

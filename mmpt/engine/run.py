@@ -343,11 +343,7 @@ def prepare_run_dir(cfg: Config, method: Method, run_dir: Path) -> None:
     """Rank 0: demo data if asked, the resolved config, and the method's files (tokenizer)."""
     if cfg.data.prepare:
         from mmpt import demo
-        from mmpt.demo.corpus import COMPLETE_MARKER
 
-        folder = Path(cfg.data.root) / cfg.data.prepare
-        if not (folder / COMPLETE_MARKER).is_file():
-            log.info("building the %s demo corpus in %s (once: later runs reuse it)", cfg.data.prepare, folder)
         demo.build(cfg.data.prepare, cfg.data.root)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
