@@ -143,7 +143,12 @@ class EvalSetConfig(FieldKeys):
         default=None,
         description="reported as eval/<name>/<language>/<metric> (default: the dataset's folder or file name)",
     )
-    languages: list[str] = Field(default_factory=lambda: ["en"], min_length=1)
+    languages: list[str] = Field(
+        default_factory=lambda: ["en"],
+        min_length=1,
+        description="languages to evaluate in (class names and prompts, or captions, in each); a set in one "
+        "language only (a dialog intent set, most retrieval sets) takes one entry, the label of its results",
+    )
     foreign_class_names: bool = Field(
         default=False, description="accept class names not written in the prompt language"
     )

@@ -53,7 +53,7 @@ def reference(world: int, temperature: float):
             softened(ts * tx @ ty.T, s * x @ y.T, temperature) + softened(ts * ty @ tx.T, s * y @ x.T, temperature)
         )
     value.backward()
-    return float(value), x.grad, y.grad, s.grad
+    return value.item(), x.grad, y.grad, s.grad
 
 
 def check(rank: int, world: int, temperature: float) -> None:

@@ -210,6 +210,12 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(
         ),
         (
             "space2/demo.yaml",
+            "data.eval=[{{dataset: dialogs, task: intent, languages: [en, zh]}}]",
+            "data.eval.0.languages",
+            "data.eval.0.languages ['en', 'zh']: an intent set is evaluated once, in its own language",
+        ),
+        (
+            "space2/demo.yaml",
             "data.eval=[{{dataset: {root}/empty, task: intent}}]",
             "data.eval.0.dataset",
             "has no rows",

@@ -126,6 +126,12 @@ class Space2Method(Method[Space2Config]):
     def check_config(self, cfg: Config) -> None:
         if not self.settings(cfg).project and len(self.settings(cfg).views) != 1:
             raise ValueError("method.project = false uses the combined tree score: set method.views to one entry")
+        for index, eval_set in enumerate(cfg.data.eval):
+            if len(eval_set.languages) > 1:
+                raise ValueError(
+                    f"data.eval.{index}.languages {eval_set.languages}: an intent set is evaluated once, in its own "
+                    f"language; name one, the label of its results (e.g. languages: [{eval_set.languages[0]}])"
+                )
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         source = resolve_encoder_path(self.settings(cfg).encoder)
