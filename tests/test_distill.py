@@ -127,7 +127,7 @@ def test_the_teacher_reads_its_own_tokens_and_pixels_and_stays_frozen(corpora, t
     loss.train()
     assert not loss.teacher.training
     terms = method.training_step(model, loss, batch)
-    assert set(terms) == {"contrastive", "distill", "train"} and float(terms["distill"]) > 0
+    assert set(terms) == {"contrastive", "distill", "train"} and terms["distill"].item() > 0
     sum(v for k, v in terms.items() if k != "train").backward()
     optimizer.step()
     assert all(p.grad is None and not p.requires_grad for p in loss.teacher.parameters())
@@ -136,7 +136,7 @@ def test_the_teacher_reads_its_own_tokens_and_pixels_and_stays_frozen(corpora, t
     with torch.no_grad():  # the term is weighted: twice the weight, twice the term
         pooled = loss(*model(model_images(model, batch), batch["input_ids"], batch["attention_mask"]), batch, 2)
         once = loss(*model(model_images(model, batch), batch["input_ids"], batch["attention_mask"]), batch)
-    assert float(pooled) == pytest.approx(float(once) / 2) and torch.isfinite(alone)
+    assert pooled.item() == pytest.approx(once.item() / 2) and torch.isfinite(alone)
 
 
 def test_a_merged_pool_pass_distils_as_the_separate_one(corpora, tmp_path):
@@ -160,13 +160,13 @@ def test_a_merged_pool_pass_distils_as_the_separate_one(corpora, tmp_path):
     for index, batch in enumerate(batches):
         terms = module(batch, pool, index)
         (terms["contrastive"] + terms["distill"]).backward()
-        separate["contrastive"] += float(terms["contrastive"]) / len(batches)  # each is the whole step's loss
-        separate["distill"] += float(terms["distill"])  # each micro-batch's own term, weighted 1/K
+        separate["contrastive"] += terms["contrastive"].item() / len(batches)  # each is the whole step's loss
+        separate["distill"] += terms["distill"].item()  # each micro-batch's own term, weighted 1/K
     expected = gradients()
     terms = module(batches, entry="merged")
     (terms["contrastive"] + terms["distill"]).backward()
     merged = gradients()
-    assert {name: float(terms[name]) for name in separate} == pytest.approx(separate, rel=1e-6)
+    assert {name: terms[name].item() for name in separate} == pytest.approx(separate, rel=1e-6)
     whole = torch.cat([g.flatten() for g in expected.values()]).norm()
     assert merged.keys() == expected.keys()
     for name, grad in expected.items():
