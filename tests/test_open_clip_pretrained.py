@@ -93,7 +93,7 @@ def test_weights_give_open_clips_embeddings(weights, kind):
     images, ids = torch.randn(3, 3, 32, 32), open_clip.get_tokenizer("tiny-clip")(["a 7", "zero", "two digits"])
     for ours, theirs in zip(embeddings(model, images, ids), embeddings(reference, images, ids)):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    assert float(model.clip.logit_scale) == 3.0
+    assert model.clip.logit_scale.item() == 3.0
     assert getattr(model.clip, "logit_bias", None) is None  # contrastive: no bias
 
 
@@ -106,7 +106,7 @@ def test_a_siglip_architecture_keeps_its_bias_and_trains_with_the_sigmoid_loss(w
     model = method.build_model(cfg, root / "run")
     method.load_initial_weights(model, cfg)
     assert isinstance(method.build_loss(cfg), SigmoidLoss)
-    assert float(model.clip.logit_bias) == -7.5 and model.clip.logit_bias.shape == (1,)
+    assert model.clip.logit_bias.item() == -7.5 and model.clip.logit_bias.shape == (1,)
     contrastive = config(root, files["siglip"], model="tiny-siglip", loss={"name": "contrastive"})
     model = method.build_model(contrastive, root / "run")
     method.load_initial_weights(model, contrastive)  # the file's bias is left out: the model has none
@@ -115,7 +115,7 @@ def test_a_siglip_architecture_keeps_its_bias_and_trains_with_the_sigmoid_loss(w
     sigmoid = config(root, files["pt"], loss={"name": "sigmoid"})  # CLIP weights, sigmoid loss: SigLIP's bias
     model = method.build_model(sigmoid, root / "run")
     method.load_initial_weights(model, sigmoid)
-    assert float(model.clip.logit_bias) == -10.0 and float(model.clip.logit_scale) == 3.0
+    assert model.clip.logit_bias.item() == -10.0 and model.clip.logit_scale.item() == 3.0
 
 
 @pytest.mark.parametrize(
