@@ -128,7 +128,11 @@ def test_eval_every_on_the_clip_demo_evaluates_its_sets_at_those_steps_and_at_th
             for language in ("en", "zh"):
                 assert 0 <= record[f"eval/{name}/{language}/acc1"] <= 1, record
     records = sorted(path.name for path in (run_dir / "eval").glob("*.json"))  # the end's, CLIP_benchmark style
-    assert len(records) == 4 and all(name.startswith("zeroshot_classification_") for name in records), records
+    assert records == sorted(
+        f"zeroshot_classification_{name}_{language}.json"
+        for name in ("digits", "digits_unseen")
+        for language in ("en", "zh")
+    ), records
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ def evaluate_sets(
         for language in eval_set.languages:
             record = method.evaluate_set(model, cfg, run_dir, eval_set, language, final=records is not None)
             if records is not None:
-                save_eval_record(record, records)
+                save_eval_record(record, records, name=eval_set.label)
             results.update(
                 {
                     f"eval/{eval_set.label}/{language}/{name}": value

@@ -373,12 +373,15 @@ def eval_record(
     return result
 
 
-def save_eval_record(record: dict[str, Any], folder: Path) -> Path:
-    """Write `record` as `<task>_<dataset name>_<hash of its path>_<language>.json` in `folder`: two
-    datasets whose folders have the same name get different files."""
-    dataset = str(record["dataset"])
-    tag = hashlib.sha1(os.path.abspath(dataset).encode()).hexdigest()[:6]
-    path = Path(folder) / f"{record['task']}_{Path(dataset).stem}_{tag}_{record['language']}.json"
+def save_eval_record(record: dict[str, Any], folder: Path, name: str | None = None) -> Path:
+    """Write `record` as `<task>_<name>_<language>.json` in `folder`. `name`: a run's evaluation set, its
+    `data.eval` name (distinct within a config, so two sets read from one file keep their own records); without
+    one, the dataset's name and a hash of its path, so two datasets whose folders have the same name get
+    different files."""
+    if name is None:
+        dataset = str(record["dataset"])
+        name = f"{Path(dataset).stem}_{hashlib.sha1(os.path.abspath(dataset).encode()).hexdigest()[:6]}"
+    path = Path(folder) / f"{record['task']}_{name}_{record['language']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return path
