@@ -373,6 +373,16 @@ def eval_record(
     return result
 
 
+def refuse_several_languages(index: int, eval_set: EvalSetConfig, why: str) -> None:
+    """A set read in one language only would report the same figures under each of several `languages` labels:
+    refused in one line naming the key. `why` follows the key's value in the message."""
+    if len(eval_set.languages) > 1:
+        raise ValueError(
+            f"data.eval.{index}.languages {eval_set.languages}{why}; name one language, the label of its results "
+            f"(e.g. languages: [{eval_set.languages[0]}])"
+        )
+
+
 def save_eval_record(record: dict[str, Any], folder: Path, name: str | None = None) -> Path:
     """Write `record` as `<task>_<name>_<language>.json` in `folder`. `name`: a run's evaluation set, its
     `data.eval` name (distinct within a config, so two sets read from one file keep their own records); without

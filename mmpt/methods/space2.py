@@ -28,7 +28,7 @@ from mmpt.losses.mlm import masked_lm_loss
 from mmpt.losses.tree_contrastive import TreeContrastiveLoss
 from mmpt.losses.tree_score import MAX_LABEL_ELEMENTS, VIEWS, LabelCodes
 from mmpt.methods import register
-from mmpt.methods.base import EngineNeeds, Method, MethodConfig, eval_record, stream_spec
+from mmpt.methods.base import EngineNeeds, Method, MethodConfig, eval_record, refuse_several_languages, stream_spec
 from mmpt.methods.towers import BATCH, SEQUENCE, DialogTower, TensorSpec, Tower, features, with_output_dims
 from mmpt.models.space2 import TURN_ROWS, Space2Encoder
 
@@ -127,11 +127,7 @@ class Space2Method(Method[Space2Config]):
         if not self.settings(cfg).project and len(self.settings(cfg).views) != 1:
             raise ValueError("method.project = false uses the combined tree score: set method.views to one entry")
         for index, eval_set in enumerate(cfg.data.eval):
-            if len(eval_set.languages) > 1:
-                raise ValueError(
-                    f"data.eval.{index}.languages {eval_set.languages}: an intent set is evaluated once, in its own "
-                    f"language; name one, the label of its results (e.g. languages: [{eval_set.languages[0]}])"
-                )
+            refuse_several_languages(index, eval_set, ": an intent set is evaluated once, in its own language")
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         source = resolve_encoder_path(self.settings(cfg).encoder)

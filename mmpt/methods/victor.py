@@ -49,6 +49,7 @@ from mmpt.methods.base import (
     copy_tokenizer,
     count,
     eval_record,
+    refuse_several_languages,
     stream_spec,
 )
 from mmpt.methods.towers import (
@@ -181,13 +182,9 @@ class VictorMethod(Method[VictorConfig]):
                 "with method.tokenizer; it reads no text checkpoint (remove the key)"
             )
         for index, eval_set in enumerate(cfg.data.eval):
-            retrieval = eval_set.task == "zeroshot_retrieval" and eval_set.dataset != "moving_digits"
-            if retrieval and len(eval_set.languages) > 1:
-                raise ValueError(
-                    f"data.eval.{index}.languages {eval_set.languages} choose the moving_digits demo's caption files; "
-                    f"{eval_set.dataset} is evaluated once: name one language, the label of its results (e.g. "
-                    f"languages: [{eval_set.languages[0]}])"
-                )
+            if eval_set.task == "zeroshot_retrieval" and eval_set.dataset != "moving_digits":
+                why = f" choose the moving_digits demo's caption files; {eval_set.dataset} is evaluated once"
+                refuse_several_languages(index, eval_set, why)
 
     def check_eval_set(self, cfg: Config, eval_set: EvalSetConfig) -> None:
         """A retrieval listing read and its videos found, a classification folder's class names read; no video
