@@ -68,7 +68,7 @@ import torch
 from common import REPO, RESULTS, cells, save_results, summary
 from PIL import Image
 
-MODEL = str(REPO / "benchmarks" / "configs" / "bench-vit-tiny.json")
+MODEL = str(REPO / "mmpt" / "models" / "bench-vit-tiny.json")
 BATCH = 64
 CROP = 64
 PIXELS = ("float32", "uint8")

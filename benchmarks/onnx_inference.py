@@ -47,7 +47,7 @@ def models(digits: Path, large: bool) -> list[tuple[str, str, list[str]]]:
         (
             "open_clip demo",
             "configs/open_clip/demo.yaml",
-            [f"method.model={REPO}/benchmarks/configs/bench-vit-tiny.json"],
+            [f"method.model={REPO}/mmpt/models/bench-vit-tiny.json"],
         ),
         ("m2_encoder demo", "configs/m2_encoder/demo.yaml", [tokenizer]),
         ("victor demo", "configs/victor/demo.yaml", [tokenizer]),

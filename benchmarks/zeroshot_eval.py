@@ -1,6 +1,6 @@
 """Zero-shot evaluation throughput: images/s of classification and of retrieval, end to end.
 
-Model: the benchmark's open_clip config (`benchmarks/configs/bench-vit-tiny.json`, random weights;
+Model: the benchmark's open_clip config (`mmpt/models/bench-vit-tiny.json`, random weights;
 accuracy is not the point), evaluated with mmpt's evaluation functions on the digits corpus's
 held-out split (images stored at `--image-size` px): classification over the CLIP_benchmark
 webdataset layout (10 classes x the corpus's templates), retrieval over the jsonl of image files
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from common import REPO, cells, save_results, summary
 
-MODEL = str(REPO / "benchmarks" / "configs" / "bench-vit-tiny.json")
+MODEL = str(REPO / "mmpt" / "models" / "bench-vit-tiny.json")
 
 
 def main() -> int:

@@ -195,7 +195,11 @@ def test_the_wheel_carries_the_shipped_configs(tmp_path):
 
     unpacked = tmp_path / "site"
     zipfile.ZipFile(next(tmp_path.glob("mmpt-*.whl"))).extractall(unpacked)
-    code = "from mmpt.config import read_config; print(read_config('m2_encoder/0.4b')[2])"
+    code = (
+        "from mmpt.config import read_config; print(read_config('m2_encoder/0.4b')[2]); "
+        "from mmpt.models.open_clip_model import preprocess_settings; "  # the open_clip demo's model, by name
+        "print(preprocess_settings(read_config('open_clip/demo')[0]['method']['model'])['image_size'])"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,
@@ -204,7 +208,7 @@ def test_the_wheel_carries_the_shipped_configs(tmp_path):
         text=True,
         check=True,
     )
-    assert result.stdout.strip() == str(unpacked / "mmpt/configs/m2_encoder/0.4b.yaml")
+    assert result.stdout.split() == [str(unpacked / "mmpt/configs/m2_encoder/0.4b.yaml"), "64"]
 
 
 @pytest.mark.parametrize(

@@ -93,7 +93,7 @@ def teacher_section(kind, corpora, tmp_path) -> str:
 
     from mmpt.models.open_clip_model import register_model_config
 
-    model = REPO / "benchmarks/configs/bench-vit-tiny.json"
+    model = REPO / "mmpt/models/bench-vit-tiny.json"
     torch.save(open_clip.create_model(register_model_config(str(model))).state_dict(), tmp_path / "teacher.pt")
     return f"{{name: open_clip, model: {model}, pretrained: {tmp_path / 'teacher.pt'}}}"
 

@@ -33,7 +33,7 @@ def test_training_steps_read_nothing_back_to_the_host(corpora, tmp_path, digits_
     open_clip = tiny_config(digits_root, tmp_path / "unused")
     open_clip["method"] = {
         "name": "open_clip",
-        "model": str(REPO / "benchmarks/configs/bench-vit-tiny.json"),
+        "model": str(REPO / "mmpt/models/bench-vit-tiny.json"),
     }
     open_clip["data"]["train"]["batch_size"] = 4
     configs = [(config, shrink(config, corpora)) for config in one_config_per_method()]

@@ -24,7 +24,7 @@ from mmpt.data import BatchStream, ShardSetWriter, Source, StatefulLoader, Strea
 from mmpt.data.image_text import decode_image
 from mmpt.methods import get_method
 
-OPEN_CLIP_CONFIG = str(REPO / "benchmarks/configs/bench-vit-tiny.json")
+OPEN_CLIP_CONFIG = str(REPO / "mmpt/models/bench-vit-tiny.json")
 CLIP_MEAN, CLIP_STD = (
     (0.41, 0.52, 0.63),
     (0.21, 0.27, 0.33),

@@ -11,7 +11,7 @@ from conftest import REPO, read_metrics, tiny_config
 from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer
 from pool import scenario
 
-CONFIG = str(REPO / "benchmarks/configs/bench-vit-tiny.json")
+CONFIG = str(REPO / "mmpt/models/bench-vit-tiny.json")
 
 
 def test_model_and_tokenizer_are_open_clips():

@@ -147,7 +147,7 @@ def from_weights(corpora, run_dir):
     from test_config_matrix import shrink
 
     torch.manual_seed(5)
-    start = open_clip.create_model(register_model_config(str(REPO / "benchmarks/configs/bench-vit-tiny.json")))
+    start = open_clip.create_model(register_model_config(str(REPO / "mmpt/models/bench-vit-tiny.json")))
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     torch.save(start.state_dict(), run_dir.parent / "bench-vit-tiny.pt")
     return [*shrink(DEMO, corpora), f"method.pretrained={run_dir.parent / 'bench-vit-tiny.pt'}"]

@@ -97,7 +97,7 @@ def check_the_partitioned_model_starts_where_one_process_does(rank, tmp):
     from mmpt.methods import get_method
 
     method = get_method("open_clip")
-    model = str(REPO / "benchmarks/configs/bench-vit-tiny.json")
+    model = str(REPO / "mmpt/models/bench-vit-tiny.json")
     cfg = _config({"name": "open_clip", "model": model}, f"{tmp}/run")
     engine, _, _ = build_engine(cfg, method, mdist.ParallelLayout.whole_world(), WORLD)
     assert all(hasattr(p, "ds_id") for p in engine.module.parameters())  # partitioned

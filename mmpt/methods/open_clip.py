@@ -77,7 +77,7 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     tiny_overrides = (
         'data.train.sources=[{{shards: "{digits}/train/en-*.tar"}}]',
         'data.eval=[{{dataset: "{digits}/zeroshot", task: zeroshot_classification, languages: [en]}}]',
-        "method.model={repo}/benchmarks/configs/bench-vit-tiny.json",
+        "method.model=bench-vit-tiny",
         "method.pretrained=null",  # a tag of the named architecture: none for the tiny one
     )
     uses_attention_mask = False  # open_clip's text tower pools at the end token

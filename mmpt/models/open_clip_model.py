@@ -18,11 +18,17 @@ from torch import nn
 from mmpt.config import ConfigError
 from mmpt.models.switches import TowerSwitches
 
+# open_clip model configs that travel with mmpt (`<name>.json` beside this file), known by name wherever it is
+# installed: the open_clip demo's and the benchmarks' small ViT.
+SHIPPED_MODEL_CONFIGS = Path(__file__).parent
+
 
 def register_model_config(model: str) -> str:
-    """The open_clip name of `model`: a known name, or a JSON config file registered under its stem."""
-    if model.endswith(".json"):
-        path = Path(model)
+    """The open_clip name of `model`: a known name, a JSON config file registered under its stem, or the name of
+    one of mmpt's shipped configs (registered on first use)."""
+    shipped = SHIPPED_MODEL_CONFIGS / f"{model}.json"
+    if model.endswith(".json") or (model not in open_clip.list_models() and shipped.is_file()):
+        path = Path(model) if model.endswith(".json") else shipped
         if not path.is_file():
             raise FileNotFoundError(f"config key 'method.model': open_clip model config {path} does not exist")
         open_clip.add_model_config(path)
