@@ -227,6 +227,12 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(
             "images.jsonl: image {root}/cat.jpg does not exist (1 missing)",
         ),
         (
+            "clip/demo.yaml",
+            "data.eval=[{{dataset: {root}/pairs.csv, task: zeroshot_retrieval}}]",
+            "data.eval.0.dataset",
+            "pairs.csv: not a retrieval layout mmpt reads",
+        ),
+        (
             "victor/demo.yaml",
             "method.text.pretrained={root}",
             "method.text.pretrained",
@@ -239,6 +245,7 @@ def test_what_training_would_fail_on_or_ignore_stops_before_it_starts(tmp_path, 
     before the process group starts."""
     (tmp_path / "listing.jsonl").write_text('{"video": "clip00", "caption": "a red square moves left"}\n')
     (tmp_path / "images.jsonl").write_text('{"image": "cat.jpg", "caption": ["a cat"]}\n')
+    (tmp_path / "pairs.csv").write_text("image,caption\ncat.jpg,a cat\n")
     for folder, rows in (("intent", "text,category\nhello,greet\n"), ("empty", "text,category\n")):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "train.csv").write_text(rows)

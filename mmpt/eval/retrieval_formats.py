@@ -71,9 +71,20 @@ def read_retrieval_set(path: str | os.PathLike, fields: SampleFields | None = No
         raise MissingDataError(f"retrieval dataset {path} does not exist")
     if path.name.endswith("_texts.jsonl"):
         return load_chinese_clip(path)
+    return RetrievalSet.from_captions(*read_listing(path))
+
+
+def read_listing(path: Path) -> tuple[list[Path], list[list[str]]]:
+    """(image files, captions of each) of a listing file, a .jsonl of records or a Karpathy or ALBEF/BLIP .json;
+    any other file is refused by name, not read as one of them."""
     if path.suffix == ".json":
-        return RetrievalSet.from_captions(*load_json_annotations(path))
-    return RetrievalSet.from_captions(*load_retrieval_set(path))
+        return load_json_annotations(path)
+    if path.suffix == ".jsonl":
+        return load_retrieval_set(path)
+    raise DataError(
+        f'{path}: not a retrieval layout mmpt reads (a .jsonl of {{"image": path, "caption": [...]}} lines, a '
+        "Karpathy or ALBEF .json, Chinese-CLIP's <split>_texts.jsonl, WebDataset shards: docs/evaluation.md)"
+    )
 
 
 def _resolve(folder: Path, file: str) -> Path:

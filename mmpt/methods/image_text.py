@@ -19,7 +19,7 @@ from mmpt.data.loader import BatchStream
 from mmpt.data.shards import DataError
 from mmpt.eval import resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
-from mmpt.eval.retrieval_formats import load_retrieval_set
+from mmpt.eval.retrieval_formats import read_listing
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.losses.sigmoid import INIT_LOGIT_BIAS, INIT_LOGIT_SCALE, Exchange, SigmoidLoss
@@ -194,8 +194,8 @@ class ImageTextMethod(Method[SettingsT]):
         return {"method.tokenizer": self.tokenizer_source(cfg)}
 
     def check_eval_set(self, cfg: Config, eval_set: EvalSetConfig) -> None:
-        """A classification folder's class names in each language; a jsonl retrieval listing, its images found (the
-        other retrieval layouts are read whole only when evaluated)."""
+        """A classification folder's class names in each language; a retrieval listing file read and its images
+        found (Chinese-CLIP's and the shard layouts are read whole only when evaluated)."""
         listing = Path(eval_set.dataset)
         if eval_set.task == "zeroshot_classification" and listing.is_dir():
             for language in eval_set.languages:
@@ -203,8 +203,8 @@ class ImageTextMethod(Method[SettingsT]):
                     load_classification_set(eval_set.dataset, language, eval_set.foreign_class_names)
                 except (DataError, ValueError) as exc:  # ValueError: class names that are ids or foreign
                     raise ValueError(f"({language}) {exc}") from None
-        elif listing.suffix == ".jsonl" and not listing.name.endswith("_texts.jsonl") and listing.is_file():
-            missing = [f for f in load_retrieval_set(listing)[0] if not f.is_file()]
+        elif eval_set.task == "zeroshot_retrieval" and listing.is_file() and not listing.name.endswith("_texts.jsonl"):
+            missing = [f for f in read_listing(listing)[0] if not f.is_file()]
             if missing:
                 raise DataError(f"{listing}: image {missing[0]} does not exist ({len(missing)} missing)")
 
