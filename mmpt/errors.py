@@ -3,6 +3,8 @@ low layers (the process layout, the loader) can name a config key without import
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class ConfigError(ValueError):
     """A config that cannot run; the message is one line meant for the user."""
@@ -13,3 +15,11 @@ def first_line(exc: BaseException) -> str:
     a library's multi-line one."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def missing_folder(source: str) -> bool:
+    """Whether `source`, where a local folder or a hub name (`name`, `org/name`) is accepted, can only be a folder,
+    and none is there: hub names never start with `/`, `.` or `~`, nor hold two `/`. Said as such, not as the hub
+    client's complaint about a malformed repository id."""
+    local = source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source
+    return local and not Path(source).expanduser().exists()

@@ -93,7 +93,7 @@ def test_a_run_from_public_towers_trains_and_needs_no_checkpoint_afterwards(towe
     [
         ("method.image.pretrained", "{root}/missing.safetensors", "missing.safetensors does not exist"),
         ("method.image.pretrained", "timm", None),
-        ("method.text.pretrained", "{root}/no-such-encoder", "cannot read a transformers config from"),
+        ("method.text.pretrained", "{root}/no-such-encoder", "no-such-encoder does not exist \\(a local folder"),
     ],
     ids=["missing-image-file", "timm-tag-known", "missing-text-folder"],
 )

@@ -124,7 +124,8 @@ def test_what_cannot_be_trained_stops_before_training_naming_the_key(checkpoints
         shutil.copytree(checkpoints["clip"], tmp_path / name, ignore=shutil.ignore_patterns(leave_out))
     cases = {
         tmp_path / "bert": r"is a 'bert' model, not a dual encoder mmpt trains \(clip, ",
-        tmp_path / "missing": r"cannot read a transformers config from .*missing",
+        tmp_path / "missing": r"missing does not exist \(a local folder, or a hub name org/name\)$",
+        tmp_path / "bert/..": r"cannot read a transformers config from ",  # a folder without config.json
         tmp_path / "no-weights": r"no-weights holds no weights \(none of model.safetensors",
         tmp_path / "no-processor": r"cannot read an image processor from .*no-processor",
     }

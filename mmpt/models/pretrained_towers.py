@@ -11,7 +11,7 @@ import timm
 import torch
 
 from mmpt.config import ConfigError
-from mmpt.errors import first_line
+from mmpt.errors import first_line, missing_folder
 
 IMAGE_KEY, TEXT_KEY = "method.image.pretrained", "method.text.pretrained"
 TIMM = "timm"  # `method.image.pretrained: timm`: the default pretrained tag of the timm model
@@ -44,6 +44,8 @@ def text_config(source: str) -> Any:
     """The encoder's transformers config (a folder, the hub cache, or a download)."""
     from transformers import AutoConfig
 
+    if missing_folder(source):
+        raise ConfigError(f"config key '{TEXT_KEY}': {source} does not exist (a local folder, or a hub name org/name)")
     try:
         return AutoConfig.from_pretrained(source)
     except Exception as exc:

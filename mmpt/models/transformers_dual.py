@@ -20,7 +20,7 @@ from timm.layers.patch_dropout import PatchDropout
 from torch import nn
 
 from mmpt.config import ConfigError
-from mmpt.errors import first_line
+from mmpt.errors import first_line, missing_folder
 from mmpt.models.locking import TowerGroups, largest_layer_list, layered_groups
 from mmpt.models.lora import base_state, load_base_state
 from mmpt.models.switches import TowerSwitches
@@ -45,6 +45,8 @@ def load_config(source: str, trust_remote_code: bool = False) -> Any:
     exists); ConfigError naming `method.model` where it cannot be read or is not one of `DUAL_ENCODERS`."""
     from transformers import AutoConfig
 
+    if missing_folder(source):
+        raise ConfigError(f"config key '{KEY}': {source} does not exist (a local folder, or a hub name org/name)")
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as exc:  # no such folder or repository, offline, remote code refused
