@@ -101,6 +101,11 @@ def expand_shards(pattern: str) -> list[str]:
                 urls.extend(matches)
             elif os.path.isfile(url):
                 urls.append(url)
+            elif os.path.isdir(url):
+                raise MissingDataError(
+                    f"shard {url!r} is a folder: name its shards ({url.rstrip('/')}/*.tar or "
+                    f"{url.rstrip('/')}/{{00000..00009}}.tar)"
+                )
             else:
                 raise MissingDataError(f"shard {url!r} does not exist (from pattern {pattern!r})")
     if not urls:

@@ -94,6 +94,8 @@ def test_missing_shards_are_named(tmp_path):
         expand_shards(str(tmp_path / "nothing-*.tar"))
     with pytest.raises(DataError, match="does not exist"):
         expand_shards(str(tmp_path / "x-{000000..000001}.tar"))
+    with pytest.raises(DataError, match=r"is a folder: name its shards \(.*/\*\.tar or "):
+        expand_shards(f"{tmp_path}/")
 
 
 def test_epoch_mode_ranks_and_workers_read_disjoint_samples_covering_the_dataset(tmp_path):
