@@ -14,6 +14,7 @@ from typing import Any
 WEIGHTS = "model.safetensors"  # a finished run's consolidated weights, and a release's (or its shard index)
 RELEASE_CONFIG = "config.json"
 RUN_CONFIG = "config.yaml"
+RELEASE_FORMAT = "mmpt-release"  # config.json's "format": what tells a release from another library's model folder
 FINAL_EVALUATION = "final_evaluation.json"  # a run's end-of-training evaluation, written once it completed
 HUB_PREFIX = "hf-hub:"
 
@@ -25,6 +26,20 @@ class ReleaseError(RuntimeError):
 def has_weights(directory: Path) -> bool:
     """Whether `directory` holds a model's weights (one safetensors file, or shards and their index)."""
     return (directory / WEIGHTS).is_file() or (directory / f"{WEIGHTS}.index.json").is_file()
+
+
+def release_record(directory: Path) -> dict[str, Any]:
+    """A release's config.json; ReleaseError where the folder's config.json is another library's (a transformers
+    or open_clip model folder)."""
+    import json
+
+    record = json.loads((directory / RELEASE_CONFIG).read_text())
+    if not isinstance(record, dict) or record.get("format") != RELEASE_FORMAT:
+        raise ReleaseError(
+            f'{directory / RELEASE_CONFIG} is not an mmpt release (no "format": "{RELEASE_FORMAT}"; another '
+            "library's model folder?)"
+        )
+    return record
 
 
 def resolve(name_or_path: str | os.PathLike) -> Path:

@@ -18,14 +18,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmpt.artifacts import RELEASE_CONFIG, RUN_CONFIG, ReleaseError, has_weights, shareable
+from mmpt.artifacts import (
+    RELEASE_CONFIG,
+    RELEASE_FORMAT,
+    RUN_CONFIG,
+    ReleaseError,
+    has_weights,
+    release_record,
+    shareable,
+)
 from mmpt.config import Config
 from mmpt.config_loader import load_config, validate_config
 from mmpt.export.card import CARD, release_card, training_record
 from mmpt.methods import Method, get_method
 from mmpt.models.tensor_files import load_strictly, read_safetensors
-
-FORMAT = "mmpt-release"
 
 
 class PretrainedModel(nn.Module):
@@ -108,7 +114,7 @@ def save_release(
     save_torch_state_dict(state_dict, directory, max_shard_size=max_shard_size)
     for written in directory.glob("model*.safetensors*"):
         shareable(written)
-    record = {"format": FORMAT, "version": 1, "method": cfg.method_name, "config": cfg.to_dict()}
+    record = {"format": RELEASE_FORMAT, "version": 1, "method": cfg.method_name, "config": cfg.to_dict()}
     if training is not None:
         record["training"] = training
     (directory / RELEASE_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
@@ -121,10 +127,7 @@ def read_config(directory: Path) -> Config:
     """The config of a release (config.json) or of a training run (config.yaml), pointing at the files the
     folder carries."""
     if (directory / RELEASE_CONFIG).is_file():
-        record = json.loads((directory / RELEASE_CONFIG).read_text())
-        if record.get("format") != FORMAT:
-            raise ReleaseError(f'{directory / RELEASE_CONFIG} is not an mmpt release (no "format": "{FORMAT}")')
-        cfg = validate_config(record["config"], top_file=str(directory / RELEASE_CONFIG))
+        cfg = validate_config(release_record(directory)["config"], top_file=str(directory / RELEASE_CONFIG))
     elif (directory / RUN_CONFIG).is_file():
         cfg = load_config(directory / RUN_CONFIG)
     else:

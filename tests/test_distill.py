@@ -239,10 +239,14 @@ def test_bad_teachers_end_in_one_line_naming_the_key(corpora, tmp_path):
     other = base.model_copy(update={"method": base.method.model_copy(update={"embed_dim": 32})})
     save_config(other, release / "config.yaml")
     shutil.copy(tmp_path / "tokenizer.json", release)
+    transformers_folder = tmp_path / "hf"  # what save_pretrained writes: another library's config.json
+    transformers_folder.mkdir()
+    (transformers_folder / "config.json").write_text('{"model_type": "clip"}')
     bad = {
+        str(transformers_folder): r"config.json is not an mmpt release .*\{name: transformers, model: .*/hf\}$",
         "{name: space2}": "method 'space2' is not an image-text model",
         str(tmp_path / "nowhere"): f"{tmp_path / 'nowhere'} is not a directory",
-        "{name: transformers, model: /nowhere/clip}": r"^config key 'method.distill.teacher.model': .* /nowhere/clip",
+        "{name: transformers, model: /nowhere/clip}": r"^config key 'method.distill.teacher.model': /nowhere/clip does",
         str(release): f"{release / 'model.safetensors'} does not fit its 'clip' config: shape mismatch",
     }
     config = demo_config("clip")

@@ -359,12 +359,13 @@ def test_the_docs_show_the_card_as_save_release_writes_it(clip_run, corpora, tmp
 
 def release_without_weights(tmp_path: Path, method: dict) -> Path:
     """A release folder with its config.json only: format checks read nothing else."""
-    from mmpt.release import FORMAT, model_config
+    from mmpt.artifacts import RELEASE_FORMAT
+    from mmpt.release import model_config
 
     cfg = model_config(method)
     folder = tmp_path / method["name"]
     folder.mkdir()
-    record = {"format": FORMAT, "version": 1, "method": cfg.method_name, "config": cfg.to_dict()}
+    record = {"format": RELEASE_FORMAT, "version": 1, "method": cfg.method_name, "config": cfg.to_dict()}
     (folder / "config.json").write_text(json.dumps(record))
     return folder
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationError
 from torch import nn
 
-from mmpt.artifacts import RELEASE_CONFIG, RUN_CONFIG, WEIGHTS, ReleaseError, has_weights
+from mmpt.artifacts import RELEASE_CONFIG, RUN_CONFIG, WEIGHTS, ReleaseError, has_weights, release_record
 from mmpt.config import Config, ConfigError, Section
 from mmpt.data.image_text import normalize_pixels
 from mmpt.errors import first_line
@@ -108,7 +108,11 @@ def teacher_of(cfg: Config, run_dir: Path) -> Teacher | None:
             files = Path(spec).expanduser()
             if not files.is_dir():
                 raise ReleaseError(f"{spec} is not a directory (an mmpt release or finished run)")
-            teacher_cfg = directory_config(files)
+            try:
+                teacher_cfg = directory_config(files)
+            except ReleaseError as exc:
+                hint = f"a transformers model folder is a teacher as {{name: transformers, model: {files}}}"
+                raise ReleaseError(f"{exc}; {hint}") from None
             if not has_weights(files):
                 raise ReleaseError(f"{files} has no {WEIGHTS}: not a finished run or release")
             weights: Path | None = files / WEIGHTS
@@ -131,13 +135,11 @@ def teacher_of(cfg: Config, run_dir: Path) -> Teacher | None:
 def directory_config(directory: Path) -> Config:
     """The config a release (`config.json`) or run (`config.yaml`) directory was trained with, validated by its
     method's schema."""
-    import json
-
     from mmpt.config import read_config, validate_sections
     from mmpt.methods import get_method
 
     if (directory / RELEASE_CONFIG).is_file():
-        data, origins, top = json.loads((directory / RELEASE_CONFIG).read_text()).get("config") or {}, {}, directory
+        data, origins, top = release_record(directory)["config"], {}, directory
     elif (directory / RUN_CONFIG).is_file():
         data, origins, top = read_config(directory / RUN_CONFIG)
     else:
