@@ -97,6 +97,15 @@ def _ends_with_zero_block(url: str, offset: int) -> bool:
         return not handle.read(512).strip(b"\0")
 
 
+def check_epoch_shards(name: str, shards: int, readers: int) -> None:
+    """In epoch mode every reader (ranks x workers) reads whole shards of its own: fewer shards leave one idle."""
+    if shards < readers:
+        raise DataError(
+            f"source {name!r}: {shards} shards cannot feed {readers} readers (ranks x workers) in "
+            f"epoch mode; write at least {readers} shards, use fewer workers, or use mode: resampled"
+        )
+
+
 class ShardStream:
     """Infinite (or `max_epochs`-long) raw sample stream of one slot; see the module docstring."""
 
@@ -118,11 +127,8 @@ class ShardStream:
         shard that turns out broken or short of its known size, once per read of it."""
         if mode not in ("resampled", "epoch"):
             raise ValueError(f"unknown sampling mode {mode!r}")
-        if mode == "epoch" and len(urls) < num_slots:
-            raise DataError(
-                f"source {name!r}: {len(urls)} shards cannot feed {num_slots} readers (ranks x workers) in "
-                f"epoch mode; write at least {num_slots} shards, use fewer workers, or use mode: resampled"
-            )
+        if mode == "epoch":
+            check_epoch_shards(name, len(urls), num_slots)
         self.urls, self.slot, self.num_slots, self.seed = urls, slot, num_slots, seed
         self.mode, self.buffer_size, self.max_epochs, self.name = mode, shuffle_buffer, max_epochs, name
         self.epoch, self.shard_pos, self.member = start_epoch, 0, 0

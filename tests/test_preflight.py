@@ -61,6 +61,18 @@ def test_a_missing_input_stops_before_the_process_group(tmp_path, digits_root, c
     assert "Traceback" not in output and not (tmp_path / "run").exists()
 
 
+def test_too_few_shards_for_epoch_mode_stop_before_the_process_group(tmp_path, digits_root, command, monkeypatch):
+    """Epoch mode gives every reader whole shards: 8 shards cannot feed 2 launched ranks x 5 workers."""
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, output = train(command, config, "data.train.mode=epoch", "data.train.num_workers=5")
+    assert code == EXIT_CONFIG, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("mmpt: ")]
+    assert len(lines) == 1 and lines[0].startswith("mmpt: config error: config key 'data.train.sources.0.shards': ")
+    assert "8 shards cannot feed 10 readers (ranks x workers) in epoch mode" in lines[0], lines
+    assert "Traceback" not in output and not (tmp_path / "run").exists()
+
+
 def test_an_eval_every_with_nothing_to_evaluate_stops_before_the_process_group(tmp_path, digits_root, command):
     config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))  # no data.eval
     code, output = train(command, config, "train.eval_every=5")

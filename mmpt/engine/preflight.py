@@ -8,6 +8,7 @@ config key and the path, and exit code 2 (`mmpt.engine.stops`).
 from __future__ import annotations
 
 import importlib.util
+import os
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from mmpt.artifacts import ReleaseError
 from mmpt.config import Config, ConfigError
 from mmpt.data.shards import DataError, expand_shards
+from mmpt.data.stream import check_epoch_shards
 from mmpt.eval import DEMO_NAMES
 from mmpt.eval.retrieval_formats import is_shard_pattern
 from mmpt.methods import Method
@@ -34,11 +36,15 @@ def check_inputs(cfg: Config, method: Method) -> None:
     def built_later(path: str) -> bool:
         return demo_root is not None and Path(literal_prefix(path)).resolve().is_relative_to(demo_root)
 
-    for index, source in enumerate(cfg.data.train.sources):
+    train = cfg.data.train
+    readers = launched_ranks() // cfg.train.sequence_parallel * max(1, train.num_workers)
+    for index, source in enumerate(train.sources):
         if built_later(source.shards):
             continue
         try:
-            expand_shards(source.shards)
+            shards = expand_shards(source.shards)
+            if train.mode == "epoch":
+                check_epoch_shards(source.name or source.shards, len(shards), readers)
         except DataError as exc:
             raise ConfigError(f"config key 'data.train.sources.{index}.shards': {exc}") from None
     if cfg.run.resume not in ("auto", "none") and not Path(cfg.run.resume).exists():
@@ -80,6 +86,11 @@ def check_inputs(cfg: Config, method: Method) -> None:
         check_teacher(cfg)
     if getattr(cfg.method, "lora", None) is not None:
         check_adapters(cfg, method)
+
+
+def launched_ranks() -> int:
+    """The ranks the launcher started (its WORLD_SIZE; 1 for a plain `python`), read before the process group."""
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def check_adapters(cfg: Config, method: Method) -> None:
