@@ -152,14 +152,14 @@ class SampleFields:
                 )
             captions += [v.strip() for v in values if v.strip()]
         if not captions:
-            raise MissingFieldError(_missing(sample, "caption", self.caption or default))
+            raise MissingFieldError(missing_field(sample, "caption", self.caption or default))
         return captions
 
 
 def _first(sample: dict[str, Any], keys: Sequence[str], what: str) -> Any:
     found = next((key for key in keys if key in sample), None)
     if found is None:
-        raise MissingFieldError(_missing(sample, what, keys))
+        raise MissingFieldError(missing_field(sample, what, keys))
     return sample[found]
 
 
@@ -184,7 +184,7 @@ def _where(sample: dict[str, Any], key: str) -> str:
     return f"field {key!r} of sample {sample.get('__key__')!r} of {sample.get('__shard__', sample.get('__url__'))}"
 
 
-def _missing(sample: dict[str, Any], what: str, keys: Sequence[str]) -> str:
+def missing_field(sample: dict[str, Any], what: str, keys: Sequence[str]) -> str:
     fields = [_described(sample, k) for k in sorted(sample) if not k.startswith("__")]
     return (
         f"sample {sample.get('__key__')!r} of {sample.get('__shard__', sample.get('__url__'))} has no non-empty "

@@ -78,7 +78,7 @@ class ShardSetWriter:
         self.close()
 
 
-def _is_remote(url: str) -> bool:
+def is_remote(url: str) -> bool:
     return "://" in url or url.startswith("pipe:")
 
 
@@ -92,7 +92,7 @@ def expand_shards(pattern: str) -> list[str]:
         if not part:
             continue
         for url in braceexpand.braceexpand(part):
-            if _is_remote(url):
+            if is_remote(url):
                 urls.append(url)
             elif any(ch in url for ch in "*?["):
                 matches = sorted(glob.glob(url))
@@ -116,7 +116,7 @@ def expand_shards(pattern: str) -> list[str]:
 def shard_size(url: str, cache: dict[Path, dict] | None = None) -> int | None:
     """Samples in one local shard: from `sizes.json` beside it (mmpt, open_clip) or from img2dataset's
     `<shard>_stats.json` (`successes`: the samples it wrote); None when neither knows."""
-    if _is_remote(url):
+    if is_remote(url):
         return None
     path = Path(url)
     cache = {} if cache is None else cache

@@ -73,6 +73,24 @@ def test_too_few_shards_for_epoch_mode_stop_before_the_process_group(tmp_path, d
     assert "Traceback" not in output and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("data.train.sources.1.caption_key=json.captoin", "has no non-empty caption under json.captoin (it has "),
+        ("data.train.sources.1.image_key=jgp", "has no non-empty image under jgp (it has "),
+    ],
+)
+def test_a_field_key_no_sample_holds_stops_before_the_process_group(tmp_path, digits_root, command, override, says):
+    """A typo in a field key is one line naming the key and what the samples hold, not a skipped sample a line."""
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))
+    code, output = train(command, config, override)
+    assert code == EXIT_CONFIG, output[-3000:]
+    key = override.split("=")[0]
+    said = [line for line in output.splitlines() if "mmpt: " in line or "skipped" in line]
+    assert len(said) == 1 and said[0].startswith(f"mmpt: config error: config key '{key}': none of the first "), said
+    assert says in said[0] and "Traceback" not in output and not (tmp_path / "run").exists()
+
+
 def test_an_eval_every_with_nothing_to_evaluate_stops_before_the_process_group(tmp_path, digits_root, command):
     config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))  # no data.eval
     code, output = train(command, config, "train.eval_every=5")

@@ -8,6 +8,7 @@ config key and the path, and exit code 2 (`mmpt.engine.stops`).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -15,9 +16,11 @@ from pathlib import Path
 import torch
 
 from mmpt.artifacts import ReleaseError
-from mmpt.config import Config, ConfigError
-from mmpt.data.shards import DataError, expand_shards
-from mmpt.data.stream import check_epoch_shards
+from mmpt.config import Config, ConfigError, SourceConfig
+from mmpt.data.fields import MissingFieldError, missing_field
+from mmpt.data.loader import FIELD_CHECK_SAMPLES
+from mmpt.data.shards import DataError, expand_shards, is_remote
+from mmpt.data.stream import check_epoch_shards, read_shard
 from mmpt.eval import DEMO_NAMES
 from mmpt.eval.retrieval_formats import is_shard_pattern
 from mmpt.methods import Method
@@ -47,6 +50,7 @@ def check_inputs(cfg: Config, method: Method) -> None:
                 check_epoch_shards(source.name or source.shards, len(shards), readers)
         except DataError as exc:
             raise ConfigError(f"config key 'data.train.sources.{index}.shards': {exc}") from None
+        check_named_fields(f"data.train.sources.{index}", source, shards[0])
     if cfg.run.resume not in ("auto", "none") and not Path(cfg.run.resume).exists():
         raise ConfigError(
             f"config key 'run.resume': {cfg.run.resume} does not exist (auto: the newest checkpoint "
@@ -86,6 +90,32 @@ def check_inputs(cfg: Config, method: Method) -> None:
         check_teacher(cfg)
     if getattr(cfg.method, "lora", None) is not None:
         check_adapters(cfg, method)
+
+
+def check_named_fields(key: str, source: SourceConfig, first_shard: str) -> None:
+    """A field key (caption_key, image_key, video_key) that none of the first samples holds, a typo most often,
+    is one line naming the key and what the samples do hold: not a run that skips every sample until its skip
+    policy stops it."""
+    fields = source.sample_fields()
+    named = {what: getattr(fields, what) for what in source.fields_set()}
+    if not named or is_remote(first_shard):
+        return
+    samples = [sample for _, sample in itertools.islice(read_shard(first_shard), FIELD_CHECK_SAMPLES)]
+    for what, keys in named.items():
+        missing = []
+        for sample in samples:
+            try:
+                if what == "caption":
+                    fields.captions(sample)
+                elif not any(k in sample for k in keys):
+                    raise MissingFieldError(missing_field(sample, what, keys))
+            except MissingFieldError as exc:
+                missing.append(str(exc))
+            except ValueError:  # there, but not text: the loader counts such samples
+                pass
+        if samples and len(missing) == len(samples):
+            first = f"none of the first {len(samples)} samples has it"
+            raise ConfigError(f"config key '{key}.{what}_key': {first}: {missing[0]}")
 
 
 def launched_ranks() -> int:
