@@ -16,6 +16,7 @@ from mmpt.methods import get_method
 from pool import scenario
 
 CONFIG = REPO / "configs/transformers/clip_finetune.yaml"
+DEMO_CLIP = REPO / "configs/clip/demo.yaml"
 LORA = "method.lora={targets: [q_proj, v_proj], rank: 4, alpha: 8}"
 
 
@@ -61,6 +62,23 @@ def test_adapters_pass_the_checks_before_a_run_and_only_they_train(name, corpora
     check_inputs(cfg, method)
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trained and all(".lora_" in n for n in trained), trained[:4]
+
+
+def test_also_train_names_parameters_that_train_beside_the_adapters(corpora, tmp_path):
+    """The clip method's projection heads and temperature, new on pretrained towers, train with the adapters."""
+    heads = "also_train: [image_projection.*, text_projection.*, logit_scale]"
+    cfg, method, model = tiny("clip", corpora, tmp_path, f"method.lora={{targets: [query, value], {heads}}}")
+    check_inputs(cfg, method)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n}
+    assert trained == {"image_projection.weight", "text_projection.weight", "logit_scale"}, trained
+    from test_config_matrix import shrink
+
+    from mmpt.config_loader import load_config
+
+    typo = "method.lora={targets: [query], also_train: [proj*]}"
+    cfg = load_config(DEMO_CLIP, [*shrink(DEMO_CLIP, corpora), f"run.output_dir={tmp_path / 'typo'}", typo])
+    with pytest.raises(ConfigError, match=r"^config key 'method.lora.also_train': 'proj\*' matches no parameter"):
+        check_inputs(cfg, get_method("clip"))
 
 
 def lora_run(corpora, run_dir, *extra):

@@ -155,7 +155,7 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         preprocess = self._preprocess(cfg)
         model.image_mean, model.image_std = preprocess["mean"], preprocess["std"]
         if settings.lora is not None:
-            add_lora(model.clip, settings.lora)
+            add_lora(model, settings.lora, within=model.clip)
         return model
 
     def _logits(self, cfg: Config) -> dict[str, Any]:

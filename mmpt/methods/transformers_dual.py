@@ -192,7 +192,7 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
         model.image_mean, model.image_std = image.mean, image.std
         lock_towers(self.tower_groups(model), m, model)
         if m.lora is not None:
-            add_lora(model.hf, m.lora)
+            add_lora(model, m.lora, within=model.hf)
         return model
 
     def load_initial_weights(self, model: nn.Module, cfg: Config) -> str | None:

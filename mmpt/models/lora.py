@@ -7,6 +7,8 @@ model starts as the base model. `merge_lora` folds the updates back into plain l
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+
 import torch
 from pydantic import Field
 from torch import nn
@@ -27,6 +29,12 @@ class LoraSettings(Section):
     rank: int = Field(default=8, gt=0, description="rank r of each update")
     alpha: int = Field(default=16, gt=0, description="updates are scaled by alpha / rank")
     dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    also_train: list[str] = Field(
+        default_factory=list,
+        description="parameters that train beside the adapters: fnmatch patterns on the names model.safetensors "
+        "has (e.g. [image_projection.*, text_projection.*, logit_scale] for the clip method's new heads on "
+        "pretrained towers); peft's modules_to_save",
+    )
     merge_on_export: bool = Field(
         default=True,
         description="exports and releases made by launch/export.py fold the adapters into the weights (the "
@@ -40,18 +48,25 @@ class LoraOption(Section):
     lora: LoraSettings | None = Field(default=None, description="train LoRA adapters only (null: no adapters)")
 
 
-def add_lora(model: nn.Module, settings: LoraSettings) -> None:
-    """Wrap the targeted linear layers of `model` with adapters; peft stops everything else training."""
+def add_lora(model: nn.Module, settings: LoraSettings, within: nn.Module | None = None) -> None:
+    """Wrap the targeted linear layers of `within` (default: `model`, the method's whole model) with adapters; peft
+    stops everything else training, but for the parameters of `model` that `settings.also_train` names."""
     from peft import LoraConfig, inject_adapter_in_model
 
     config = LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=settings.targets
     )
     try:
-        inject_adapter_in_model(config, model)
+        inject_adapter_in_model(config, model if within is None else within)
     except ValueError as exc:  # no module matched
         line = str(exc).strip().splitlines()[0]
         raise ConfigError(f"config key '{KEY}.targets': {settings.targets} match no linear layer: {line}") from None
+    for pattern in settings.also_train:
+        named = [p for name, p in model.named_parameters() if fnmatchcase(name, pattern)]
+        if not named:
+            raise ConfigError(f"config key '{KEY}.also_train': {pattern!r} matches no parameter of the model")
+        for parameter in named:
+            parameter.requires_grad_(True)
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
