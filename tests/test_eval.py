@@ -181,6 +181,10 @@ def test_results_of_datasets_with_the_same_folder_name_do_not_overwrite(tmp_path
     )
     assert first != second and json.loads(first.read_text())["metrics"]["acc1"] == 0.1
     assert json.loads(second.read_text())["dataset"] == "b/cifar10"
+    shards = save_eval_record(
+        eval_record(tmp_path, "c/test-{00000..00003}.tar", "zeroshot_retrieval", "zh", {"mean_recall": 0.5}), tmp_path
+    )
+    assert re.fullmatch(r"zeroshot_retrieval_test-_00000\.\.00003_[0-9a-f]{6}_zh\.json", shards.name), shards.name
 
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "grey": (128, 128, 128)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -387,10 +388,15 @@ def save_eval_record(record: dict[str, Any], folder: Path, name: str | None = No
     """Write `record` as `<task>_<name>_<language>.json` in `folder`. `name`: a run's evaluation set, its
     `data.eval` name (distinct within a config, so two sets read from one file keep their own records); without
     one, the dataset's name and a hash of its path, so two datasets whose folders have the same name get
-    different files."""
+    different files. A shard pattern's braces, commas and wildcards become `_` in the file's name."""
+
+    def plain(text: str) -> str:
+        return re.sub(r"[^\w.-]+", "_", text).strip("_")
+
     if name is None:
         dataset = str(record["dataset"])
-        name = f"{Path(dataset).stem}_{hashlib.sha1(os.path.abspath(dataset).encode()).hexdigest()[:6]}"
+        name = f"{plain(Path(dataset).stem)}_{hashlib.sha1(os.path.abspath(dataset).encode()).hexdigest()[:6]}"
+    name = plain(name)
     path = Path(folder) / f"{record['task']}_{name}_{record['language']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
