@@ -277,3 +277,23 @@ def test_the_engine_never_synchronizes_the_device_in_a_step(stage, corpora, one_
         assert not calls, f"ZeRO-{stage}: {len(calls)} device-wide synchronizations in 4 steps ({set(calls)})"
     finally:
         engine.destroy()
+
+
+def test_the_progress_bar_ends_its_line_before_the_final_evaluation(corpora, one_process, tmp_path, capfd, monkeypatch):
+    """In a log holding stdout and stderr, `final evaluation: ...` starts a line of its own."""
+    from mmpt.config_loader import load_config
+    from mmpt.engine import trainer
+
+    written_before: list[str] = []
+    evaluate = trainer.final_evaluation
+
+    def final_evaluation(*args, **kwargs):
+        written_before.append(capfd.readouterr().err)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "final_evaluation", final_evaluation)
+    config = demo_config("clip")
+    settings = ["train.max_steps=2", "train.zero_stage=0", "run.progress_bar=true", f"run.output_dir={tmp_path}"]
+    trainer.train(load_config(config, [*shrink(config, corpora), *settings]))
+    (stderr,) = written_before
+    assert "train: 100%" in stderr and stderr.endswith("\n"), stderr[-300:]

@@ -257,6 +257,13 @@ class MetricLogger:
             self._wandb.log(scalars_of(results), step=step)
             self._wandb.summary.update({k: v for k, v in results.items() if isinstance(v, (int, float))})
 
+    def end_progress(self) -> None:
+        """Close the progress bar when the steps are done: what is printed next starts a line of its own, also in
+        a log that holds both stdout and stderr."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
     def close(self) -> None:
         if self.rank == 0:
             summary = {**self.health_summary, "data": self.data_counts}

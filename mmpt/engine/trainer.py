@@ -227,6 +227,7 @@ def finish(run: runs.Run) -> dict[str, Any]:
     The run holds the only reference to the engine: once the weights are written it is freed, so the
     evaluation model does not sit in accelerator memory beside the training one.
     """
+    run.metrics.end_progress()
     run.checkpointer.write_weights(run.engine.module.model)
     device = run.engine.device
     free_engine(run.engine)
