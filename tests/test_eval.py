@@ -162,6 +162,8 @@ def test_clip_benchmark_per_language_folders_and_missing_templates(tmp_path, dig
     assert chinese.classnames == (source / "classnames_zh.txt").read_text(encoding="utf-8").split()
     assert chinese.templates == DEFAULT_TEMPLATES["zh"] and "mmpt default 'zh' templates" in chinese.templates_from
     assert "no 'zh' prompt templates (looked for zh/zeroshot_classification_templates.txt" in caplog.text
+    caplog.clear()  # checked before training, then evaluated every eval_every steps: said once
+    assert load_classification_set(folder, "zh").templates == chinese.templates and "templates" not in caplog.text
     suffixed = load_classification_set(source, "zh")  # the suffixed layout still reads
     assert suffixed.templates_from.endswith("zeroshot_classification_templates_zh.txt")
     assert [n for _, n, _ in english.samples()] == [n for _, n, _ in suffixed.samples()]

@@ -15,6 +15,7 @@ numbers) are refused unless allowed, since they give a number that measures noth
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -106,6 +107,13 @@ def foreign_files(looked: Sequence[Path]) -> str:
     return f"; {', '.join(found)} {'is' if len(found) == 1 else 'are'} not written in it" if found else ""
 
 
+@functools.cache
+def warn_once(message: str) -> None:
+    """Log `message` the first time this process says it: a set is checked before training and evaluated every
+    `train.eval_every` steps, and its missing templates are news once."""
+    log.warning(message)
+
+
 def load_templates(
     folder: Path,
     language: str,
@@ -122,13 +130,8 @@ def load_templates(
                 f"and mmpt has no default '{language}' templates"
             )
         source = f"mmpt default '{language}' templates ({len(templates)} prompts; the dataset has none)"
-        log.warning(
-            "%s: no '%s' prompt templates (looked for %s); using %s",
-            folder,
-            language,
-            ", ".join(str(p.relative_to(folder)) for p in looked),
-            source,
-        )
+        looked_for = ", ".join(str(p.relative_to(folder)) for p in looked)
+        warn_once(f"{folder}: no '{language}' prompt templates (looked for {looked_for}); using {source}")
         return templates, source
     templates = _lines(found)
     if any("{c}" not in t for t in templates):
