@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,8 @@ def test_method_trains_resumes_evaluates_and_loads(name, corpora, one_process, t
     at_step_2 = load_file(str(run_dir / "model.safetensors"))
 
     results = train(load_config(config, [*overrides, "train.max_steps=3"]))  # resumes from the step-2 checkpoint
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run summary")][-1]
+    assert re.search(r"initial weights: .* \(at the run's start; the checkpoint's now\)\n  resuming from ", summary)
 
     records = read_metrics(run_dir)
     losses = [(r["step"], r["loss/total"]) for r in records if "loss/total" in r]

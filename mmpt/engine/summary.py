@@ -53,7 +53,8 @@ def startup_summary(
         *pooled,
         f"parameters: {total:,} ({trainable:,} trainable)",
         learning_rate_line(cfg),
-        f"initial weights: {initial_weights or 'random (the config names none)'}",
+        f"initial weights: {initial_weights or 'random (the config names none)'}"
+        + (" (at the run's start; the checkpoint's now)" if resumed_from is not None else ""),
     ]
     if resumed_from is not None:
         lines.append(f"resuming from {resumed_from} at step {start_step}")
