@@ -88,3 +88,8 @@ def _stacked_blocks(module: nn.Module) -> list[nn.Module]:
     if stacked and len({type(child) for child in children}) == 1:
         return children
     return [block for child in children for block in _stacked_blocks(child)]
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether `module` was compiled in place (`nn.Module.compile`)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
