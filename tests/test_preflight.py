@@ -216,6 +216,17 @@ def test_initial_weights_that_do_not_fit_the_model_are_a_config_error(
     ), output[-2000:]
 
 
+def test_a_retrieval_set_of_one_tar_shard_is_left_for_the_evaluation_to_read(tmp_path, digits_root):
+    """A shard is read whole when evaluated, not as a listing before training (which refuses other files)."""
+    from mmpt.config_loader import load_config
+    from mmpt.methods import get_method
+
+    (tmp_path / "heldout.tar").write_bytes(b"")
+    sets = f"data.eval=[{{dataset: {tmp_path / 'heldout.tar'}, task: zeroshot_retrieval}}]"
+    config = write_config(tmp_path / "cfg.yaml", tiny_config(digits_root, tmp_path / "run"))
+    get_method("clip").check_eval_sets(load_config(config, [sets]))
+
+
 @pytest.mark.parametrize(
     "config, override, key, says",
     [

@@ -19,7 +19,7 @@ from mmpt.data.loader import BatchStream
 from mmpt.data.shards import DataError
 from mmpt.eval import resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
-from mmpt.eval.retrieval_formats import read_listing
+from mmpt.eval.retrieval_formats import is_shard_pattern, read_listing
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.losses.sigmoid import INIT_LOGIT_BIAS, INIT_LOGIT_SCALE, Exchange, SigmoidLoss
@@ -203,7 +203,12 @@ class ImageTextMethod(Method[SettingsT]):
                     load_classification_set(eval_set.dataset, language, eval_set.foreign_class_names)
                 except (DataError, ValueError) as exc:  # ValueError: class names that are ids or foreign
                     raise ValueError(f"({language}) {exc}") from None
-        elif eval_set.task == "zeroshot_retrieval" and listing.is_file() and not listing.name.endswith("_texts.jsonl"):
+        elif (
+            eval_set.task == "zeroshot_retrieval"
+            and listing.is_file()
+            and not listing.name.endswith("_texts.jsonl")
+            and not is_shard_pattern(eval_set.dataset)
+        ):
             missing = [f for f in read_listing(listing)[0] if not f.is_file()]
             if missing:
                 raise DataError(f"{listing}: image {missing[0]} does not exist ({len(missing)} missing)")
