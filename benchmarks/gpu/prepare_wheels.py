@@ -6,10 +6,10 @@ network. Run this here, where pip reaches PyPI, with the project's virtualenv ac
     python benchmarks/gpu/prepare_wheels.py       # .whl/, about 44 MiB
 
 It carries every distribution mmpt's dependencies (pyproject.toml, with the bench extra) need, transitively, less
-what the image has, at the versions installed here: cp312 manylinux x86_64 wheels from PyPI, and deepspeed built
-from its sdist as pure Python (DS_BUILD_OPS=0; mmpt uses none of its compiled ops). open_clip's trainer reads shards
-with webdataset 0.2, which mmpt's 1.x replaced: it goes to `.whl/open_clip_train/`, which run.sh installs into a
-folder of its own. decord is left out (VICTOR then decodes with PyAV). A call carries 64 MiB with the working tree.
+what the image has, at the versions installed here: cp312 manylinux x86_64 wheels from PyPI, and deepspeed and
+PyTurboJPEG built from their sdists as pure Python (deepspeed with DS_BUILD_OPS=0: mmpt uses none of its compiled
+ops). open_clip's trainer reads shards with webdataset 0.2, which mmpt's 1.x replaced: it goes to
+`.whl/open_clip_train/`, which run.sh installs into a folder of its own. decord is left out (VICTOR then decodes with PyAV). A call carries 64 MiB with the working tree.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ ON_IMAGE = {
 # fmt: on
 # timm and typing-extensions are on the image too, but older than open_clip 3.3 and pydantic 2.14 need: carried.
 LEFT_OUT = {"decord"}
+# Pure Python, published as source only: built into wheels here (deepspeed without its compiled ops).
+FROM_SOURCE = {"deepspeed", "pyturbojpeg"}
 
 
 def canonical(name: str) -> str:
@@ -81,11 +83,11 @@ def main() -> int:
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     binary = ["download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
     with tempfile.TemporaryDirectory() as scratch:
-        pip(*binary, *platforms, "--dest", scratch, *[f"{n}=={v}" for n, v in carry.items() if n != "deepspeed"])
-        if "deepspeed" in carry:
-            os.environ["DS_BUILD_OPS"] = "0"
-            build = ["wheel", "--no-deps", "--no-build-isolation", "--no-binary", "deepspeed", "--wheel-dir", scratch]
-            pip(*build, f"deepspeed=={carry['deepspeed']}")
+        pip(*binary, *platforms, "--dest", scratch, *[f"{n}=={v}" for n, v in carry.items() if n not in FROM_SOURCE])
+        os.environ["DS_BUILD_OPS"] = "0"
+        for name in FROM_SOURCE & carry.keys():
+            build = ["wheel", "--no-deps", "--no-build-isolation", "--no-binary", name, "--wheel-dir", scratch]
+            pip(*build, f"{name}=={carry[name]}")
         shutil.copytree(scratch, DEST)
     pip(*binary, *platforms, "--dest", str(DEST / "open_clip_train"), "webdataset==0.2.86")
     wheels = sorted(DEST.rglob("*.whl"))
