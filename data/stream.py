@@ -137,6 +137,7 @@ class ShardStream:
         self._resume_tags: list[Tag] | None = None
         self.on_loss = on_loss
         self._sizes: dict = {}
+        self._unreadable: dict[str, str] = {}  # shard -> what broke it, for shards that yielded nothing
 
     # -- positions ---------------------------------------------------------------------------
 
@@ -196,10 +197,23 @@ class ShardStream:
             self.shard_pos, self.member = self.shard_pos + 1, 0
 
     def _shard_ended(self, url: str, yielded: int, error: str | None) -> None:
+        if error is not None and yielded == 0:
+            self._unreadable[url] = error
         size = shard_size(url, self._sizes)
         lost = None if size is None else max(0, size - yielded)
         if self.on_loss is not None and (error is not None or lost):
             self.on_loss(self.name, lost)
+
+    def _check_readable(self, order: list[str]) -> None:
+        """A pass that read nothing, where every shard this reader can draw has yielded nothing but an error
+        (a CSV named as a shard, truncated tars), would repeat forever: it is a data error."""
+        reachable = set(order if self.mode == "epoch" else self.urls)
+        if reachable and reachable <= self._unreadable.keys():
+            url = sorted(reachable)[0]
+            raise DataError(
+                f"source {self.name!r}: none of its {len(reachable)} shard(s) could be read "
+                f"({url}: {self._unreadable[url]})"
+            )
 
     def _take(self) -> dict:
         pick = self._rng.randrange(len(self._buffer))
@@ -212,7 +226,9 @@ class ShardStream:
             if self._resume_tags is not None:
                 self._buffer = self._refill_buffer(order, self._resume_tags)
                 self._resume_tags = None
+            read = 0
             for tagged in self._tagged_samples(order):
+                read += 1
                 if self.buffer_size == 0:
                     yield tagged[1]
                     continue
@@ -221,6 +237,8 @@ class ShardStream:
                     yield self._take()
             while self._buffer:
                 yield self._take()
+            if not read:
+                self._check_readable(order)
             self.epoch, self.shard_pos, self.member = self.epoch + 1, 0, 0
             self._rng = self._buffer_rng(self.epoch)
 

@@ -4,6 +4,7 @@ import re
 import tarfile
 from collections import Counter
 from itertools import islice
+from pathlib import Path
 
 import pytest
 import torch
@@ -322,6 +323,23 @@ def test_broken_shard_of_unknown_size_and_a_missing_shard_are_counted(tmp_path):
         "19 decoded, 1 skipped (missing_field 1), 0 lost with 3 broken shard(s) "
         "(+ the unknown rest of 3 shard(s) without a known size)"
     )
+
+
+@pytest.mark.parametrize("mode", ["resampled", "epoch"])
+def test_a_source_whose_every_shard_is_unreadable_is_a_data_error_not_an_endless_pass(tmp_path, mode):
+    """A CSV named as a shard and a truncated tar yield nothing but errors: the stream stops within a few passes
+    naming the source and a shard, where it would read them again forever (here: 99 passes, then the end); one
+    readable shard keeps it going."""
+    (tmp_path / "pairs.csv").write_text("image,caption\na.png,a cat\n")
+    cut = Path(expand_shards(write_set(tmp_path / "set", n=5, per_shard=5))[0])
+    cut.write_bytes(cut.read_bytes()[:300])
+    broken = [str(tmp_path / "pairs.csv"), str(cut)]
+    stream = ShardStream(broken, slot=0, num_slots=1, seed=0, mode=mode, shuffle_buffer=0, name="mine", max_epochs=99)
+    with pytest.raises(DataError, match=r"source 'mine': none of its 2 shard\(s\) could be read \(.*Error"):
+        next(iter(stream))
+    good = expand_shards(write_set(tmp_path / "good", n=5, per_shard=5))
+    stream = ShardStream(broken + good, slot=0, num_slots=1, seed=0, mode=mode, shuffle_buffer=0, name="mine")
+    assert len(list(islice(stream, 12))) == 12
 
 
 def test_reshard_starts_every_reader_after_the_furthest_epoch(tmp_path):
