@@ -122,12 +122,15 @@ def test_what_cannot_be_trained_stops_before_training_naming_the_key(checkpoints
     ).save_pretrained(tmp_path / "bert")
     for name, leave_out in (("no-weights", "model.safetensors"), ("no-processor", "preprocessor_config.json")):
         shutil.copytree(checkpoints["clip"], tmp_path / name, ignore=shutil.ignore_patterns(leave_out))
+    tokenizer_files = "tokenizer*", "vocab.*", "merges.txt", "special_tokens_map.json"
+    shutil.copytree(checkpoints["clip"], tmp_path / "no-tokenizer", ignore=shutil.ignore_patterns(*tokenizer_files))
     cases = {
         tmp_path / "bert": r"is a 'bert' model, not a dual encoder mmpt trains \(clip, ",
         tmp_path / "missing": r"missing does not exist \(a local folder, or a hub name org/name\)$",
         tmp_path / "bert/..": r"cannot read a transformers config from ",  # a folder without config.json
         tmp_path / "no-weights": r"no-weights holds no weights \(none of model.safetensors",
         tmp_path / "no-processor": r"cannot read an image processor from .*no-processor",
+        tmp_path / "no-tokenizer": r"no-tokenizer has no tokenizer files \(the tokenizer read from it knows only",
     }
     for folder, message in cases.items():
         with pytest.raises(ConfigError, match="^config key 'method.model'") as error:

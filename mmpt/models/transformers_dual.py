@@ -247,9 +247,15 @@ def read_tokenizer(folder: str | Path, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except Exception as exc:  # no tokenizer files
         raise ConfigError(f"config key '{KEY}': cannot read a tokenizer from {folder}: {first_line(exc)}") from None
+    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):  # transformers makes one from the config alone
+        raise ConfigError(
+            f"config key '{KEY}': {folder} has no tokenizer files (the tokenizer read from it knows only its "
+            f"special tokens {tokenizer.all_special_tokens})"
+        )
+    return tokenizer
 
 
 def image_size(processor: Any) -> tuple[int, int]:
