@@ -2,12 +2,14 @@
 
 import logging
 import math
+import re
 
 import open_clip
 import pytest
 import torch
 
 from conftest import REPO, read_metrics, tiny_config
+from mmpt.config import ConfigError
 from mmpt.models.open_clip_model import OpenClipModel, OpenClipTokenizer
 from pool import scenario
 
@@ -40,9 +42,18 @@ def test_building_the_model_does_not_say_its_weights_are_random(caplog):
     assert [r.getMessage() for r in caplog.records] == ["another warning"]
 
 
-def test_unknown_model_is_a_config_error():
-    with pytest.raises(ValueError, match="method.model"):
-        OpenClipModel("ViT-Nonexistent-1")
+def test_unknown_model_is_a_config_error(tmp_path):
+    """A name open_clip does not know, a missing model config and a file that is not JSON: one line naming the key
+    (a ConfigError: exit 2 before training), not a traceback."""
+    (tmp_path / "pairs.json").write_text("image,caption\na.png,a cat\n")
+    cases = {
+        "ViT-Nonexistent-1": "'ViT-Nonexistent-1' is not an open_clip model",
+        str(tmp_path / "missing.json"): "missing.json does not exist",
+        str(tmp_path / "pairs.json"): "pairs.json is not a JSON model config",
+    }
+    for model, message in cases.items():
+        with pytest.raises(ConfigError, match=f"^config key 'method.model': .*{re.escape(message)}"):
+            OpenClipModel(model)
 
 
 @scenario("open-clip-two-ranks")

@@ -30,11 +30,14 @@ def register_model_config(model: str) -> str:
     if model.endswith(".json") or (model not in open_clip.list_models() and shipped.is_file()):
         path = Path(model) if model.endswith(".json") else shipped
         if not path.is_file():
-            raise FileNotFoundError(f"config key 'method.model': open_clip model config {path} does not exist")
-        open_clip.add_model_config(path)
+            raise ConfigError(f"config key 'method.model': open_clip model config {path} does not exist")
+        try:
+            open_clip.add_model_config(path)
+        except ValueError as exc:  # json's decode error
+            raise ConfigError(f"config key 'method.model': {path} is not a JSON model config ({exc})") from None
         return path.stem
     if model not in open_clip.list_models():
-        raise ValueError(
+        raise ConfigError(
             f"config key 'method.model': {model!r} is not an open_clip model (see open_clip.list_models())"
         )
     return model
