@@ -274,6 +274,12 @@ def test_a_retrieval_set_of_one_tar_shard_is_left_for_the_evaluation_to_read(tmp
             "pairs.csv: not a retrieval layout mmpt reads",
         ),
         (
+            "clip/demo.yaml",
+            "method.tokenizer={root}/pairs.csv",
+            "method.tokenizer",
+            "cannot read a tokenizer from {root}/pairs.csv: ",
+        ),
+        (
             "victor/demo.yaml",
             "method.text.pretrained={root}",
             "method.text.pretrained",

@@ -231,8 +231,8 @@ class Method(Generic[SectionT]):
         raise DataError or ValueError where it cannot be."""
 
     def check_initial_weights(self, cfg: Config) -> None:
-        """Find the initial weights and raise ConfigError naming the key where they cannot be read or do not fit
-        the model (before any process group starts)."""
+        """Find the initial weights (and the tokenizer file) and raise ConfigError naming the key where they cannot
+        be read or do not fit the model (before any process group starts)."""
 
     def load_initial_weights(self, model: nn.Module, cfg: Config) -> str | None:
         """Start training from existing weights (e.g. an official checkpoint); not used when loading a run.

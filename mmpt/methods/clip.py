@@ -119,6 +119,7 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
         return [*super().release_files(cfg), *([TEXT_ENCODER] if self.settings(cfg).text.pretrained else [])]
 
     def check_initial_weights(self, cfg: Config) -> None:
+        super().check_initial_weights(cfg)
         m = self.settings(cfg)
         if m.image.pretrained is not None:
             check_image_weights(m.image.timm_name, m.image.pretrained)

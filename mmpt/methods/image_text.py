@@ -12,11 +12,12 @@ from pydantic import Field
 from torch import nn
 from torchvision import transforms as T
 
-from mmpt.config import Config, EvalSetConfig, Section
+from mmpt.config import Config, ConfigError, EvalSetConfig, Section
 from mmpt.data.fields import SampleFields
 from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, training_image_decode, uint8_transform
 from mmpt.data.loader import BatchStream
 from mmpt.data.shards import DataError
+from mmpt.errors import first_line
 from mmpt.eval import resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
 from mmpt.eval.retrieval_formats import is_shard_pattern, read_listing
@@ -192,6 +193,17 @@ class ImageTextMethod(Method[SettingsT]):
 
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
         return {"method.tokenizer": self.tokenizer_source(cfg)}
+
+    def check_initial_weights(self, cfg: Config) -> None:
+        """The tokenizer file is read too: one that is not a tokenizer (a CSV, a vocabulary of another kind) is one
+        line naming its key, not an error on every rank once training starts."""
+        source = self.tokenizer_source(cfg)
+        if source is not None and Path(source).is_file():
+            try:
+                self.load_tokenizer(Path(source), cfg)
+            except Exception as exc:
+                message = f"cannot read a tokenizer from {source}: {first_line(exc)}"
+                raise ConfigError(f"config key 'method.tokenizer': {message}") from None
 
     def check_eval_set(self, cfg: Config, eval_set: EvalSetConfig) -> None:
         """A classification folder's class names in each language; a retrieval listing file read and its images
