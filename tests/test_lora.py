@@ -1,7 +1,8 @@
 """LoRA adapters (`method.lora`, through peft): only the adapters train, r x (in + out) parameters per adapted
 layer; the base weights end as loaded (ZeRO 0, and 2 and 3 on two ranks in the extended tier); a release exported
 from a run folds the adapters in (the base architecture, no `lora` key) and gives the adapted model's embeddings
-to 1e-5; targets that match no layer stop before training in one line naming the key."""
+to 1e-5; targets that match no layer, or that an adapter cannot change, stop before training in one line naming
+the key."""
 
 import pytest
 import torch
@@ -41,6 +42,13 @@ def test_targets_that_match_nothing_stop_before_training(corpora, tmp_path):
     cfg = load_config(CONFIG, [*shrink(CONFIG, corpora), f"run.output_dir={tmp_path}", bad])
     with pytest.raises(ConfigError, match=r"^config key 'method.lora.targets': \['query_proj'\] match no linear"):
         check_inputs(cfg, get_method("transformers"))
+
+
+def test_the_out_proj_of_torchs_multihead_attention_is_refused(corpora, tmp_path):
+    """peft wraps it, but MultiheadAttention's forward reads the weight itself: the adapter would stay at zero."""
+    says = r"^config key 'method.lora.targets': \S+\.attn\.out_proj is the output projection of torch's Multihead"
+    with pytest.raises(ConfigError, match=says):
+        tiny("open_clip", corpora, tmp_path, "method.lora={targets: [c_fc, out_proj]}")
 
 
 # Every method that takes `method.lora`, with targets its demo model has.

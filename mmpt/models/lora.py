@@ -24,7 +24,8 @@ class LoraSettings(Section):
     targets: list[str] = Field(
         min_length=1,
         description="linear layers to adapt: module names or name suffixes (e.g. [q_proj, v_proj] in transformers "
-        "models, [c_fc, c_proj, out_proj] in open_clip's), peft's target_modules",
+        "models, [c_fc, c_proj] in open_clip's: the out_proj of torch's MultiheadAttention cannot be), peft's "
+        "target_modules",
     )
     rank: int = Field(default=8, gt=0, description="rank r of each update")
     alpha: int = Field(default=16, gt=0, description="updates are scaled by alpha / rank")
@@ -52,15 +53,23 @@ def add_lora(model: nn.Module, settings: LoraSettings, within: nn.Module | None 
     """Wrap the targeted linear layers of `within` (default: `model`, the method's whole model) with adapters; peft
     stops everything else training, but for the parameters of `model` that `settings.also_train` names."""
     from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
 
     config = LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=settings.targets
     )
+    adapted = model if within is None else within
     try:
-        inject_adapter_in_model(config, model if within is None else within)
+        inject_adapter_in_model(config, adapted)
     except ValueError as exc:  # no module matched
         line = str(exc).strip().splitlines()[0]
         raise ConfigError(f"config key '{KEY}.targets': {settings.targets} match no linear layer: {line}") from None
+    for name, module in adapted.named_modules():
+        if isinstance(module, nn.MultiheadAttention) and isinstance(module.out_proj, LoraLayer):
+            raise ConfigError(
+                f"config key '{KEY}.targets': {name}.out_proj is the output projection of torch's MultiheadAttention, "
+                "whose forward reads its weight directly: an adapter there would never train"
+            )
     for pattern in settings.also_train:
         named = [p for name, p in model.named_parameters() if fnmatchcase(name, pattern)]
         if not named:
