@@ -6,10 +6,12 @@ or export a run or release to a format other tools load.
     python launch/export.py --run releases/clip-demo --out exports/clip-demo-onnx --format onnx
     python launch/export.py --run releases/clip-demo --out exports/clip-demo-open_clip --format open_clip
     python launch/export.py --run runs/m2 --out exports/m2-official --format official
+    python launch/export.py --run runs/clip-finetune --out exports/clip-finetune-hf --format transformers
 
 --format: release (the default: an mmpt release), onnx (one ONNX file per tower, preprocessing.json with
 the input contract, the tokenizer files), open_clip (a model config and state dict open_clip loads; clip
-and open_clip models), official (the official M2-Encoder checkpoint layout). Every folder gets a model
+and open_clip models), official (the official M2-Encoder checkpoint layout), transformers (a folder
+transformers.AutoModel.from_pretrained loads, with its tokenizer and image processor). Every folder gets a model
 card (README.md). A format the model does not support, or a tower it does not have (--towers), is a
 one-line error (exit 2), found before any weight is read. A model of a method defined outside mmpt
 exports the same way: `--import MODULE` registers its method first.
