@@ -60,7 +60,7 @@ def table_rows(path: Path, encoding: str) -> Iterator[dict]:
             yield from csv.DictReader(handle, delimiter="\t" if suffix == ".tsv" else ",")
     elif suffix in (".jsonl", ".json"):
         with open(path, encoding=encoding) as handle:
-            yield from (json.loads(line) for line in handle if line.strip())
+            yield from json_lines(handle, f"--table {path}")
     elif suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -77,22 +77,42 @@ def table_pairs(
     path: Path, image_column: str, caption_columns: list[str], images_root: Path | None, encoding: str = "utf-8"
 ) -> list[Pair]:
     """A pair per row: the image at the path in `image_column` (relative to `images_root`, else to the table's
-    folder), each of `caption_columns` a caption (empty ones left out)."""
+    folder), each of `caption_columns` a caption (empty or absent ones left out: a row with none is skipped
+    as uncaptioned; a caption column that no row has is a typo, and an error)."""
     root = images_root or path.parent
-    pairs = []
+    pairs, columns = [], set()
     try:
         for number, row in enumerate(table_rows(path, encoding), start=1):
-            missing = [c for c in (image_column, *caption_columns) if c not in row]
-            if missing:
+            if image_column not in row:
                 raise MissingDataError(
-                    f"--table {path}: row {number} has no column {missing[0]!r} (it has {sorted(row)})"
+                    f"--table {path}: row {number} has no column {image_column!r} (it has {sorted(row)})"
                 )
-            captions = {c: str(row[c]).strip() for c in caption_columns if row[c] is not None and str(row[c]).strip()}
+            columns.update(row)
+            captions = {
+                c: str(row[c]).strip() for c in caption_columns if row.get(c) is not None and str(row[c]).strip()
+            }
             image = str(row[image_column])
             pairs.append(Pair(image, str(root / image), captions))
     except UnicodeDecodeError as exc:
         raise MissingDataError(f"--table {path} is not {encoding} text ({exc.reason}); set --encoding") from None
+    absent = [c for c in caption_columns if c not in columns]
+    if pairs and absent:  # a row without a caption is skipped as uncaptioned; a column no row has is a typo
+        raise MissingDataError(f"--table {path}: no row has column {absent[0]!r} (the rows have {sorted(columns)})")
     return pairs
+
+
+def json_lines(lines: Iterator[str], where: str) -> Iterator[dict]:
+    """The JSON object on each non-blank line; one line naming the line number where one is not."""
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise MissingDataError(f"{where}: line {number} is not JSON ({exc.msg}): one object a line") from None
+        if not isinstance(record, dict):
+            raise MissingDataError(f"{where}: line {number} is a JSON {type(record).__name__}, not an object")
+        yield record
 
 
 def cn_clip_pairs(images_tsv: Path, texts_jsonl: Path) -> list[Pair]:
@@ -109,10 +129,7 @@ def cn_clip_pairs(images_tsv: Path, texts_jsonl: Path) -> list[Pair]:
             position += len(line)
     pairs = []
     with open(texts_jsonl, encoding="utf-8") as handle:
-        for line in handle:
-            if not line.strip():
-                continue
-            record = json.loads(line)
+        for record in json_lines(handle, str(texts_jsonl)):
             for image_id in record["image_ids"]:
                 offset = offsets.get(str(image_id))
                 source = f"image {image_id} (text {record['text_id']})"

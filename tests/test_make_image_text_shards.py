@@ -1,7 +1,8 @@
 """`mmpt-make-image-text-shards`: a folder with sidecar captions, a gb18030 csv with two caption columns, and
 Chinese-CLIP's tsv + jsonl become img2dataset-layout shards that mmpt's loader reads as they are (a caption column
 chosen by `json.<column>`), resized where asked; bad pairs are skipped by reason with exit 3 past the limit; an
-interrupted run, started again, ends with the same bytes; a missing column is one line and exit 2."""
+interrupted run, started again, ends with the same bytes; a missing column or a line of a JSON table that is not
+an object is one line and exit 2."""
 
 import base64
 import io
@@ -131,6 +132,25 @@ def test_a_missing_column_is_one_line_and_exit_2(inputs):
         make_shards([*args, "--encoding", "gb18030", "--out", str(inputs / "out")])
     assert exit_code(error.value) == 2 and "row 1 has no column 'file'" in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_a_jsonl_row_without_its_caption_is_skipped_and_a_line_that_is_not_an_object_is_exit_2(inputs, capsys):
+    rows = [{"path": "photos/a.jpg", "caption": "a red square"}, {"path": "photos/sub/b.png"}]
+    (inputs / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["--image-column", "path", "--caption-columns", "caption", "--max-skip-rate", "0.5"]
+    assert make_shards(["--table", str(inputs / "rows.jsonl"), *args, "--out", str(inputs / "out")]) == 0
+    assert "wrote 1 of 2 pairs" in capsys.readouterr().out
+    (inputs / "csv.jsonl").write_text("path,caption\nphotos/a.jpg,a red square\n")
+    (inputs / "array.json").write_text(json.dumps(rows))
+    for table, says in (("csv.jsonl", "line 1 is not JSON (Expecting value)"), ("array.json", "is a JSON list")):
+        with pytest.raises(Exception) as error:
+            make_shards(["--table", str(inputs / table), *args, "--out", str(inputs / table.replace(".", "_"))])
+        assert exit_code(error.value) == 2 and says in str(error.value), str(error.value)
+    with pytest.raises(Exception) as error:
+        make_shards(
+            ["--cn-clip", str(inputs / "train_imgs.tsv"), str(inputs / "csv.jsonl"), "--out", str(inputs / "c")]
+        )
+    assert exit_code(error.value) == 2 and "csv.jsonl: line 1 is not JSON" in str(error.value), str(error.value)
 
 
 @scenario("clip-from-a-converted-gbk-table")
