@@ -125,7 +125,7 @@ def test_a_siglip_architecture_keeps_its_bias_and_trains_with_the_sigmoid_loss(w
         ("{partial}", "tiny-clip", "has no tensor 'text_projection' that open_clip model"),
         ("{root}/missing.pt", "tiny-clip", "missing.pt does not exist"),
         ("laion2b_s99z_b1k", "tiny-clip", "open_clip has no pretrained tag 'laion2b_s99z_b1k' for tiny-clip"),
-        ("{root}/tiny-clip.json", "tiny-clip", "as open_clip weights"),
+        ("{root}/tiny-clip.json", "tiny-clip", "as open_clip weights: not tensors that load without running code"),
     ],
     ids=["wrong-shape", "missing-tensor", "missing-file", "unknown-tag", "not-weights"],
 )

@@ -12,6 +12,7 @@ Pickled files are read with `weights_only` (no code runs), as open_clip's releas
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import cast
 
@@ -67,12 +68,20 @@ def weights_file(model: str, pretrained: str) -> Path:
     return Path(local)
 
 
+NOT_TENSORS = (
+    "not tensors that load without running code (a state dict saved with torch.save, a .safetensors file or an "
+    "open_clip_train checkpoint)"
+)
+
+
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """A state dict with open_clip's names from any of its formats (an open_clip_train checkpoint unwrapped)."""
     try:
         state = cast(dict[str, torch.Tensor], open_clip.factory.load_state_dict(str(path), weights_only=True))
     except Exception as exc:  # not a checkpoint, or a pickle that would run code
-        raise ConfigError(f"config key '{KEY}': cannot read {path} as open_clip weights: {first_line(exc)}") from None
+        # torch's own first line advises weights_only=False, which would run the file's code: not repeated here
+        why = NOT_TENSORS if isinstance(exc, pickle.UnpicklingError) else first_line(exc)
+        raise ConfigError(f"config key '{KEY}': cannot read {path} as open_clip weights: {why}") from None
     return {name.removeprefix("module."): tensor for name, tensor in state.items()}
 
 
