@@ -114,8 +114,11 @@ def test_a_siglip_architecture_keeps_its_bias_and_trains_with_the_sigmoid_loss(w
     assert getattr(model.clip, "logit_bias", None) is None
     sigmoid = config(root, files["pt"], loss={"name": "sigmoid"})  # CLIP weights, sigmoid loss: SigLIP's bias
     model = method.build_model(sigmoid, root / "run")
-    method.load_initial_weights(model, sigmoid)
+    said = method.load_initial_weights(model, sigmoid)
     assert model.clip.logit_bias.item() == -10.0 and model.clip.logit_scale.item() == 3.0
+    count = len(model.clip.state_dict())
+    kept = f"initialised {count - 1} of {count} tensors from {files['pt']}"
+    assert said == f"{kept} (open_clip weights, strict; new: logit_bias)", said
 
 
 @pytest.mark.parametrize(

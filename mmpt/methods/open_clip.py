@@ -179,10 +179,13 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         if pretrained is None:
             return None
         path = weights_file(self._name(cfg), pretrained)
-        clip = cast(OpenClipModel, model).clip
-        state = fit_to(clip, read_weights(path), path, f"open_clip model {self.settings(cfg).model}")
+        clip, weights = cast(OpenClipModel, model).clip, read_weights(path)
+        in_file = set(weights)
+        state = fit_to(clip, weights, path, f"open_clip model {self.settings(cfg).model}")
         load_base_state(clip, state)
-        return f"initialised {len(state)} of {len(state)} tensors from {path} (open_clip weights, strict)"
+        new = sorted(set(state) - in_file)  # SigLIP's bias, where the sigmoid loss is chosen for CLIP weights
+        kept = f"{len(state) - len(new)} of {len(state)} tensors from {path} (open_clip weights, strict"
+        return f"initialised {kept}{'; new: ' + ', '.join(new) if new else ''})"
 
     def tower_groups(self, model: OpenClipModel) -> dict[str, TowerGroups]:
         """The ViT or ResNet image tower by its blocks; the text transformer (in a custom-text model its own module,
