@@ -492,8 +492,13 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"{COMMAND_LINE}: override {text!r} has an empty key")
     try:
         parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
-        parsed = value
+    except yaml.YAMLError as exc:
+        if value.lstrip()[:1] in ("[", "{") and (": " in value or ", " in value):  # YAML cut short, not a pattern
+            problem = getattr(exc, "problem", None) or "not valid YAML"
+            raise ConfigError(
+                f"{COMMAND_LINE}: override {key}={value!r} is not a whole YAML value: {problem}"
+            ) from None
+        parsed = value  # a string YAML would misread: a shard pattern starting with '*' or '{'
     return key.split("."), parsed
 
 
