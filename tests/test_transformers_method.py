@@ -209,3 +209,17 @@ def test_format_transformers_is_a_folder_transformers_loads_with_the_trained_wei
         theirs = loaded.get_image_features(**processor(images=pictures, return_tensors="pt")).pooler_output
         ours = model.encode_image(torch.stack([method.image_transform(cfg, False)(p) for p in pictures]))
     torch.testing.assert_close(ours, F.normalize(theirs, dim=-1), atol=1e-5, rtol=0)
+
+
+def test_a_bare_name_that_is_no_folder_here_says_so_beside_the_hubs_answer(monkeypatch, tmp_path):
+    """`tiny-clp-hf`, a typo of a local folder, is also a well-formed hub name: the line says there is no such
+    folder before what the hub said."""
+    import huggingface_hub.constants
+
+    from mmpt.models.transformers_dual import load_config
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    says = r"^config key 'method.model': cannot read a transformers config from tiny-clp-hf: no local folder of"
+    with pytest.raises(ConfigError, match=says):
+        load_config("tiny-clp-hf")

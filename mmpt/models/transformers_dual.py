@@ -50,9 +50,9 @@ def load_config(source: str, trust_remote_code: bool = False) -> Any:
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as exc:  # no such folder or repository, offline, remote code refused
-        raise ConfigError(
-            f"config key '{KEY}': cannot read a transformers config from {source}: {first_line(exc)}"
-        ) from None
+        folder = "/" not in source and not Path(source).exists()  # a bare name: a folder's typo, or a hub model
+        said = f"no local folder of that name; as a hub name: {first_line(exc)}" if folder else first_line(exc)
+        raise ConfigError(f"config key '{KEY}': cannot read a transformers config from {source}: {said}") from None
     if config.model_type not in DUAL_ENCODERS:
         known = ", ".join(DUAL_ENCODERS)
         raise ConfigError(
