@@ -83,7 +83,8 @@ def is_remote(url: str) -> bool:
 
 
 def expand_shards(pattern: str) -> list[str]:
-    """Shard URLs of a pattern: comma-separated parts, each brace-expanded (`{000..009}`) or globbed.
+    """Shard URLs of a pattern: comma-separated parts, each brace-expanded (`{000..009}`) or globbed (a glob
+    matching tars and other files, `shards/*` over img2dataset's output, means the tars).
 
     Raises DataError when a part matches nothing, naming the part.
     """
@@ -98,7 +99,8 @@ def expand_shards(pattern: str) -> list[str]:
                 matches = sorted(glob.glob(url))
                 if not matches:
                     raise MissingDataError(f"no shard matches {url!r} (from pattern {pattern!r})")
-                urls.extend(matches)
+                tars = [match for match in matches if match.endswith(".tar")]
+                urls.extend(tars or matches)  # not the _stats.json, .parquet or sizes.json written beside tars
             elif os.path.isfile(url):
                 urls.append(url)
             elif os.path.isdir(url):

@@ -99,6 +99,13 @@ def test_missing_shards_are_named(tmp_path):
         expand_shards(f"{tmp_path}/")
 
 
+def test_a_glob_over_img2dataset_output_means_its_tars(tmp_path):
+    for name in ("00000.tar", "00000_stats.json", "00000.parquet", "00001.tar", "sizes.json"):
+        (tmp_path / name).write_bytes(b"")
+    assert expand_shards(f"{tmp_path}/*") == [f"{tmp_path}/00000.tar", f"{tmp_path}/00001.tar"]
+    assert expand_shards(f"{tmp_path}/*.parquet") == [f"{tmp_path}/00000.parquet"]  # what was asked, without tars
+
+
 def test_epoch_mode_ranks_and_workers_read_disjoint_samples_covering_the_dataset(tmp_path):
     pattern = write_set(tmp_path, n=43, per_shard=5)  # 9 shards, uneven last shard
     urls = expand_shards(pattern)
