@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationError
 from torch import nn
 
-from mmpt.artifacts import WEIGHTS, ReleaseError, has_weights
+from mmpt.artifacts import RELEASE_CONFIG, RUN_CONFIG, WEIGHTS, ReleaseError, has_weights, release_record
 from mmpt.config import Config, ConfigError, Section
 from mmpt.data.image_text import normalize_pixels
 from mmpt.errors import first_line
@@ -101,7 +101,6 @@ def teacher_of(cfg: Config, run_dir: Path) -> Teacher | None:
     if settings is None:
         return None
     from mmpt.methods import get_method
-    from mmpt.release import read_config as directory_config
 
     spec = settings.teacher
     try:
@@ -131,6 +130,24 @@ def teacher_of(cfg: Config, run_dir: Path) -> Teacher | None:
     except (ConfigError, ReleaseError, ValueError, FileNotFoundError) as exc:
         raise teacher_error(exc) from None
     return Teacher(method, teacher_cfg, files, weights, settings)
+
+
+def directory_config(directory: Path) -> Config:
+    """The config a release (`config.json`) or run (`config.yaml`) directory was trained with, validated by its
+    method's schema."""
+    from mmpt.config import read_config, validate_sections
+    from mmpt.methods import get_method
+
+    if (directory / RELEASE_CONFIG).is_file():
+        data, origins, top = release_record(directory)["config"], {}, directory
+    elif (directory / RUN_CONFIG).is_file():
+        data, origins, top = read_config(directory / RUN_CONFIG)
+    else:
+        raise ReleaseError(f"{directory} has neither {RELEASE_CONFIG} (a release) nor {RUN_CONFIG} (a training run)")
+    method = get_method((data.get("method") or {}).get("name"))
+    cfg = validate_sections(data, origins, str(top), method.config_class)
+    method.use_carried_files(cfg, directory)
+    return cfg
 
 
 def teacher_error(exc: Exception) -> ConfigError:
