@@ -9,7 +9,8 @@ It carries every distribution mmpt's dependencies (pyproject.toml, with the benc
 what the image has, at the versions installed here: cp312 manylinux x86_64 wheels from PyPI, and deepspeed and
 PyTurboJPEG built from their sdists as pure Python (deepspeed with DS_BUILD_OPS=0: mmpt uses none of its compiled
 ops). open_clip's trainer reads shards with webdataset 0.2, which mmpt's 1.x replaced: it goes to
-`.whl/open_clip_train/`, which run.sh installs into a folder of its own. decord is left out (VICTOR then decodes with PyAV). A call carries 64 MiB with the working tree.
+`.whl/open_clip_train/`, which run.sh installs into a folder of its own. decord is left out (VICTOR then decodes
+with PyAV). A call carries 64 MiB with the working tree.
 """
 
 from __future__ import annotations
