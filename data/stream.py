@@ -199,6 +199,8 @@ class ShardStream:
     def _shard_ended(self, url: str, yielded: int, error: str | None) -> None:
         if error is not None and yielded == 0:
             self._unreadable[url] = error
+        else:  # read this time (a remote shard's failure may have passed)
+            self._unreadable.pop(url, None)
         size = shard_size(url, self._sizes)
         lost = None if size is None else max(0, size - yielded)
         if self.on_loss is not None and (error is not None or lost):
