@@ -182,8 +182,8 @@ def test_a_locked_tower_ends_as_the_checkpoint_had_it(rank_pool, corpora):
 def test_format_transformers_is_a_folder_transformers_loads_with_the_trained_weights(checkpoints, kind, tmp_path):
     """A release of the model (its weights moved away from the checkpoint's), exported as a transformers folder:
     AutoModel, AutoTokenizer and AutoImageProcessor load it and give mmpt's embeddings; the scale and bias are the
-    model's."""
-    from transformers import AutoImageProcessor, AutoModel
+    model's, and its tokenizer truncates at the context length the model was trained with."""
+    from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
     from mmpt.commands.export import main as export
     from mmpt.release import PretrainedModel
@@ -203,6 +203,8 @@ def test_format_transformers_is_a_folder_transformers_loads_with_the_trained_wei
     loaded = AutoModel.from_pretrained(tmp_path / "hf").eval()
     assert type(loaded).__name__ == type(model.hf).__name__
     assert torch.equal(loaded.logit_scale.reshape(1), model.hf.logit_scale.detach())
+    long = AutoTokenizer.from_pretrained(tmp_path / "hf")(" ".join(["seven"] * 600), truncation=True)
+    assert len(long["input_ids"]) == model.context_length  # truncated where training truncates
     processor = AutoImageProcessor.from_pretrained(tmp_path / "hf", backend="pil")
     pictures = images(kind)
     with torch.no_grad():

@@ -231,7 +231,7 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
     def transformers_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> None:
         """The transformers model with its trained weights (the logit scale in its own shape; a bias mmpt added for
         the sigmoid loss has no place there and is left out, said in a note), and the run's tokenizer and image
-        processor."""
+        processor; the tokenizer truncates where training did (`model_max_length`: the model's context length)."""
         dual = cast(TransformersDualEncoder, model)
         added = getattr(dual, "logit_bias", None)
         if added is not None:
@@ -241,7 +241,9 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
                 file=sys.stderr,
             )
         dual.hf.save_pretrained(out, state_dict=dual.hf_state_dict())
-        read_tokenizer(run_dir / FOLDER).save_pretrained(out)
+        tokenizer = read_tokenizer(run_dir / FOLDER)
+        tokenizer.model_max_length = dual.context_length
+        tokenizer.save_pretrained(out)
         read_image_processor(run_dir / FOLDER).save_pretrained(out)
 
     def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
