@@ -1,7 +1,7 @@
 """The `clip` method from public towers: a timm backbone from a local weights file (as timm reads it: classifier
 left out) and a transformers text encoder from a folder, with its tokenizer. Before any step the towers give what
 timm and transformers give with those weights; a run from them trains, and its run directory builds the model
-without the checkpoint folder; missing weights stop before training naming the key."""
+(and the model card's description) without the checkpoint folder; missing weights stop before training naming the key."""
 
 import shutil
 
@@ -86,6 +86,8 @@ def test_a_run_from_public_towers_trains_and_needs_no_checkpoint_afterwards(towe
     tokens = loaded.preprocessors()["tokenizer"](CAPTIONS)
     with torch.no_grad():
         assert loaded.encode_text(tokens["input_ids"], tokens["attention_mask"]).shape == (3, 16)
+    card = get_method("clip").architecture(loaded.config, tmp_path / "run")  # the encoder's size, not demo.yaml's
+    assert "a bert (from " in card and "tower of 2 layers, width 32, 2 heads" in card, card
 
 
 @pytest.mark.parametrize(

@@ -143,28 +143,24 @@ def test_onnx_towers_give_mmpts_features(case, corpora, glm_sp_model, tmp_path, 
 
 @pytest.mark.parametrize("name, extra", [("clip", ()), ("clip", ("method.text.pooling=cls",)), ("open_clip", ())])
 def test_open_clip_loads_the_export_and_gives_mmpts_features(name, extra, corpora, tmp_path):
-    import open_clip
-
     from mmpt.export.card import open_clip_name
 
     release = demo_release(name, corpora, tmp_path, *extra)
     out = tmp_path / "for-open_clip"
     assert export(["--run", str(release), "--out", str(out), "--format", "open_clip", "--skip-check"]) == 0
     model_name = open_clip_name(out)
-    # the two lines the card gives
-    open_clip.add_model_config(out / f"{model_name}.json")
-    loaded, _, preprocess = open_clip.create_model_and_transforms(
-        model_name, pretrained=str(out / "open_clip_model.safetensors")
-    )
-    assert f'open_clip.add_model_config("{out}/{model_name}.json")' in (out / "README.md").read_text()
-    loaded.eval()
+    card = (out / "README.md").read_text().split("### With open_clip\n\n```python\n", 1)[1]
+    scope: dict = {}
+    assert f'open_clip.add_model_config("{out}/{model_name}.json")' in card
+    exec(card.split("```", 1)[0], scope)  # the lines the card gives, as they are
+    loaded, preprocess = scope["model"], scope["preprocess"]
     model = mmpt.load(release)
     pre = model.preprocessors()
     images = digit_images(corpora["digits"])
     ours_pixels = torch.stack([pre["preprocess"](image) for image in images])
     assert torch.equal(torch.stack([preprocess(image) for image in images]), ours_pixels)
     tokens = pre["tokenizer"](CAPTIONS if name == "clip" else CAPTIONS[:1] + CAPTIONS[2:])
-    theirs_ids = open_clip.get_tokenizer(model_name)(CAPTIONS if name == "clip" else CAPTIONS[:1] + CAPTIONS[2:])
+    theirs_ids = scope["tokenizer"](CAPTIONS if name == "clip" else CAPTIONS[:1] + CAPTIONS[2:])
     assert torch.equal(theirs_ids, tokens["input_ids"])  # the same tokenizer, truncation and padding
     with torch.no_grad():
         ours = model.encode_image(ours_pixels), model.encode_text(tokens["input_ids"], tokens["attention_mask"])
@@ -172,9 +168,10 @@ def test_open_clip_loads_the_export_and_gives_mmpts_features(name, extra, corpor
     for mine, open_clips in zip(ours, theirs):
         torch.testing.assert_close(open_clips, mine, rtol=0, atol=OPEN_CLIP_TOLERANCE)
     # and without registering anything: the folder as open_clip's local-dir
-    local, _, local_preprocess = open_clip.create_model_and_transforms(f"local-dir:{out}")
+    exec(card.split("```python\n", 1)[1].split("```", 1)[0], scope)
+    local, local_preprocess = scope["model"], scope["preprocess"]
     with torch.no_grad():
-        features = local.eval().encode_image(torch.stack([local_preprocess(i) for i in images]), normalize=True)
+        features = local.encode_image(torch.stack([local_preprocess(i) for i in images]), normalize=True)
     torch.testing.assert_close(features, ours[0], rtol=0, atol=OPEN_CLIP_TOLERANCE)
 
 

@@ -246,8 +246,11 @@ def open_clip_preprocess(cfg: Config) -> dict[str, Any]:
     return get_method(cfg.method_name).open_clip_preprocess(cfg)
 
 
+EVAL_LINE = "model.eval()  # open_clip returns the model in training mode (batch norm, dropout)"
+
+
 def open_clip_lines(out: str, cfg: Config) -> list[str]:
-    """The two lines that load an open_clip export with open_clip (its model config registered first), and its
+    """The lines that load an open_clip export with open_clip (its model config registered first), and its
     tokenizer. open_clip takes preprocessing from a pretrained tag, not from a model config: settings other
     than its defaults are passed to create_model_and_transforms."""
     from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
@@ -266,6 +269,7 @@ def open_clip_lines(out: str, cfg: Config) -> list[str]:
         f'open_clip.add_model_config("{out}/{name}.json")',
         f'model, _, preprocess = open_clip.create_model_and_transforms("{name}", '
         f'pretrained="{out}/open_clip_model.safetensors"{kwargs})',
+        EVAL_LINE,
         f'tokenizer = open_clip.get_tokenizer("{name}")',
     ]
 

@@ -20,6 +20,7 @@ import torch
 
 from mmpt.export.card import (
     CARD,
+    EVAL_LINE,
     mmpt_usage,
     open_clip_lines,
     open_clip_name,
@@ -101,6 +102,7 @@ def open_clip_card(model: LoadedModel, out: Path, name: str, folder: OpenClipFol
         "```python",
         "import open_clip",
         f'model, _, preprocess = open_clip.create_model_and_transforms("local-dir:{where}")',
+        EVAL_LINE,
         f'tokenizer = open_clip.get_tokenizer("local-dir:{where}")',
         "```",
         "",

@@ -146,10 +146,7 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
         text = m.text
         if text.vocab_size is None and text.pretrained is None:
             text = text.model_copy(update={"vocab_size": self.tokenizer(cfg, run_dir).vocab_size})
-        encoder = None
-        if text.pretrained is not None:
-            saved = run_dir / TEXT_ENCODER
-            encoder = text_encoder(text_config(str(saved) if saved.is_dir() else text.pretrained))
+        encoder = None if text.pretrained is None else text_encoder(self._text_encoder_config(m, run_dir))
         model = ClipModel(
             m.image,
             text,
@@ -185,13 +182,24 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
             clip, self.settings(cfg).image.image_size, text.vocab_size, text.max_position_embeddings, True
         )
 
+    @staticmethod
+    def _text_encoder_config(m: ClipConfig, run_dir: Path) -> Any:
+        """The pretrained text encoder's config: the run's copy, else the checkpoint's."""
+        saved = run_dir / TEXT_ENCODER
+        return text_config(str(saved) if saved.is_dir() else cast(str, m.text.pretrained))
+
     def architecture(self, cfg: Config, run_dir: Path) -> str:
         m = self.settings(cfg)
         text, image = m.text, m.image
         extra = f" (timm arguments {json.dumps(image.timm_kwargs)})" if image.timm_kwargs else ""
+        kind, layers, width, heads = "BERT", text.layers, text.width, text.heads
+        if text.pretrained is not None:  # the checkpoint's size, not the size keys (unread then)
+            encoder = self._text_encoder_config(m, run_dir)
+            kind = f"{encoder.model_type} (from {text.pretrained})"
+            layers, width, heads = encoder.num_hidden_layers, encoder.hidden_size, encoder.num_attention_heads
         return (
-            f"two towers: a timm `{image.timm_name}` image tower{extra} at {image.image_size} px, and a BERT text "
-            f"tower of {count(text.layers, 'layer')}, width {text.width}, {count(text.heads, 'head')}, "
+            f"two towers: a timm `{image.timm_name}` image tower{extra} at {image.image_size} px, and a {kind} text "
+            f"tower of {count(layers, 'layer')}, width {width}, {count(heads, 'head')}, "
             f"{text.context_length} tokens "
             f"({'mean-pooled' if text.pooling == 'mean' else 'pooled at [CLS]'}); "
             f"each projected to {m.embed_dim}-d features, L2-normalised"

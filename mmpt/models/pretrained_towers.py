@@ -40,18 +40,24 @@ def image_weights(timm_name: str, source: str, kwargs: dict[str, Any]) -> dict[s
     return model.state_dict()
 
 
-def text_config(source: str) -> Any:
-    """The encoder's transformers config (a folder, the hub cache, or a download)."""
+def transformers_config(source: str, key: str, trust_remote_code: bool = False) -> Any:
+    """The transformers config of `source` (a folder, the hub cache, or a download where a network exists);
+    ConfigError naming `key` where it cannot be read."""
     from transformers import AutoConfig
 
     if missing_folder(source):
-        raise ConfigError(f"config key '{TEXT_KEY}': {source} does not exist (a local folder, or a hub name org/name)")
+        raise ConfigError(f"config key '{key}': {source} does not exist (a local folder, or a hub name org/name)")
     try:
-        return AutoConfig.from_pretrained(source)
-    except Exception as exc:
-        raise ConfigError(
-            f"config key '{TEXT_KEY}': cannot read a transformers config from {source}: {first_line(exc)}"
-        ) from None
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # no such folder or repository, offline, remote code refused
+        bare = "/" not in source and not Path(source).exists()  # a folder's typo, or a hub model
+        said = f"no local folder of that name; as a hub name: {first_line(exc)}" if bare else first_line(exc)
+        raise ConfigError(f"config key '{key}': cannot read a transformers config from {source}: {said}") from None
+
+
+def text_config(source: str) -> Any:
+    """The text encoder's transformers config."""
+    return transformers_config(source, TEXT_KEY)
 
 
 def text_encoder(config: Any) -> Any:

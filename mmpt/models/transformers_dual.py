@@ -20,9 +20,10 @@ from timm.layers.patch_dropout import PatchDropout
 from torch import nn
 
 from mmpt.config import ConfigError
-from mmpt.errors import first_line, missing_folder
+from mmpt.errors import first_line
 from mmpt.models.locking import TowerGroups, largest_layer_list, layered_groups
 from mmpt.models.lora import base_state, load_base_state
+from mmpt.models.pretrained_towers import transformers_config
 from mmpt.models.switches import TowerSwitches
 
 KEY = "method.model"
@@ -43,16 +44,7 @@ WEIGHT_FILES = (
 def load_config(source: str, trust_remote_code: bool = False) -> Any:
     """The transformers config of `source` (a folder, or a hub name: its cache, or a download where a network
     exists); ConfigError naming `method.model` where it cannot be read or is not one of `DUAL_ENCODERS`."""
-    from transformers import AutoConfig
-
-    if missing_folder(source):
-        raise ConfigError(f"config key '{KEY}': {source} does not exist (a local folder, or a hub name org/name)")
-    try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # no such folder or repository, offline, remote code refused
-        folder = "/" not in source and not Path(source).exists()  # a bare name: a folder's typo, or a hub model
-        said = f"no local folder of that name; as a hub name: {first_line(exc)}" if folder else first_line(exc)
-        raise ConfigError(f"config key '{KEY}': cannot read a transformers config from {source}: {said}") from None
+    config = transformers_config(source, KEY, trust_remote_code)
     if config.model_type not in DUAL_ENCODERS:
         known = ", ".join(DUAL_ENCODERS)
         raise ConfigError(
