@@ -1,7 +1,8 @@
 """The `clip` method from public towers: a timm backbone from a local weights file (as timm reads it: classifier
 left out) and a transformers text encoder from a folder, with its tokenizer. Before any step the towers give what
 timm and transformers give with those weights; a run from them trains, and its run directory builds the model
-(and the model card's description) without the checkpoint folder; missing weights stop before training naming the key."""
+(and the model card's description) without the checkpoint folder; missing weights stop before training naming the
+key."""
 
 import shutil
 

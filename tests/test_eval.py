@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from mmpt.data.shards import DataError
+from mmpt.data.shards import DataError, MissingDataError
 from mmpt.eval.retrieval import official_caption_normalization, recall_metrics, retrieval_ranks
 from mmpt.eval.retrieval_formats import load_retrieval_set
 from mmpt.eval.templates import DEFAULT_TEMPLATES
 from mmpt.eval.video_retrieval import load_video_retrieval_set, video_rank_metrics
+from mmpt.eval.zeroshot import load_templates
 
 
 def test_recall_metrics_on_hand_built_ranks():
@@ -164,6 +165,8 @@ def test_clip_benchmark_per_language_folders_and_missing_templates(tmp_path, dig
     assert "no 'zh' prompt templates (looked for zh/zeroshot_classification_templates.txt" in caplog.text
     caplog.clear()  # checked before training, then evaluated every eval_every steps: said once
     assert load_classification_set(folder, "zh").templates == chinese.templates and "templates" not in caplog.text
+    with pytest.raises(MissingDataError, match="no 'fr' prompt templates .* no default 'fr' templates"):
+        load_templates(folder, "fr")  # exit 2, as a missing file is
     suffixed = load_classification_set(source, "zh")  # the suffixed layout still reads
     assert suffixed.templates_from.endswith("zeroshot_classification_templates_zh.txt")
     assert [n for _, n, _ in english.samples()] == [n for _, n, _ in suffixed.samples()]

@@ -124,8 +124,8 @@ def load_templates(
     _, found, looked = language_lines(folder, "zeroshot_classification_templates", language)
     if found is None:
         templates = defaults.get(language)
-        if not templates:
-            raise DataError(
+        if not templates:  # a file to add, or a language to ask for: a path to correct (exit 2)
+            raise MissingDataError(
                 f"{folder}: no '{language}' prompt templates (looked for {', '.join(map(str, looked))}) "
                 f"and mmpt has no default '{language}' templates"
             )
