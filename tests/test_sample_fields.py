@@ -263,7 +263,8 @@ def test_held_out_shards_are_a_retrieval_set_with_the_captions_their_keys_hold(t
 
 
 def test_the_zeroshot_command_reads_a_shard_pattern_with_its_caption_key(corpora, tmp_path):
-    """`mmpt-zeroshot --dataset PATTERN --caption-key KEY` scores what the method does with data.eval's keys."""
+    """`mmpt-zeroshot --dataset PATTERN --caption-key KEY` scores what the method does with data.eval's keys, and
+    records the key it read."""
     from test_locking import tiny
 
     from mmpt.commands.zeroshot import main as zeroshot
@@ -280,6 +281,8 @@ def test_the_zeroshot_command_reads_a_shard_pattern_with_its_caption_key(corpora
         assert zeroshot([*run, *(["--caption-key", key] if key else [])]) == 0
         fields = None if key is None else SampleFields.of(caption=key)
         expected = method.zeroshot(model, cfg, tmp_path / "release", pattern, "zh", "zeroshot_retrieval", fields=fields)
-        assert json.loads((tmp_path / "out.json").read_text())["metrics"] == expected["metrics"]
+        written = json.loads((tmp_path / "out.json").read_text())
+        assert written["metrics"] == expected["metrics"]
+        assert written["caption_key"] == (key or "txt")  # what was scored, whatever language it is filed under
     with pytest.raises(MissingFieldError, match="no non-empty caption under json.caption_fr"):
         zeroshot([*run, "--caption-key", "json.caption_fr"])

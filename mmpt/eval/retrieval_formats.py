@@ -74,6 +74,14 @@ def read_retrieval_set(path: str | os.PathLike, fields: SampleFields | None = No
     return RetrievalSet.from_captions(*read_listing(path))
 
 
+def shard_caption_keys(path: str | os.PathLike, fields: SampleFields | None = None) -> str | None:
+    """The sample keys the captions of a shard layout are read from (its results record them: the language they
+    are filed under is the caller's word); None for a listing file, whose captions are its own."""
+    if not (is_shard_pattern(str(path)) or Path(path).is_dir()):
+        return None
+    return ",".join(fields.caption) if fields is not None and fields.caption else "txt"
+
+
 def read_listing(path: Path) -> tuple[list[Path], list[list[str]]]:
     """(image files, captions of each) of a listing file, a .jsonl of records or a Karpathy or ALBEF/BLIP .json;
     any other file is refused by name, not read as one of them."""

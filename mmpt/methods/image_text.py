@@ -20,7 +20,7 @@ from mmpt.data.shards import DataError
 from mmpt.errors import first_line
 from mmpt.eval import resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
-from mmpt.eval.retrieval_formats import is_shard_pattern, read_listing
+from mmpt.eval.retrieval_formats import is_shard_pattern, read_listing, shard_caption_keys
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.losses.sigmoid import INIT_LOGIT_BIAS, INIT_LOGIT_SCALE, Exchange, SigmoidLoss
@@ -386,7 +386,8 @@ class ImageTextMethod(Method[SettingsT]):
                 device=device,
                 predictions=predictions,
             )
-            return eval_record(run_dir, dataset, task, language, metrics)
+            keys = shard_caption_keys(dataset, fields)
+            return eval_record(run_dir, dataset, task, language, metrics, **({"caption_key": keys} if keys else {}))
         if task == "zeroshot_classification":
             data = load_classification_set(
                 resolve_dataset(dataset, cfg.data.root), language, foreign_class_names, fields
