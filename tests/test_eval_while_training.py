@@ -230,7 +230,7 @@ def test_the_warning_names_the_file_that_names_the_set_in_the_method_section(tmp
 
 
 def test_a_final_evaluation_that_failed_runs_when_the_finished_run_is_started_again(
-    tmp_path, digits_root, process_group_of_one, capsys
+    tmp_path, digits_root, process_group_of_one, capsys, monkeypatch
 ):
     """The evaluation set is moved away while the run trains, so its final evaluation fails after the weights are
     written; once the set is back, the same command evaluates the finished run instead of saying it is done."""
@@ -255,7 +255,9 @@ def test_a_final_evaluation_that_failed_runs_when_the_finished_run_is_started_ag
     assert (run_dir / "model.safetensors").is_file() and not (run_dir / "final_evaluation.json").exists()
     (tmp_path / "moved.jsonl").rename(listing)
     capsys.readouterr()
-    train_in_process(load_config(config))
+    with monkeypatch.context() as patched:  # a finished run's restart builds no engine, loads no checkpoint
+        patched.setattr("mmpt.engine.run.build_engine", lambda *a, **k: pytest.fail("built an engine"))
+        train_in_process(load_config(config))
     said = capsys.readouterr().out
     assert (
         "already finished at step 2 (train.max_steps=2): its final evaluation did not complete; evaluating now" in said

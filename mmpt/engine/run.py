@@ -21,7 +21,7 @@ from mmpt.config import Config, ConfigError, save_config
 from mmpt.data.loader import SkipPolicy, StatefulLoader
 from mmpt.engine import deepspeed_private, precision
 from mmpt.engine.batch_norm import RunningStatisticsKept, batch_norm_across_ranks
-from mmpt.engine.checkpoint import Checkpointer, RngState, deepspeed_io, find_resume, saved_world_size
+from mmpt.engine.checkpoint import Checkpointer, RngState, deepspeed_io, find_resume, saved_step, saved_world_size
 from mmpt.engine.compile import check_compile, compile_towers, compiles
 from mmpt.engine.deepspeed_config import check_precision, deepspeed_config
 from mmpt.engine.evaluation import final_evaluation_due
@@ -228,6 +228,22 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     mdist.barrier()
 
     checkpoint = find_resume(run_dir, cfg.run.resume)
+    # Finished: its final checkpoint and weights are written (rank 0's word: other nodes may not share its disk).
+    # Told before the engine is built: restarting a finished run loads nothing.
+    step = 0 if checkpoint is None else saved_step(checkpoint)
+    if step >= cfg.train.max_steps and mdist.all_gather_floats([(run_dir / WEIGHTS).is_file()])[0][0]:
+        if rank == 0:
+            due = final_evaluation_due(cfg, run_dir, step)
+            print(
+                f"mmpt: {run_dir} already finished at step {step} (train.max_steps={cfg.train.max_steps}): "
+                + (
+                    f"{due}; evaluating now"
+                    if due
+                    else "nothing to do; raise train.max_steps to train on, or set run.output_dir to start another run"
+                ),
+                flush=True,
+            )
+        return None, step
     elastic = checkpoint is not None and saved_world_size(checkpoint) != world_size
     universal = None
     if checkpoint is not None and elastic and cfg.train.zero_stage > 0:
@@ -257,7 +273,6 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         checkpointer.register("batch_shares", shares)
     checkpointer.register("rng", RngState(lambda at: seed_everything(cfg.train.seed + layout.data_rank + 7919 * at)))
 
-    step = 0
     if checkpoint is None:
         batches.start()
     else:
@@ -271,21 +286,6 @@ def start(cfg: Config) -> tuple[Run | None, int]:
                 step,
                 *(() if same else (*saved, spec.world_size, spec.num_workers, spec.start_epoch)),
             )
-    # Finished: its final checkpoint and weights are written (rank 0's word: other nodes may not share its disk).
-    if step >= cfg.train.max_steps and mdist.all_gather_floats([(run_dir / WEIGHTS).is_file()])[0][0]:
-        watchdog.close()
-        if rank == 0:
-            due = final_evaluation_due(cfg, run_dir, step)
-            print(
-                f"mmpt: {run_dir} already finished at step {step} (train.max_steps={cfg.train.max_steps}): "
-                + (
-                    f"{due}; evaluating now"
-                    if due
-                    else "nothing to do; raise train.max_steps to train on, or set run.output_dir to start another run"
-                ),
-                flush=True,
-            )
-        return None, step
     if rank == 0:
         pooling = engine.module.pooling
         log.info(startup_summary(cfg, engine.module.model, layout, loader, initial_weights, step, checkpoint, pooling))

@@ -16,7 +16,7 @@ reader) and `checkpointer` (one run's checkpoints, tying them together).
 
 from mmpt.artifacts import WEIGHTS
 from mmpt.engine.checkpoint.checkpointer import Checkpointer
-from mmpt.engine.checkpoint.protocol import CheckpointError, find_resume, rank_states, saved_world_size
+from mmpt.engine.checkpoint.protocol import CheckpointError, find_resume, rank_states, saved_step, saved_world_size
 from mmpt.engine.checkpoint.rng import RngState, rng_state, set_rng_state
 from mmpt.engine.checkpoint.weights import gathered_state_dict, read_weights, write_weights
 
@@ -30,6 +30,7 @@ __all__ = [
     "rank_states",
     "read_weights",
     "rng_state",
+    "saved_step",
     "saved_world_size",
     "set_rng_state",
     "write_weights",

@@ -141,6 +141,10 @@ def saved_world_size(checkpoint: Path) -> int:
     return int(json.loads((checkpoint / COMPLETE).read_text())["world_size"])
 
 
+def saved_step(checkpoint: Path) -> int:
+    return int(json.loads((checkpoint / COMPLETE).read_text())["step"])
+
+
 def rank_states(checkpoint: Path) -> list[dict[str, Any]]:
     """Every saved rank's own state, in rank order."""
     return [torch.load(checkpoint / f"rank_{r}.pt", weights_only=True) for r in range(saved_world_size(checkpoint))]
