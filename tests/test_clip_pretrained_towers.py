@@ -88,7 +88,7 @@ def test_a_run_from_public_towers_trains_and_needs_no_checkpoint_afterwards(towe
     with torch.no_grad():
         assert loaded.encode_text(tokens["input_ids"], tokens["attention_mask"]).shape == (3, 16)
     card = get_method("clip").architecture(loaded.config, tmp_path / "run")  # the encoder's size, not demo.yaml's
-    assert "a bert (from " in card and "tower of 2 layers, width 32, 2 heads" in card, card
+    assert "a bert text tower (from " in card and ") of 2 layers, width 32, 2 heads" in card, card
 
 
 @pytest.mark.parametrize(

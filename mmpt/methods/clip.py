@@ -192,14 +192,15 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
         m = self.settings(cfg)
         text, image = m.text, m.image
         extra = f" (timm arguments {json.dumps(image.timm_kwargs)})" if image.timm_kwargs else ""
-        kind, layers, width, heads = "BERT", text.layers, text.width, text.heads
+        tower = f"a BERT text tower of {count(text.layers, 'layer')}, width {text.width}, {count(text.heads, 'head')}"
         if text.pretrained is not None:  # the checkpoint's size, not the size keys (unread then)
             encoder = self._text_encoder_config(m, run_dir)
-            kind = f"{encoder.model_type} (from {text.pretrained})"
-            layers, width, heads = encoder.num_hidden_layers, encoder.hidden_size, encoder.num_attention_heads
+            size = [int(getattr(encoder, k, 0)) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads")]
+            tower = f"a {encoder.model_type} text tower (from {text.pretrained})" + (
+                f" of {count(size[0], 'layer')}, width {size[1]}, {count(size[2], 'head')}" if all(size) else ""
+            )
         return (
-            f"two towers: a timm `{image.timm_name}` image tower{extra} at {image.image_size} px, and a {kind} text "
-            f"tower of {count(layers, 'layer')}, width {width}, {count(heads, 'head')}, "
+            f"two towers: a timm `{image.timm_name}` image tower{extra} at {image.image_size} px, and {tower}, "
             f"{text.context_length} tokens "
             f"({'mean-pooled' if text.pooling == 'mean' else 'pooled at [CLS]'}); "
             f"each projected to {m.embed_dim}-d features, L2-normalised"
