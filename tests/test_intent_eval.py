@@ -5,6 +5,8 @@ import csv
 import pytest
 import torch
 
+from conftest import command_in_process
+
 INTENTS = {
     "card_lost": [
         "i lost my card",
@@ -106,3 +108,17 @@ def test_k_shot_settings_say_what_they_drew_when_intents_have_k_or_fewer_example
     }
     assert [len(result["runs"][k]) for k in ("3shot", "10shot")] == [3, 1]
     assert list(result["protocols"]) == ["accuracy"]
+
+
+def test_a_request_that_cannot_work_stops_before_the_model_loads(capfd, tmp_path):
+    """No examples per intent is refused as an argument; a dataset folder that is not there is a path to correct
+    (exit 2), found before the encoder (not there either) is read."""
+    with pytest.raises(SystemExit) as stopped:
+        command_in_process(capfd, "intent_eval", "--encoder", str(tmp_path), "--dataset", "dialogs", "--shots", "0")
+    assert stopped.value.code == 2 and "--shots 0: each is a number of examples per intent" in capfd.readouterr().err
+    done = command_in_process(capfd, "intent_eval", "--encoder", str(tmp_path / "no"), "--dataset", str(tmp_path / "x"))
+    assert (
+        done.returncode == 2
+        and done.stderr.startswith("mmpt: intent dataset")
+        and "train.csv is missing" in done.stderr
+    )

@@ -157,7 +157,9 @@ def test_no_room_for_one_sample_is_one_line_and_exit_2(capfd):
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("mmpt:")]
     assert len(lines) == 1 and "does not fit" in lines[0] and "micro-batch 1" in lines[0]
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in done.stderr and "raise train.zero_stage" in lines[0]
+    done = run_plan(capfd, "--gpus", "2", "--gpu-memory", "0.001", "train.zero_stage=3")
+    assert "add GPUs" in done.stderr and "raise train.zero_stage" not in done.stderr  # ZeRO-3 is the highest
 
 
 def test_the_usable_share_of_gpu_memory_is_an_option(capfd):

@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--finetune-lr", type=float, default=3e-5, help="the encoder's learning rate when fine-tuning")
     parser.add_argument("--output", default=None, help="JSON file to write (default: print only)")
     args = parser.parse_args(argv)
+    if any(shots < 1 for shots in args.shots):
+        parser.error(f"--shots {' '.join(map(str, args.shots))}: each is a number of examples per intent, at least 1")
 
     from transformers import AutoTokenizer
 
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmpt.methods.space2 import Space2Method, resolve_encoder_path
     from mmpt.models.space2 import Space2Encoder
 
+    dataset = resolve_intent_dataset(args.dataset, args.data_root)  # before the model loads: a typo fails fast
     if args.model:
         from mmpt.release import load_run
 
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     result = intent_classification(
         model,
         encoder,
-        resolve_intent_dataset(args.dataset, args.data_root),
+        dataset,
         shots=args.shots,
         full=not args.no_full,
         seeds=args.seeds,

@@ -62,10 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     found = profile(cfg)
     plan = make_plan(cfg, found, cluster, assume)
     if plan.largest_micro_batch == 0:
+        remedies = ["add GPUs"]
+        remedies += ["raise train.zero_stage"] if plan.layout.stage < 3 else []
+        remedies += ["set train.offload_optimizer"] if not cfg.train.offload_optimizer else []
         raise ConfigError(
             f"{args.config} does not fit {cluster.gpus} x {cluster.memory_gib:g} GiB at micro-batch 1: model states "
-            f"alone take {plan.states.gpu / 1e9:.1f} GB per GPU (ZeRO-{plan.layout.stage}); add GPUs, raise "
-            "train.zero_stage or set train.offload_optimizer"
+            f"alone take {plan.states.gpu / 1e9:.1f} GB per GPU (ZeRO-{plan.layout.stage}); {', '.join(remedies)}"
         )
     print(
         json.dumps(to_json(args.config, found, plan, assume), indent=2)

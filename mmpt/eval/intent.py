@@ -28,7 +28,7 @@ from torch import nn
 
 from mmpt.data.dialog import read_intent_csv
 from mmpt.data.dialog_encoding import collate_dialogs
-from mmpt.data.shards import DataError
+from mmpt.data.shards import MissingDataError
 
 
 def resolve_intent_dataset(name_or_path: str, data_root: str = "demo_data") -> Path:
@@ -40,7 +40,7 @@ def resolve_intent_dataset(name_or_path: str, data_root: str = "demo_data") -> P
     path = Path(name_or_path)
     for split in ("train.csv", "test.csv"):
         if not (path / split).is_file():
-            raise DataError(f"intent dataset {path}: {split} is missing (expected train.csv and test.csv)")
+            raise MissingDataError(f"intent dataset {path}: {split} is missing (expected train.csv and test.csv)")
     return path
 
 

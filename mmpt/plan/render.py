@@ -84,7 +84,7 @@ def to_text(config: str, profile: Profile, plan: Plan, assume: Assumptions) -> s
         + _how_built(plan.build_host),
         f"micro-batch {plan.micro_batch}: {'fits' if plan.fits else 'does NOT fit'}; "
         f"largest that fits: {plan.largest_micro_batch}",
-        f"FLOPs per sample (forward + backward): {plan.flops_per_sample / 1e12:.3f} TFLOP",
+        f"FLOPs per sample (forward + backward): {plan.flops_per_sample / 1e9:,.3g} GFLOP",
         f"sent per rank per step: ZeRO {gb(plan.traffic.zero)}, feature gathers {gb(plan.traffic.features)}",
         f"predicted step {plan.step_s:.3f} s, {plan.samples_per_s:,.0f} samples/s ({step_calibration(assume.mfu)})",
         "assumptions:",
