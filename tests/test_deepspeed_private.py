@@ -27,3 +27,6 @@ def test_another_deepspeed_release_stops_the_run_at_its_start_in_one_line(tmp_pa
         f"but DeepSpeed 0.20.1 is installed: pip install deepspeed=={deepspeed_private.EXPECTED}"
     )
     assert not (tmp_path / "run").exists()  # stopped before anything was written
+    other = stops.ending(caught.value, rank=1)  # leaves the saying to rank 0, and gives it time to say it
+    assert other is not None and other.line == "rank 1: stopped on the config error that rank 0 reports"
+    assert other.exit_code == stops.EXIT_CONFIG and other.linger_s > 0

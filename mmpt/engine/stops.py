@@ -101,7 +101,8 @@ def ending(exc: BaseException, rank: int) -> Ending | None:
         if rank == 0 or not stop.same_on_every_rank:
             prefix = "" if rank == 0 else f"rank {rank}: "
             return Ending(f"{prefix}{stop.kind}: {one_line(exc)}", stop.exit_code)
-        return Ending(f"rank {rank}: stopped on the {stop.kind} that rank 0 reports", stop.exit_code)
+        # Lingering lets rank 0 say it: a launcher that sees this rank end first kills the others at once.
+        return Ending(f"rank {rank}: stopped on the {stop.kind} that rank 0 reports", stop.exit_code, linger_s=3.0)
     if peer_lost(exc):
         # Launchers report the exit code of whichever failed process they notice first (DeepSpeed's polls
         # every second): lingering lets them notice, and report, the rank that stopped for a reason.
