@@ -200,6 +200,8 @@ def test_format_transformers_is_a_folder_transformers_loads_with_the_trained_wei
     saved = json.loads((tmp_path / "release/config.json").read_text())["config"]["method"]
     assert saved["loss"]["name"] == ("contrastive" if kind == "clip" else "sigmoid")  # built without the checkpoint
     assert export(["--run", str(tmp_path / "release"), "--out", str(tmp_path / "hf"), "--format", "transformers"]) == 0
+    card = (tmp_path / "hf/README.md").read_text()  # the folder's model card says how to load it
+    assert f'model = AutoModel.from_pretrained("{tmp_path / "hf"}")' in card and "| `model.safetensors` |" in card
     loaded = AutoModel.from_pretrained(tmp_path / "hf").eval()
     assert type(loaded).__name__ == type(model.hf).__name__
     assert torch.equal(loaded.logit_scale.reshape(1), model.hf.logit_scale.detach())

@@ -274,6 +274,21 @@ def open_clip_lines(out: str, cfg: Config) -> list[str]:
     ]
 
 
+def transformers_lines(out: str, cfg: Config) -> list[str]:
+    """The lines that load a transformers export with transformers."""
+    remote = get_method(cfg.method_name).transformers_code
+    trust = ", trust_remote_code=True" if remote else ""
+    lines = [
+        "```python",
+        "from transformers import AutoImageProcessor, AutoModel, AutoTokenizer",
+        f'model = AutoModel.from_pretrained("{out}"{trust})',
+        f'tokenizer = AutoTokenizer.from_pretrained("{out}"{trust})',
+        f'processor = AutoImageProcessor.from_pretrained("{out}", backend="pil")',
+        "```",
+    ]
+    return lines + (["", "The folder carries the model's own code (it imports nothing of mmpt)."] if remote else [])
+
+
 def release_usage(cfg: Config, folder: str) -> str:
     """How to load a release: mmpt, then the other formats it exports to."""
     lines = ["## How to use it", "", "### With mmpt", "", mmpt_usage(cfg, folder)]
@@ -309,8 +324,7 @@ def release_usage(cfg: Config, folder: str) -> str:
     elif tower_names(cfg):
         lines += ["", "### With open_clip", "", f"Not available: {format_problem(cfg, 'open_clip')}."]
     if "transformers" in formats:
-        out, remote = f"{folder}-transformers", get_method(cfg.method_name).transformers_code
-        trust = ", trust_remote_code=True" if remote else ""
+        out = f"{folder}-transformers"
         lines += [
             "",
             "### With transformers",
@@ -319,15 +333,8 @@ def release_usage(cfg: Config, folder: str) -> str:
             f"python launch/export.py --run {folder} --out {out} --format transformers",
             "```",
             "",
-            "```python",
-            "from transformers import AutoImageProcessor, AutoModel, AutoTokenizer",
-            f'model = AutoModel.from_pretrained("{out}"{trust})',
-            f'tokenizer = AutoTokenizer.from_pretrained("{out}"{trust})',
-            f'processor = AutoImageProcessor.from_pretrained("{out}", backend="pil")',
-            "```",
+            *transformers_lines(out, cfg),
         ]
-        if remote:
-            lines += ["", "The folder carries the model's own code (it imports nothing of mmpt)."]
     if "official" in formats:
         lines += [
             "",
