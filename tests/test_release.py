@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mmpt
-from conftest import REPO, launcher_env, tiny_config
+from conftest import REPO, command_in_process, launcher_env, tiny_config
 from mmpt.methods import get_method
 from mmpt.release import PretrainedModel, ReleaseError, load_directory, model_config
 from pool import scenario
@@ -239,6 +239,25 @@ def embed_command(release, shards, out, processes=1, modality="image"):
         "--processes",
         str(processes),
     ]
+
+
+def test_embed_refuses_a_modality_the_model_lacks_and_shards_it_cannot_use(tmp_path, digits_root, capfd):
+    """A modality the model has no tower for is exit 2 before any shard is read; shards of which no sample has the
+    modality are unusable data (exit 3, named with the first sample's reason), their records still written."""
+    from mmpt.data import ShardSetWriter
+    from mmpt.data.stream import read_shard
+
+    release = tiny_clip(tmp_path, digits_root).save_pretrained(tmp_path / "release")
+    source = sorted((digits_root / "train").glob("en-*.tar"))[0]
+    with ShardSetWriter(tmp_path / "in" / "images", max_samples=100) as writer:  # images without captions
+        for _, sample in list(read_shard(str(source)))[:6]:
+            writer.write({"__key__": sample["__key__"], "png": sample["png"]})
+    args = ["--model", str(release), "--shards", str(tmp_path / "in/images-000000.tar"), "--out", str(tmp_path / "o")]
+    done = command_in_process(capfd, "embed", *args, "--modality", "video")
+    assert done.returncode == 2 and "--modality video:" in done.stderr and "which embeds image, text" in done.stderr
+    done = command_in_process(capfd, "embed", *args, "--modality", "text")
+    assert done.returncode == 3 and "no sample could be embedded as text; the first, " in done.stderr, done.stderr
+    assert json.loads((tmp_path / "o/manifest.json").read_text())["failed"] == 6
 
 
 def test_embed_killed_and_restarted_embeds_every_sample_once(tmp_path, digits_root):

@@ -40,8 +40,15 @@ class Embedder:
 
     def __init__(self, model_path: str, modality: str, device: str):
         import mmpt
+        from mmpt.config import ConfigError
 
         self.model = mmpt.load(model_path, device=device)
+        embeds = [m for m in MODALITY_FIELDS if hasattr(self.model, f"encode_{m}")]
+        if modality not in embeds:
+            raise ConfigError(
+                f"--modality {modality}: {model_path} is a '{self.model.config.method_name}' model, which embeds "
+                f"{', '.join(embeds)}"
+            )
         self.pre, self.modality, self.device = self.model.preprocessors(), modality, device
 
     def prepare(self, sample: dict):
@@ -170,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
 
-    from mmpt.data.shards import expand_shards
+    from mmpt.data.shards import DataError, expand_shards
 
     shards = expand_shards(args.shards)
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -190,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{manifest['embedded']} of {manifest['samples']} samples embedded ({manifest['failed']} failed) "
             f"-> {Path(args.out) / 'manifest.json'}"
         )
+        if manifest["samples"] and not manifest["embedded"]:  # unusable data, not a run with a few bad samples
+            errors = (json.loads(output_paths(Path(args.out), s)[1].read_text())["errors"] for s in shards)
+            first = next(e[0] for e in errors if e)
+            raise DataError(
+                f"{args.shards}: no sample could be embedded as {args.modality}; the first, {first['key']}: "
+                f"{first['error']}"
+            )
     return 0
 
 
