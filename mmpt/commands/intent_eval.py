@@ -21,7 +21,7 @@ from mmpt.commands import installed
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="space2 run directory (config.yaml + model.safetensors)")
+    source.add_argument("--model", help="a finished space2 run directory or release (config + model.safetensors)")
     source.add_argument("--encoder", help="Hugging Face checkpoint dir or pkg:<module>/<subdir>, not pretrained here")
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--data-root", default="demo_data", help="where demo corpora are built")

@@ -25,7 +25,9 @@ from mmpt.commands import installed
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="run directory (config.yaml + model.safetensors)")
+    parser.add_argument(
+        "--model", required=True, help="a finished run directory or a release (config + model.safetensors)"
+    )
     parser.add_argument("--dataset", required=True)
     parser.add_argument(
         "--task", default="zeroshot_classification", choices=["zeroshot_classification", "zeroshot_retrieval"]
