@@ -23,6 +23,11 @@ def validate_config(data: dict, origins: dict[str, str] | None = None, top_file:
     """`data` (a config's merged mapping) as a Config; errors name the key and the file that set it."""
     origins = origins or {}
     section = data.get("method")
+    if section is None:  # a preset (configs/base/) names none: configs that train extend it
+        raise ConfigError(
+            f"{top_file}: names no method (config key 'method', e.g. method: {{name: clip}}); a preset without "
+            "one is for configs that name a method to extend (extends: [base/zero2])"
+        )
     if not isinstance(section, dict):
         raise ConfigError(
             f"{origin(origins, 'method', top_file)}: config key 'method' must be a mapping with a "

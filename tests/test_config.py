@@ -144,6 +144,12 @@ def test_every_shipped_config_is_valid(path):
     assert cfg.train.max_steps > 0
 
 
+@pytest.mark.parametrize("path", sorted(p.relative_to(REPO) for p in REPO.glob("configs/base/*.yaml")))
+def test_a_preset_given_as_the_config_says_it_names_no_method(path):
+    with pytest.raises(ConfigError, match=r"names no method .* a preset without one is for configs .* to extend"):
+        load_config(REPO / path)
+
+
 def test_m2_accumulation_must_match_grad_accum():
     message = error_of(REPO / "configs/m2_encoder/demo.yaml", ["train.grad_accum=3"])
     assert "method.loss.accumulation_steps=2" in message and "train.grad_accum=3" in message
