@@ -260,6 +260,15 @@ def test_embed_refuses_a_modality_the_model_lacks_and_shards_it_cannot_use(tmp_p
     assert json.loads((tmp_path / "o/manifest.json").read_text())["failed"] == 6
 
 
+def test_a_tool_given_a_model_of_another_method_says_so_in_one_line(tmp_path, digits_root, capfd):
+    release = tiny_clip(tmp_path, digits_root).save_pretrained(tmp_path / "release")
+    for split in ("train.csv", "test.csv"):
+        (tmp_path / "intents" / split).parent.mkdir(exist_ok=True)
+        (tmp_path / "intents" / split).write_text("text,category\nhello,greet\n")
+    done = command_in_process(capfd, "intent_eval", "--model", str(release), "--dataset", str(tmp_path / "intents"))
+    assert done.returncode == 2 and done.stderr == f"mmpt: --model {release}: a 'clip' model, not a space2 one\n"
+
+
 def test_embed_killed_and_restarted_embeds_every_sample_once(tmp_path, digits_root):
     import signal
     import time

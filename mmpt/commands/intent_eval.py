@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
+    from mmpt.config import ConfigError
     from mmpt.data.dialog_encoding import DialogEncoder, DialogInputSpec
     from mmpt.eval.intent import FineTuning, intent_classification, resolve_intent_dataset
     from mmpt.methods.space2 import Space2Method, resolve_encoder_path
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg, method, model = load_run(args.model)
         if not isinstance(method, Space2Method):
-            parser.error(f"{args.model} is a '{cfg.method_name}' run, not a space2 one")
+            raise ConfigError(f"--model {args.model}: a '{cfg.method_name}' model, not a space2 one")
         encoder = DialogEncoder(method.tokenizer(args.model), method.input_spec(cfg), with_mlm=False)
         name = args.model
     else:

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--predictions is written for --task zeroshot_retrieval")
     caption_keys, image_keys = _listed(args.caption_key), _listed(args.image_key)
 
+    from mmpt.config import ConfigError
     from mmpt.data.fields import SampleFields
     from mmpt.engine.preflight import literal_prefix
     from mmpt.eval import DEMO_SETS
@@ -78,13 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     cfg, method, model = load_run(args.model, device=args.device)
     if not isinstance(method, ZeroShotMethod):
-        parser.error(f"method '{cfg.method_name}' has no zero-shot evaluation")
+        raise ConfigError(f"--model {args.model}: method '{cfg.method_name}' has no zero-shot evaluation")
     if args.predictions is not None and not isinstance(method, ImageTextMethod):
-        parser.error(f"--predictions: method '{cfg.method_name}' writes no image predictions")
+        raise ConfigError(f"--predictions: method '{cfg.method_name}' writes no image predictions")
     extra: dict = {} if args.predictions is None else {"predictions": args.predictions}
     if caption_keys or image_keys:
         if not isinstance(method, ImageTextMethod):
-            parser.error(f"--caption-key, --image-key: method '{cfg.method_name}' reads no image-text shards")
+            raise ConfigError(f"--caption-key, --image-key: method '{cfg.method_name}' reads no image-text shards")
         try:
             extra["fields"] = SampleFields.of(caption=caption_keys, image=image_keys)
         except ValueError as exc:
