@@ -19,26 +19,9 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-
-
-class _SumWithGrad(torch.autograd.Function):
-    """An all-reduce sum whose gradient is the all-reduced sum of the gradients (every rank's output depends on every
-    rank's input)."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        total = tensor.clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        total = grad.clone()
-        dist.all_reduce(total, group=ctx.group)
-        return total, None
 
 
 class _AcrossRanks(_BatchNorm):
@@ -54,10 +37,10 @@ class _AcrossRanks(_BatchNorm):
         shape = [1, -1] + [1] * (x.dim() - 2)
         local = x.float()
         count = torch.full((1,), local.numel() / local.shape[1], dtype=torch.float32, device=x.device)
-        totals = _SumWithGrad.apply(torch.cat([count, local.sum(dims)]), self.process_group)
+        totals = dist_fn.all_reduce(torch.cat([count, local.sum(dims)]), group=self.process_group)
         n, mean = totals[0], totals[1:] / totals[0]
         centred = local - mean.view(shape)
-        var = _SumWithGrad.apply(centred.pow(2).sum(dims), self.process_group) / n
+        var = dist_fn.all_reduce(centred.pow(2).sum(dims), group=self.process_group) / n
         if self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach() * n.detach() / (n.detach() - 1))
         y = centred * torch.rsqrt(var + self.eps).view(shape)
