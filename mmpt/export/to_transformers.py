@@ -31,7 +31,8 @@ def export_transformers(model: LoadedModel, out: Path, check: bool = True) -> Pa
 def write_card(model: LoadedModel, out: Path) -> None:
     """The folder's README.md: the model card, with the files transformers wrote."""
     cfg = model.config
-    files = [(p.name, WRITTEN.get(p.suffix, "written by transformers' save_pretrained")) for p in sorted(out.iterdir())]
+    written = sorted(p for p in out.iterdir() if p.name != CARD)
+    files = [(p.name, WRITTEN.get(p.suffix, "written by transformers' save_pretrained")) for p in written]
     card = render(
         cfg,
         title=f"{out.resolve().name}: a transformers model",
@@ -39,7 +40,7 @@ def write_card(model: LoadedModel, out: Path) -> None:
         parameters=parameter_counts(cfg, model.files_from, model.model.state_dict()),
         record=training_record(model.files_from),
         usage="\n".join(["## How to use it", "", *transformers_lines(str(out), cfg)]),
-        files=[*[f for f in files if f[0] != CARD], (CARD, "this card")],
+        files=[*files, (CARD, "this card")],
         files_from=model.files_from,
     )
     (out / CARD).write_text(card, encoding="utf-8")
