@@ -281,3 +281,20 @@ def test_the_step_time_is_labelled_with_its_error_measured_on_one_h100():
     assert Assumptions().mfu == CALIBRATED_MFU
     assert step_calibration(CALIBRATED_MFU) == f"calibrated on one H100, benchmarks/results/gpu: {STEP_ERROR}"
     assert step_calibration(0.3).startswith("MFU 30% not calibrated")
+
+
+def test_the_step_time_meets_the_peak_of_the_runs_precision(capfd):
+    """One GPU: the step is compute alone, at bf16's peak, TF32's (half of it) for fp32 with train.tf32, plain
+    fp32's without."""
+    from mmpt.plan.hardware import GPUS
+
+    steps = {}
+    for precision, tf32 in (("bf16", "true"), ("fp32", "true"), ("fp32", "false")):
+        done = run_plan(capfd, "--gpus", "1", "--json", f"train.precision={precision}", f"train.tf32={tf32}")
+        assert done.returncode == 0, done.stderr
+        plan = json.loads(done.stdout)
+        assert plan["bytes_sent_per_step"] == {"zero": 0, "features": 0}
+        steps[precision, tf32] = plan["step_s"]
+    h100 = GPUS["h100"]
+    assert steps["fp32", "true"] == pytest.approx(2 * steps["bf16", "true"])
+    assert steps["fp32", "false"] == pytest.approx(steps["bf16", "true"] * h100.bf16_tflops / h100.fp32_tflops)

@@ -90,10 +90,11 @@ def render() -> str:
         "",
         *(f"- {line}" for line in assume.lines()),
         "",
-        "| GPU | bf16 dense peak | HBM | bandwidth |",
-        "|---|---|---|---|",
+        "| GPU | bf16 dense peak | fp32 peak | HBM | bandwidth |",
+        "|---|---|---|---|---|",
         *(
-            f"| {g.name} | {g.bf16_tflops:g} TFLOPS | {g.memory_gib:g} GB | {g.hbm_tb_s:g} TB/s |"
+            f"| {g.name} | {g.bf16_tflops:g} TFLOPS | {g.fp32_tflops:g} TFLOPS | {g.memory_gib:g} GB "
+            f"| {g.hbm_tb_s:g} TB/s |"
             for g in GPUS.values()
         ),
         "",

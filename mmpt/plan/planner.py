@@ -136,7 +136,7 @@ def make_plan(cfg: Config, profile: Profile, cluster: Cluster, assume: Assumptio
     traffic = Traffic(zero, features, zero_inter_node=cluster.nodes > 1)
     samples = equal * train.grad_accum
     flops = profile.model_flops.per_sample
-    compute_s = flops * samples / (cluster.gpu.bf16_tflops * 1e12 * assume.mfu)
+    compute_s = flops * samples / (cluster.gpu.peak_tflops(train.precision, train.tf32) * 1e12 * assume.mfu)
     zero_gb_s = assume.inter_node_gb_s if traffic.zero_inter_node else assume.intra_node_gb_s
     group_crosses = gather.group > cluster.gpus_per_node
     feature_gb_s = assume.inter_node_gb_s if group_crosses else assume.intra_node_gb_s

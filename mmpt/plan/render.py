@@ -89,8 +89,10 @@ def to_text(config: str, profile: Profile, plan: Plan, assume: Assumptions) -> s
         f"predicted step {plan.step_s:.3f} s, {plan.samples_per_s:,.0f} samples/s ({step_calibration(assume.mfu)})",
         "assumptions:",
         *(f"  {line}" for line in assume.lines()),
-        "  peak bf16 / HBM: "
-        + "; ".join(f"{g.name} {g.bf16_tflops:g} TFLOPS, {g.hbm_tb_s:g} TB/s" for g in GPUS.values()),
+        "  peak bf16 / fp32 / HBM: "
+        + "; ".join(
+            f"{g.name} {g.bf16_tflops:g} / {g.fp32_tflops:g} TFLOPS, {g.hbm_tb_s:g} TB/s" for g in GPUS.values()
+        ),
     ]
     return "\n".join(lines)
 
