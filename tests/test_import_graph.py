@@ -186,13 +186,16 @@ def test_every_package_and_data_file_goes_into_the_wheel():
         for package, folder in PACKAGES.items()
         for init in folder.rglob("__init__.py")
     }
-    data_only = {"mmpt.configs"}  # configs/, the shipped configs: YAML files under their method's folder
+    configs = ROOT / "configs"  # the shipped configs: YAML files under their method's folder
+    data_only = {"mmpt.configs", *(f"mmpt.configs.{folder.name}" for folder in configs.iterdir() if folder.is_dir())}
     assert found | data_only == set(setuptools["packages"])
-    shipped = {str(f.relative_to(ROOT / "configs")) for f in (ROOT / "configs").rglob("*") if f.is_file()}
-    patterns = setuptools["package-data"]["mmpt.configs"]
-    assert shipped and all(any(fnmatchcase(f, p) for p in patterns) for f in shipped), shipped
-    for path in PACKAGES["mmpt"].rglob("*"):
-        if path.is_file() and path.suffix not in {".py", ".pyc"} and "__pycache__" not in path.parts:
-            package = ".".join(("mmpt", *path.parent.relative_to(PACKAGES["mmpt"]).parts))
-            patterns = setuptools.get("package-data", {}).get(package, [])
+    data = setuptools["package-data"]
+    files = [("mmpt.configs", configs, path) for path in configs.rglob("*")]
+    files += [
+        ("mmpt", PACKAGES["mmpt"], path) for path in PACKAGES["mmpt"].rglob("*") if path.suffix not in {".py", ".pyc"}
+    ]
+    for top, folder, path in files:
+        if path.is_file() and "__pycache__" not in path.parts:
+            package = ".".join((top, *path.parent.relative_to(folder).parts))
+            patterns = [*data.get("*", []), *data.get(package, [])]
             assert any(fnmatchcase(path.name, p) for p in patterns), f"{path} is not in package-data"
