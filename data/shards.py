@@ -82,6 +82,11 @@ def is_remote(url: str) -> bool:
     return "://" in url or url.startswith("pipe:")
 
 
+def relative_to_cwd(path: str) -> str:
+    """Where a relative path was looked for (a config's paths are the command's, not the config file's)."""
+    return "" if os.path.isabs(os.path.expanduser(path)) else f", relative to {os.getcwd()}"
+
+
 def expand_shards(pattern: str) -> list[str]:
     """Shard URLs of a pattern: comma-separated parts, each brace-expanded (`{000..009}`) or globbed (a glob
     matching tars and other files, `shards/*` over img2dataset's output, means the tars).
@@ -98,7 +103,7 @@ def expand_shards(pattern: str) -> list[str]:
             elif any(ch in url for ch in "*?["):
                 matches = sorted(glob.glob(url))
                 if not matches:
-                    raise MissingDataError(f"no shard matches {url!r} (from pattern {pattern!r})")
+                    raise MissingDataError(f"no shard matches {url!r} (from pattern {pattern!r}{relative_to_cwd(url)})")
                 tars = [match for match in matches if match.endswith(".tar")]
                 urls.extend(tars or matches)  # not the _stats.json, .parquet or sizes.json written beside tars
             elif os.path.isfile(url):
@@ -109,7 +114,7 @@ def expand_shards(pattern: str) -> list[str]:
                     f"{url.rstrip('/')}/{{00000..00009}}.tar)"
                 )
             else:
-                raise MissingDataError(f"shard {url!r} does not exist (from pattern {pattern!r})")
+                raise MissingDataError(f"shard {url!r} does not exist (from pattern {pattern!r}{relative_to_cwd(url)})")
     if not urls:
         raise MissingDataError(f"no shard matches pattern {pattern!r}")
     return urls

@@ -99,6 +99,17 @@ def test_missing_shards_are_named(tmp_path):
         expand_shards(f"{tmp_path}/")
 
 
+def test_a_missing_relative_shard_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    """A config's paths are relative to the command's directory, not the config file's: the error says which."""
+    monkeypatch.chdir(tmp_path)
+    for pattern in ("shards/{0..1}.tar", "shards/*.tar"):
+        with pytest.raises(DataError, match=f"relative to {re.escape(str(tmp_path))}"):
+            expand_shards(pattern)
+    with pytest.raises(DataError) as absolute:
+        expand_shards(str(tmp_path / "shards/0.tar"))
+    assert "relative to" not in str(absolute.value)
+
+
 def test_a_glob_over_img2dataset_output_means_its_tars(tmp_path):
     for name in ("00000.tar", "00000_stats.json", "00000.parquet", "00001.tar", "sizes.json"):
         (tmp_path / name).write_bytes(b"")
