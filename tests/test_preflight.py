@@ -304,3 +304,19 @@ def test_what_training_would_fail_on_or_ignore_stops_before_it_starts(tmp_path, 
     lines = [line for line in output.splitlines() if line.startswith("mmpt: ")]
     assert len(lines) == 1 and says.format(root=tmp_path) in lines[0], output[-3000:]
     assert f"'{key}" in lines[0] or key in lines[0], lines[0]
+
+
+def test_a_library_warning_is_printed_once_and_torchs_renamed_collectives_not_at_all():
+    """huggingface_hub prints with a handler of its own (the root logger would print each retry again); torch
+    2.14's notice on collectives DeepSpeed calls by their old names is not news to a user."""
+    code = (
+        "import logging, warnings, huggingface_hub.utils._http\n"
+        "from mmpt.commands.train import configure_output\n"
+        "configure_output(0)\n"
+        "logging.getLogger('huggingface_hub.utils._http').warning('retrying in 1s')\n"
+        "warnings.warn('`torch.distributed.all_gather_into_tensor` is deprecated. Use another.', FutureWarning)\n"
+        "warnings.warn('something else is deprecated', FutureWarning)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launcher_env(), check=True)
+    assert done.stderr.count("retrying in 1s") == 1, done.stderr
+    assert "all_gather_into_tensor" not in done.stderr and "something else is deprecated" in done.stderr

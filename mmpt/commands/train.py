@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 
 from mmpt.commands import add_import_option, import_modules
 
@@ -55,11 +56,23 @@ def run(args: argparse.Namespace, rank: int) -> int:
     import_modules(args.imports)
     cfg = load_config(args.config, args.overrides)  # validated before any process group starts
     check_precision(cfg)
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
-    )
+    configure_output(rank)
     from mmpt.engine import train
 
     train(cfg)
     return 0
+
+
+def configure_output(rank: int) -> None:
+    """Rank 0 logs from INFO, the others from WARNING, each line naming its rank; what libraries say, once."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+    )
+    # huggingface_hub prints through a handler of its own (as transformers does, which does not propagate): once.
+    logging.getLogger("huggingface_hub").propagate = False
+    # torch 2.14 renamed these collectives; DeepSpeed 0.19.8 (pinned) and mmpt call the names every torch release
+    # has: news for neither the user nor each rank.
+    warnings.filterwarnings(
+        "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning
+    )
