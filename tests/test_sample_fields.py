@@ -286,3 +286,25 @@ def test_the_zeroshot_command_reads_a_shard_pattern_with_its_caption_key(corpora
         assert written["caption_key"] == (key or "txt")  # what was scored, whatever language it is filed under
     with pytest.raises(MissingFieldError, match="no non-empty caption under json.caption_fr"):
         zeroshot([*run, "--caption-key", "json.caption_fr"])
+
+
+def test_a_tokenizer_that_knows_none_of_the_captions_words_stops_the_run(tmp_path, digits_root):
+    """Captions that all become the same few ids would train at chance with exit 0: refused, naming the run's
+    tokenizer and the shard, by the tokenizer's method on its first captions. The corpus' own tokenizer passes."""
+    from conftest import tiny_config, write_config
+    from mmpt.config_loader import load_config
+    from mmpt.data.tokenizer import TextTokenizer, train_wordpiece
+    from mmpt.methods import get_method
+    from mmpt.methods.image_text import check_captions_tokenize_apart
+
+    sources = [Source.from_pattern(str(digits_root / "train/en-*.tar"))]
+    check_captions_tokenize_apart(TextTokenizer(digits_root / "tokenizer.json", 16), sources, tmp_path)
+    wordless = tmp_path / "wordless.json"
+    train_wordpiece([], wordless)  # its special tokens and nothing else: every word is unknown
+    config = tiny_config(digits_root, tmp_path / "run", method={"tokenizer": str(wordless)})
+    cfg = load_config(write_config(tmp_path / "run.yaml", config))
+    method = get_method("clip")
+    (tmp_path / "run").mkdir()
+    method.prepare(cfg, tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"tokenizer.json: the first \d+ captions of .*en-.*\.tar tokenise to 4 "):
+        method.train_data(cfg, tmp_path / "run", rank=0, world_size=1)

@@ -3,6 +3,7 @@ features-and-scale training step, and bilingual zero-shot classification."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
@@ -13,10 +14,11 @@ from torch import nn
 from torchvision import transforms as T
 
 from mmpt.config import Config, ConfigError, EvalSetConfig, Section
-from mmpt.data.fields import SampleFields
+from mmpt.data.fields import MissingFieldError, SampleFields
 from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, training_image_decode, uint8_transform
-from mmpt.data.loader import BatchStream
-from mmpt.data.shards import DataError
+from mmpt.data.loader import BatchStream, Source
+from mmpt.data.shards import DataError, is_remote
+from mmpt.data.stream import read_shard
 from mmpt.errors import first_line
 from mmpt.eval import resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
@@ -167,6 +169,33 @@ class ImageTextSettings(Protocol):
 SettingsT = TypeVar("SettingsT", bound=ImageTextSettings)
 
 
+CAPTIONS_CHECKED = 16  # samples read from each local source's first shard
+WORDLESS_IDS = 4  # start, end, padding and one unknown token: ids that tell no word apart
+
+
+def check_captions_tokenize_apart(tokenize: Any, sources: Sequence[Source], tokenizer: Path) -> None:
+    """A tokenizer that knows none of the captions' words turns them all into the same few ids, and the run would
+    train at chance with no error: refused, from the first captions of each local source's first shard (the same
+    on every rank). Judged only where at least 4 of those captions differ."""
+    for source in sources:
+        if not source.urls or is_remote(source.urls[0]):
+            continue
+        texts: list[str] = []
+        for _, sample in itertools.islice(read_shard(source.urls[0]), CAPTIONS_CHECKED):
+            try:
+                texts.extend(source.fields.captions(sample))
+            except (MissingFieldError, ValueError):  # counted and skipped by the loader
+                continue
+        if len({" ".join(text.lower().split()) for text in texts}) < 4:
+            continue
+        used = torch.unique(tokenize(texts)["input_ids"]).tolist()
+        if len(used) <= WORDLESS_IDS:
+            raise ConfigError(
+                f"{tokenizer}: the first {len(texts)} captions of {source.urls[0]} tokenise to {len(used)} distinct "
+                f"ids in all ({used}): the tokenizer knows none of their words"
+            )
+
+
 class ImageTextMethod(Method[SettingsT]):
     """Subclasses supply `tokenizer_file_name`, `load_tokenizer`, `image_transform`, `build_model`, `build_loss`.
 
@@ -259,13 +288,15 @@ class ImageTextMethod(Method[SettingsT]):
         """Batches with uint8 images (JPEGs decoded at reduced size); `training_step` normalises them on the device."""
         transform = training_image_decode(uint8_transform(self.image_transform(cfg, train=True)))
         teacher = teacher_of(cfg, run_dir)
+        tokenize, spec = self.tokenizer(cfg, run_dir), stream_spec(cfg, rank=rank, world_size=world_size)
+        check_captions_tokenize_apart(tokenize, spec.sources, run_dir / self.tokenizer_file_name(cfg))
         decoder = ImageTextDecoder(
             transform,
-            self.tokenizer(cfg, run_dir),
+            tokenize,
             attention_mask=self.uses_attention_mask,
             teacher_tokenize=None if teacher is None else teacher.tokenizer(),
         )
-        return BatchStream(stream_spec(cfg, rank=rank, world_size=world_size), decoder)
+        return BatchStream(spec, decoder)
 
     def loss_spec(self, cfg: Config) -> ContrastiveLossConfig | SigmoidLossConfig:
         """The loss a run trains with (`method.loss`)."""
