@@ -298,7 +298,7 @@ def test_a_tokenizer_that_knows_none_of_the_captions_words_stops_the_run(tmp_pat
     from mmpt.methods.image_text import check_captions_tokenize_apart
 
     sources = [Source.from_pattern(str(digits_root / "train/en-*.tar"))]
-    check_captions_tokenize_apart(TextTokenizer(digits_root / "tokenizer.json", 16), sources, tmp_path)
+    check_captions_tokenize_apart(TextTokenizer(digits_root / "tokenizer.json", 16), sources, "tokenizer.json")
     wordless = tmp_path / "wordless.json"
     train_wordpiece([], wordless)  # its special tokens and nothing else: every word is unknown
     config = tiny_config(digits_root, tmp_path / "run", method={"tokenizer": str(wordless)})
@@ -306,5 +306,5 @@ def test_a_tokenizer_that_knows_none_of_the_captions_words_stops_the_run(tmp_pat
     method = get_method("clip")
     (tmp_path / "run").mkdir()
     method.prepare(cfg, tmp_path / "run")
-    with pytest.raises(ConfigError, match=r"tokenizer.json: the first \d+ captions of .*en-.*\.tar tokenise to 4 "):
+    with pytest.raises(ConfigError, match=r"wordless.json: the first \d+ captions of .*en-.*\.tar tokenise to 4 "):
         method.train_data(cfg, tmp_path / "run", rank=0, world_size=1)

@@ -173,7 +173,7 @@ CAPTIONS_CHECKED = 16  # samples read from each local source's first shard
 WORDLESS_IDS = 4  # start, end, padding and one unknown token: ids that tell no word apart
 
 
-def check_captions_tokenize_apart(tokenize: Any, sources: Sequence[Source], tokenizer: Path) -> None:
+def check_captions_tokenize_apart(tokenize: Any, sources: Sequence[Source], tokenizer: str) -> None:
     """A tokenizer that knows none of the captions' words turns them all into the same few ids, and the run would
     train at chance with no error: refused, from the first captions of each local source's first shard (the same
     on every rank). Judged only where at least 4 of those captions differ."""
@@ -289,7 +289,8 @@ class ImageTextMethod(Method[SettingsT]):
         transform = training_image_decode(uint8_transform(self.image_transform(cfg, train=True)))
         teacher = teacher_of(cfg, run_dir)
         tokenize, spec = self.tokenizer(cfg, run_dir), stream_spec(cfg, rank=rank, world_size=world_size)
-        check_captions_tokenize_apart(tokenize, spec.sources, run_dir / self.tokenizer_file_name(cfg))
+        named = self.tokenizer_source(cfg)  # the file the config names, else the model's own (the run keeps a copy)
+        check_captions_tokenize_apart(tokenize, spec.sources, named or str(run_dir / self.tokenizer_file_name(cfg)))
         decoder = ImageTextDecoder(
             transform,
             tokenize,
