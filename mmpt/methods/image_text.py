@@ -257,7 +257,7 @@ class ImageTextMethod(Method[SettingsT]):
     def tokenizer_source(self, cfg: Config) -> str | None:
         """The tokenizer file a run starts from (`method.tokenizer`; None: the model brings its own); the run
         keeps its own copy."""
-        raise NotImplementedError
+        return None
 
     def prepare(self, cfg: Config, run_dir: Path) -> None:
         self.prepare_files(cfg, run_dir)
@@ -289,8 +289,8 @@ class ImageTextMethod(Method[SettingsT]):
         transform = training_image_decode(uint8_transform(self.image_transform(cfg, train=True)))
         teacher = teacher_of(cfg, run_dir)
         tokenize, spec = self.tokenizer(cfg, run_dir), stream_spec(cfg, rank=rank, world_size=world_size)
-        named = self.tokenizer_source(cfg)  # the file the config names, else the model's own (the run keeps a copy)
-        check_captions_tokenize_apart(tokenize, spec.sources, named or str(run_dir / self.tokenizer_file_name(cfg)))
+        named = self.tokenizer_source(cfg)  # the file the config names (the run keeps a copy), else the model's own
+        check_captions_tokenize_apart(tokenize, spec.sources, named or "the model's own tokenizer")
         decoder = ImageTextDecoder(
             transform,
             tokenize,
