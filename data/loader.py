@@ -11,6 +11,7 @@ over workers, so on resume the workers are rotated to continue with the same wor
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -22,13 +23,18 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from mmpt.data import counts
 from mmpt.data.fields import MissingFieldError, SampleFields, TextEncodingError
 from mmpt.data.shards import DataError, expand_shards
-from mmpt.data.stream import MixedStream, ShardStream
+from mmpt.data.stream import MixedStream, ShardStream, read_shard
 
 log = logging.getLogger(__name__)
 
 
 LOGGED_SKIPS = 10  # a reader logs its first skipped samples, then one in 1000: web data has millions
 FIELD_CHECK_SAMPLES = 16  # a source whose first this many samples all miss a field is misconfigured, not damaged
+
+
+def first_samples(url: str) -> list[dict[str, Any]]:
+    """A local shard's first `FIELD_CHECK_SAMPLES` samples: what the checks before training read of a source."""
+    return [sample for _, sample in itertools.islice(read_shard(url), FIELD_CHECK_SAMPLES)]
 
 
 @dataclass

@@ -8,7 +8,6 @@ config key and the path, and exit code 2 (`mmpt.engine.stops`).
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -18,9 +17,9 @@ import torch
 from mmpt.artifacts import ReleaseError
 from mmpt.config import Config, ConfigError, SourceConfig
 from mmpt.data.fields import MissingFieldError, missing_field
-from mmpt.data.loader import FIELD_CHECK_SAMPLES
+from mmpt.data.loader import first_samples
 from mmpt.data.shards import DataError, expand_shards, is_remote
-from mmpt.data.stream import check_epoch_shards, read_shard
+from mmpt.data.stream import check_epoch_shards
 from mmpt.eval import DEMO_NAMES
 from mmpt.eval.retrieval_formats import is_shard_pattern
 from mmpt.methods import Method
@@ -100,7 +99,7 @@ def check_named_fields(key: str, source: SourceConfig, first_shard: str) -> None
     named = {what: getattr(fields, what) for what in source.fields_set()}
     if not named or is_remote(first_shard):
         return
-    samples = [sample for _, sample in itertools.islice(read_shard(first_shard), FIELD_CHECK_SAMPLES)]
+    samples = first_samples(first_shard)
     for what, keys in named.items():
         missing = []
         for sample in samples:

@@ -3,7 +3,6 @@ features-and-scale training step, and bilingual zero-shot classification."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
@@ -16,9 +15,8 @@ from torchvision import transforms as T
 from mmpt.config import Config, ConfigError, EvalSetConfig, Section
 from mmpt.data.fields import MissingFieldError, SampleFields
 from mmpt.data.image_text import ImageTextDecoder, normalize_pixels, training_image_decode, uint8_transform
-from mmpt.data.loader import BatchStream, Source
+from mmpt.data.loader import BatchStream, Source, first_samples
 from mmpt.data.shards import DataError, is_remote
-from mmpt.data.stream import read_shard
 from mmpt.errors import first_line
 from mmpt.eval import resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
@@ -169,7 +167,6 @@ class ImageTextSettings(Protocol):
 SettingsT = TypeVar("SettingsT", bound=ImageTextSettings)
 
 
-CAPTIONS_CHECKED = 16  # samples read from each local source's first shard
 WORDLESS_IDS = 4  # start, end, padding and one unknown token: ids that tell no word apart
 
 
@@ -181,7 +178,7 @@ def check_captions_tokenize_apart(tokenize: Any, sources: Sequence[Source], toke
         if not source.urls or is_remote(source.urls[0]):
             continue
         texts: list[str] = []
-        for _, sample in itertools.islice(read_shard(source.urls[0]), CAPTIONS_CHECKED):
+        for sample in first_samples(source.urls[0]):
             try:
                 texts.extend(source.fields.captions(sample))
             except (MissingFieldError, ValueError):  # counted and skipped by the loader
