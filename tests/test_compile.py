@@ -12,8 +12,9 @@ model's state-dict keys.
 Default tier: the refused combinations and `auto`. Extended tier (`pytest -m extended`): clip at ZeRO-0 in a world
 of one, in this process; every method at ZeRO-2 on 2 gloo ranks (m2_encoder's pooled accumulation: a compiled pass
 without gradient, then one with), m2_encoder at ZeRO-3 (DeepSpeed's parameter hooks between the compiled pieces);
-a compiled clip run saved at step 2 and resumed continues as the uninterrupted compiled run. Each method is
-compiled once per stage: inductor's cold compilation (~30-60 s a method on 2 cores) is what these tests cost.
+a compiled clip run saved at step 2 and resumed continues as the uninterrupted compiled run. The matrix part
+(`pytest -m matrix`): every method at ZeRO 0, 1 and 3 as well. Each method is compiled once per stage: inductor's
+cold compilation (~30-60 s a method on 2 cores) is what these tests cost.
 """
 
 from __future__ import annotations
@@ -173,6 +174,16 @@ def test_every_method_compiled_at_zero2_on_two_ranks(corpora, tmp_path):
     """The methods one after another in one world of 2 ranks (a world's start costs more than a check). First in
     this file: the checks in this process then find clip's kernels in inductor's cache."""
     checks = [("check_compiled_step_matches_eager", (str(tmp_path / n), n, corpora, 2, 2)) for n in list_methods()]
+    run_on_gloo_ranks("test_compile", checks, world=2)
+
+
+@pytest.mark.extended
+@pytest.mark.matrix
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_every_method_compiled_at_the_other_stages_on_two_ranks(stage, corpora, tmp_path):
+    """The rest of the matrix, every method at ZeRO 0, 1 and 3 (at 0 and 1 the ZeRO-2 check's kernels are reused;
+    ZeRO-3's graphs break at DeepSpeed's parameter hooks and are compiled anew)."""
+    checks = [("check_compiled_step_matches_eager", (str(tmp_path / n), n, corpora, stage, 2)) for n in list_methods()]
     run_on_gloo_ranks("test_compile", checks, world=2)
 
 

@@ -72,6 +72,23 @@ def test_adapters_pass_the_checks_before_a_run_and_only_they_train(name, corpora
     assert trained and all(".lora_" in n for n in trained), trained[:4]
 
 
+@pytest.mark.parametrize(("name", "image"), [("open_clip", "visual."), ("transformers", "vision_model.")])
+def test_a_locked_towers_adapters_stay_at_their_start(name, image, corpora, tmp_path):
+    """Adapters on both towers, the image tower locked: its adapters do not train (their update stays zero, so the
+    tower ends as it began); the text tower's do."""
+    lora = f"method.lora={{targets: {TARGETS[name]}, rank: 4, alpha: 8}}"
+    _, _, model = tiny(name, corpora, tmp_path, lora, "method.lock_image=0")
+    adapters = {n: p.requires_grad for n, p in model.named_parameters() if ".lora_" in n}
+    assert any(image in n for n in adapters) and any(image not in n for n in adapters), sorted(adapters)[:4]
+    assert all(trains == (image not in n) for n, trains in adapters.items()), adapters
+
+
+def test_adapters_only_in_locked_towers_stop_before_training(corpora, tmp_path):
+    says = r"^config key 'method.lora.targets': every layer \['query', 'value'\] adapts is in a locked tower"
+    with pytest.raises(ConfigError, match=says):
+        tiny("clip", corpora, tmp_path, f"method.lora={{targets: {TARGETS['clip']}}}", "method.lock_text=0")
+
+
 def test_also_train_names_parameters_that_train_beside_the_adapters(corpora, tmp_path):
     """The clip method's projection heads and temperature, new on pretrained towers, train with the adapters."""
     heads = "also_train: [image_projection.*, text_projection.*, logit_scale]"

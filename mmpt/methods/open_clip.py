@@ -264,7 +264,7 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         bias = getattr(cast(OpenClipModel, model).clip, "logit_bias", None)  # as trained, whatever the architecture
         config.pop("init_logit_bias", None)
         if bias is not None:
-            config["init_logit_bias"] = float(bias)
+            config["init_logit_bias"] = bias.item()
         if config.get("text_cfg", {}).get("hf_tokenizer_name"):
             tokenizer: Any = open_clip.get_tokenizer(name)  # an HFTokenizer: local-dir: reads it from the folder
             tokenizer.save_pretrained(str(out))

@@ -237,7 +237,7 @@ class TransformersMethod(ImageTextMethod[TransformersConfig]):
         if added is not None:
             print(
                 f"note: {type(dual.hf).__name__} has no logit bias: the one the sigmoid loss trained "
-                f"({float(added):.4g}) is not in the export (rankings are unchanged; sigmoid probabilities need it)",
+                f"({added.item():.4g}) is not in the export (rankings are unchanged; sigmoid probabilities need it)",
                 file=sys.stderr,
             )
         dual.hf.save_pretrained(out, state_dict=dual.hf_state_dict())

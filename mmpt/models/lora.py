@@ -51,7 +51,9 @@ class LoraOption(Section):
 
 def add_lora(model: nn.Module, settings: LoraSettings, within: nn.Module | None = None) -> None:
     """Wrap the targeted linear layers of `within` (default: `model`, the method's whole model) with adapters; peft
-    stops everything else training, but for the parameters of `model` that `settings.also_train` names."""
+    stops everything else training, but for the parameters of `model` that `settings.also_train` names. A layer
+    that a locked tower holds (it stopped training before this) keeps its adapter frozen at its start, where the
+    update is zero: a locked tower ends as it began."""
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
 
@@ -59,6 +61,7 @@ def add_lora(model: nn.Module, settings: LoraSettings, within: nn.Module | None 
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=settings.targets
     )
     adapted = model if within is None else within
+    locked = {id(p) for p in adapted.parameters() if not p.requires_grad}
     try:
         inject_adapter_in_model(config, adapted)
     except ValueError as exc:  # no module matched
@@ -70,6 +73,17 @@ def add_lora(model: nn.Module, settings: LoraSettings, within: nn.Module | None 
                 f"config key '{KEY}.targets': {name}.out_proj is the output projection of torch's MultiheadAttention, "
                 "whose forward reads its weight directly: an adapter there would never train"
             )
+    adapters = [m for m in adapted.modules() if isinstance(m, LoraLayer)]
+    in_locked = [m for m in adapters if id(m.get_base_layer().weight) in locked]
+    for module in in_locked:
+        for name, parameter in module.named_parameters():
+            if "lora_" in name:
+                parameter.requires_grad_(False)
+    if adapters and len(in_locked) == len(adapters):
+        raise ConfigError(
+            f"config key '{KEY}.targets': every layer {settings.targets} adapts is in a locked tower "
+            "(method.lock_image / lock_text), so no adapter would train"
+        )
     for pattern in settings.also_train:
         named = [p for name, p in model.named_parameters() if fnmatchcase(name, pattern)]
         if not named:
