@@ -179,12 +179,17 @@ def test_every_method_compiled_at_zero2_on_two_ranks(corpora, tmp_path):
 
 @pytest.mark.extended
 @pytest.mark.matrix
-@pytest.mark.parametrize("stage", [0, 1, 3])
-def test_every_method_compiled_at_the_other_stages_on_two_ranks(stage, corpora, tmp_path):
+@pytest.mark.parametrize(
+    ("stage", "name"),
+    # open_clip at ZeRO-3 is refused (test_multihead_attention_towers_are_refused_at_zero3)
+    [(s, n) for s in (0, 1, 3) for n in list_methods() if (s, n) != (3, "open_clip")],
+)
+def test_every_method_compiled_at_the_other_stages_on_two_ranks(stage, name, corpora, tmp_path):
     """The rest of the matrix, every method at ZeRO 0, 1 and 3 (at 0 and 1 the ZeRO-2 check's kernels are reused;
     ZeRO-3's graphs break at DeepSpeed's parameter hooks and are compiled anew)."""
-    checks = [("check_compiled_step_matches_eager", (str(tmp_path / n), n, corpora, stage, 2)) for n in list_methods()]
-    run_on_gloo_ranks("test_compile", checks, world=2)
+    run_on_gloo_ranks(
+        "test_compile", [("check_compiled_step_matches_eager", (str(tmp_path), name, corpora, stage, 2))], 2
+    )
 
 
 @pytest.mark.slow
@@ -262,7 +267,22 @@ def test_a_method_without_towers_cannot_compile():
     from mmpt.methods import EngineNeeds
 
     with pytest.raises(ConfigError, match="'train.compile': method 'toy' declares no tower"):
-        compile_towers(EngineNeeds(), "toy")
+        compile_towers(EngineNeeds(), "toy", 0)
+
+
+def test_multihead_attention_towers_are_refused_at_zero3(corpora, tmp_path):
+    """open_clip's towers (torch's nn.MultiheadAttention) failed to trace under ZeRO-3's hooks: refused in one line,
+    compiled at the other stages."""
+    from test_locking import tiny
+
+    from mmpt.config import ConfigError
+    from mmpt.engine.compile import compile_towers
+
+    cfg, method, model = tiny("open_clip", corpora, tmp_path)
+    needs = method.engine_needs(model, cfg)
+    with pytest.raises(ConfigError, match=r"^config key 'train.compile': method 'open_clip' has torch's nn.Multi"):
+        compile_towers(needs, "open_clip", 3)
+    assert compile_towers(needs, "open_clip", 2) > 0
 
 
 @pytest.mark.parametrize(
@@ -311,7 +331,7 @@ def test_a_deeper_tower_traces_no_more_to_compile():
         if whole:
             tower.compile()
         else:
-            assert compile_towers(EngineNeeds(compilable=(tower,)), "toy") == depth
+            assert compile_towers(EngineNeeds(compilable=(tower,)), "toy", 0) == depth
             assert all(is_compiled(block) for block in regions(tower)) and not is_compiled(tower)
         tower(torch.randn(4, 8, requires_grad=True)).sum().backward()
         return counters["stats"]["calls_captured"]

@@ -417,7 +417,8 @@ def build_engine(
         assert layout.sequence_group is not None  # formed whenever sequence parallelism is on
         split_sequences(needs.sequence_parallel, layout.sequence_group, layout.sequence_parallel)
     if compiles(cfg, needs, gpu=torch.cuda.is_available()):
-        compile_towers(needs, method.name)  # in place: parameter names, so checkpoints, stay those of eager runs
+        # in place: parameter names, so checkpoints, stay those of eager runs
+        compile_towers(needs, method.name, cfg.train.zero_stage)
     module = TrainingModule(method, model, loss_with_teacher(cfg, method, world_size, load_universal), needs)
     module.pooling = step_pooling(cfg, needs, model)
     optimizer = build_optimizer(module.model, cfg.optim, needs.tower_groups, skips_on_device(cfg.train))
