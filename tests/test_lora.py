@@ -83,6 +83,17 @@ def test_a_locked_towers_adapters_stay_at_their_start(name, image, corpora, tmp_
     assert all(trains == (image not in n) for n, trains in adapters.items()), adapters
 
 
+def test_a_bias_the_method_adds_trains_only_when_also_train_names_it(corpora, tmp_path):
+    """The transformers method's sigmoid loss adds a logit bias beside the transformers model: with adapters it
+    stays as initialised, as every other weight does, unless `also_train` names it."""
+    lora, sigmoid = f"method.lora={{targets: {TARGETS['transformers']}}}", "method.loss.name=sigmoid"
+    _, _, model = tiny("transformers", corpora, tmp_path / "a", lora, sigmoid)
+    assert not model.logit_bias.requires_grad
+    also = f"method.lora={{targets: {TARGETS['transformers']}, also_train: [logit_bias]}}"
+    _, _, model = tiny("transformers", corpora, tmp_path / "b", also, sigmoid)
+    assert model.logit_bias.requires_grad
+
+
 def test_adapters_only_in_locked_towers_stop_before_training(corpora, tmp_path):
     says = r"^config key 'method.lora.targets': every layer \['query', 'value'\] adapts is in a locked tower"
     with pytest.raises(ConfigError, match=says):

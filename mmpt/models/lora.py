@@ -50,10 +50,11 @@ class LoraOption(Section):
 
 
 def add_lora(model: nn.Module, settings: LoraSettings, within: nn.Module | None = None) -> None:
-    """Wrap the targeted linear layers of `within` (default: `model`, the method's whole model) with adapters; peft
-    stops everything else training, but for the parameters of `model` that `settings.also_train` names. A layer
-    that a locked tower holds (it stopped training before this) keeps its adapter frozen at its start, where the
-    update is zero: a locked tower ends as it began."""
+    """Wrap the targeted linear layers of `within` (default: `model`, the method's whole model) with adapters;
+    nothing else of `model` trains (peft stops `within`, this what lies outside it, such as a logit bias the method
+    adds), but for the parameters that `settings.also_train` names. A layer that a locked tower holds (it stopped
+    training before this) keeps its adapter frozen at its start, where the update is zero: a locked tower ends as
+    it began."""
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
 
@@ -84,6 +85,10 @@ def add_lora(model: nn.Module, settings: LoraSettings, within: nn.Module | None 
             f"config key '{KEY}.targets': every layer {settings.targets} adapts is in a locked tower "
             "(method.lock_image / lock_text), so no adapter would train"
         )
+    inside = {id(p) for p in adapted.parameters()}
+    for parameter in model.parameters():
+        if id(parameter) not in inside:
+            parameter.requires_grad_(False)
     for pattern in settings.also_train:
         named = [p for name, p in model.named_parameters() if fnmatchcase(name, pattern)]
         if not named:
