@@ -51,10 +51,9 @@ class LoraOption(Section):
 
 def add_lora(model: nn.Module, settings: LoraSettings, within: nn.Module | None = None) -> None:
     """Wrap the targeted linear layers of `within` (default: `model`, the method's whole model) with adapters;
-    nothing else of `model` trains (peft stops `within`, this what lies outside it, such as a logit bias the method
-    adds), but for the parameters that `settings.also_train` names. A layer that a locked tower holds (it stopped
-    training before this) keeps its adapter frozen at its start, where the update is zero: a locked tower ends as
-    it began."""
+    nothing else of `model` trains (a logit bias the method adds beside `within` included), but for the parameters
+    that `settings.also_train` names. A layer that a locked tower holds (it stopped training before this) keeps its
+    adapter frozen at its start, where the update is zero: a locked tower ends as it began."""
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
 
@@ -75,20 +74,20 @@ def add_lora(model: nn.Module, settings: LoraSettings, within: nn.Module | None 
                 "whose forward reads its weight directly: an adapter there would never train"
             )
     adapters = [m for m in adapted.modules() if isinstance(m, LoraLayer)]
-    in_locked = [m for m in adapters if id(m.get_base_layer().weight) in locked]
-    for module in in_locked:
-        for name, parameter in module.named_parameters():
-            if "lora_" in name:
-                parameter.requires_grad_(False)
-    if adapters and len(in_locked) == len(adapters):
+    trained = {
+        id(p)
+        for m in adapters
+        if id(m.get_base_layer().weight) not in locked
+        for name, p in m.named_parameters()
+        if "lora_" in name
+    }
+    if adapters and not trained:
         raise ConfigError(
             f"config key '{KEY}.targets': every layer {settings.targets} adapts is in a locked tower "
             "(method.lock_image / lock_text), so no adapter would train"
         )
-    inside = {id(p) for p in adapted.parameters()}
     for parameter in model.parameters():
-        if id(parameter) not in inside:
-            parameter.requires_grad_(False)
+        parameter.requires_grad_(id(parameter) in trained)
     for pattern in settings.also_train:
         named = [p for name, p in model.named_parameters() if fnmatchcase(name, pattern)]
         if not named:
