@@ -21,16 +21,20 @@ DEMO_CLIP = REPO / "configs/clip/demo.yaml"
 LORA = "method.lora={targets: [q_proj, v_proj], rank: 4, alpha: 8}"
 
 
-def test_only_the_adapters_train_and_count_rank_times_in_plus_out(corpora, tmp_path):
+def adapter_size(corpora) -> int:
+    """What LORA's adapters hold, counted on the checkpoint with transformers: rank x (in + out) per layer."""
     from transformers import AutoModel
 
-    _, _, model = tiny("transformers", corpora, tmp_path, LORA)
     reference = AutoModel.from_pretrained(corpora["transformers_clip"])
     targets = [m for n, m in reference.named_modules() if n.endswith(("q_proj", "v_proj"))]
     assert len(targets) == 8  # q and v in 2 layers of 2 towers
-    expected = sum(4 * (m.in_features + m.out_features) for m in targets)
+    return sum(4 * (m.in_features + m.out_features) for m in targets)
+
+
+def test_only_the_adapters_train_and_count_rank_times_in_plus_out(corpora, tmp_path):
+    _, _, model = tiny("transformers", corpora, tmp_path, LORA)
     trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
-    assert sum(trained.values()) == expected and all(".lora_" in n for n in trained), sorted(trained)[:4]
+    assert sum(trained.values()) == adapter_size(corpora) and all(".lora_" in n for n in trained), sorted(trained)[:4]
 
 
 def test_targets_that_match_nothing_stop_before_training(corpora, tmp_path):
@@ -150,6 +154,9 @@ def test_a_lora_run_keeps_its_base_and_exports_a_merged_release(corpora, one_pro
     assert export(["--run", str(run_dir), "--out", str(tmp_path / "release")]) == 0
     merged = mmpt.load(tmp_path / "release")
     assert merged.config.method.lora is None  # the base architecture
+    size, total = adapter_size(corpora), sum(p.numel() for p in merged.model.parameters())
+    card = (tmp_path / "release/README.md").read_text()
+    assert f"| parameters | {total:,} ({size:,} trained; {size:,} of them in LoRA adapters, merged into" in card
     assert not [k for k in merged.model.state_dict() if "lora" in k or "base_layer" in k]
     adapted = mmpt.load(run_dir)
     inputs = batch(get_method("transformers"), adapted.config, run_dir)

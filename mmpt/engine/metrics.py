@@ -92,6 +92,7 @@ class MetricLogger:
         self.peak_tflops = peak_tflops
         self.flops_per_sample: float | None = None  # a training step's FLOPs per sample, recompute included
         self.data_counts: dict[str, dict[str, int]] = {}  # the latest reduced sample counts, for the summary
+        self.parameters: dict[str, int] = {}  # the model's (`mmpt.engine.summary.parameter_counts`), for the summary
         self._sums: dict[str, torch.Tensor] = {}
         self._count = 0
         self.clock = Clock(cuda=False)  # the window's wall time, read after its work has finished
@@ -266,7 +267,7 @@ class MetricLogger:
 
     def close(self) -> None:
         if self.rank == 0:
-            summary = {**self.health_summary, "data": self.data_counts}
+            summary = {**self.health_summary, "parameters": self.parameters, "data": self.data_counts}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         for handle in (self._bar, self._writer, self._jsonl):
             if handle is not None:

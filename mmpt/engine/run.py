@@ -35,7 +35,7 @@ from mmpt.engine.pool_pass import Pooling, step_pooling
 from mmpt.engine.preflight import check_inputs
 from mmpt.engine.resilience.adaptive_batch import BatchShares, check_adaptive_batch
 from mmpt.engine.sequence_parallel import split_sequences
-from mmpt.engine.summary import startup_summary
+from mmpt.engine.summary import parameter_counts, startup_summary
 from mmpt.engine.timing import Spans
 from mmpt.engine.watchdog import Watchdog
 from mmpt.engine.zero3.build import build_partitioned
@@ -304,6 +304,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         data_group=layout.data_group,
         peak_tflops=peak_tflops(cfg.train.peak_tflops, cfg.train.precision, engine.device),
     )
+    metrics.parameters = parameter_counts(engine.module.model)
     return Run(
         cfg,
         method,

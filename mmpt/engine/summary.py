@@ -16,14 +16,17 @@ from mmpt.engine.pool_pass import Pooling
 POOL_PASSES = {"merged": "one pass with gradient", "separate": "a pool pass without gradient first"}
 
 
-def parameter_counts(model: nn.Module) -> tuple[int, int]:
-    """(total, trainable) parameters, whole even where ZeRO-3 has partitioned them (`ds_numel`)."""
-    total = trainable = 0
-    for parameter in model.parameters():
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """The model's parameters: all of them, those that train, and those of these in LoRA adapters; whole even
+    where ZeRO-3 has partitioned them (`ds_numel`). A run's summary.json keeps them for its model card."""
+    counts = {"total": 0, "trained": 0, "adapters": 0}
+    for name, parameter in model.named_parameters():
         count = getattr(parameter, "ds_numel", parameter.numel())
-        total += count
-        trainable += count if parameter.requires_grad else 0
-    return total, trainable
+        counts["total"] += count
+        if parameter.requires_grad:
+            counts["trained"] += count
+            counts["adapters"] += count if "lora_" in name else 0
+    return counts
 
 
 def startup_summary(
@@ -40,7 +43,7 @@ def startup_summary(
     world = mdist.get_world_size()
     per_node = int(mdist.local_world_size())
     batch, accum = cfg.data.train.batch_size, cfg.train.grad_accum
-    total, trainable = parameter_counts(model)
+    counts = parameter_counts(model)
     how = POOL_PASSES.get(pooling or "")
     pooled = [f"pooled accumulation: the loss over all {accum} micro-batches, {how} (train.pool_pass)"] if how else []
     lines = [
@@ -51,7 +54,8 @@ def startup_summary(
         f"batch: {batch} per rank x {accum} micro-batch(es) x {layout.data_size} data-parallel rank(s) = "
         f"{batch * accum * layout.data_size} samples per step, {cfg.train.max_steps} steps",
         *pooled,
-        f"parameters: {total:,} ({trainable:,} trainable)",
+        f"parameters: {counts['total']:,} ({counts['trained']:,} trainable"
+        + (f", {counts['adapters']:,} of them in LoRA adapters)" if counts["adapters"] else ")"),
         learning_rate_line(cfg),
         f"initial weights: {initial_weights or 'random (the config names none)'}"
         + (" (at the run's start; the checkpoint's now)" if resumed_from is not None else ""),

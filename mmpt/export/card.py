@@ -58,10 +58,14 @@ def run_record(run_dir: Path) -> dict[str, Any] | None:
         if found and not (evaluations and evaluations[-1] == {"step": line["step"], "metrics": found}):
             evaluations.append({"step": line["step"], "metrics": found})
     per_source: dict[str, int] = {}
+    parameters: dict[str, int] = {}
     summary = run_dir / "summary.json"
     if summary.is_file():
-        data = json.loads(summary.read_text()).get("data", {})
-        per_source = {name: counts.get("decoded", 0) for name, counts in data.items() if name != "all"}
+        written = json.loads(summary.read_text())
+        per_source = {
+            name: counts.get("decoded", 0) for name, counts in written.get("data", {}).items() if name != "all"
+        }
+        parameters = written.get("parameters", {})
     records = []
     for path in sorted((run_dir / "eval").glob("*.json")):
         record = json.loads(path.read_text(encoding="utf-8"))
@@ -79,6 +83,7 @@ def run_record(run_dir: Path) -> dict[str, Any] | None:
         "samples": last.get("data/decoded"),
         "skipped": last.get("data/skipped"),
         "samples_per_source": per_source,
+        "parameters": parameters,
         "evaluations": evaluations,
         "eval_records": records,
     }
@@ -111,6 +116,27 @@ def parameter_counts(cfg: Config, files_from: Path, state_dict: dict[str, torch.
         return total, sum(p.numel() for p in model.parameters() if p.requires_grad)
     except Exception:  # a model whose construction needs real tensors: count the weights instead
         return sum(t.numel() for t in state_dict.values() if t.is_floating_point()), None
+
+
+def parameter_text(cfg: Config, parameters: tuple[int, int | None], record: dict[str, Any] | None) -> str:
+    """The parameters of the model in this folder and what of them trained: as the run counted it where it left a
+    count (LoRA adapters and locked towers change it), else as the config builds the model."""
+    total, trainable = parameters
+    counted = (record or {}).get("parameters") or {}
+    trained, adapters = counted.get("trained", trainable), counted.get("adapters", 0)
+    if trained is None:
+        return f"{total:,}"
+    notes = []
+    if adapters:
+        merged = getattr(cfg.method, "lora", None) is None  # the export folded the adapters into the weights
+        notes.append(f"{adapters:,} of them in LoRA adapters{', merged into these weights' if merged else ''}")
+    for tower in ("image", "text"):
+        kept = getattr(cfg.method, f"lock_{tower}", None)
+        if kept is not None:
+            notes.append(f"{tower} tower locked (`method.lock_{tower}: {kept}`)")
+    if trained == total and not notes:
+        return f"{total:,} (all trainable)"
+    return f"{total:,} ({'; '.join([f'{trained:,} trained', *notes])})"
 
 
 def architecture(cfg: Config, files_from: Path) -> str:
@@ -362,10 +388,6 @@ def render(
 ) -> str:
     """The card's Markdown. `kind` is the format of the folder (a key of FORMATS); `usage` its "How to use it"
     section; `files` (name, what it is) of the folder; `files_from` the run or release it was made from."""
-    total, trainable = parameters
-    trainable_text = (
-        "" if trainable is None else " (all trainable)" if trainable == total else f" ({trainable:,} trainable)"
-    )
     summary = [
         f"# {title}",
         "",
@@ -375,7 +397,7 @@ def render(
         "|---|---|",
         f"| method | `{cfg.method_name}` |",
         f"| architecture | {architecture(cfg, files_from)} |",
-        f"| parameters | {total:,}{trainable_text} |",
+        f"| parameters | {parameter_text(cfg, parameters, record)} |",
         f"| this folder | {FORMATS[kind]} |",
         f"| exports | {', '.join(supported_formats(cfg))} (`launch/export.py --format`) |",
     ]
