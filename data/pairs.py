@@ -18,6 +18,7 @@ from pathlib import Path
 from mmpt.data.shards import MissingDataError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+PROBED = 100  # a table none of whose first images exists names a wrong folder, not missing images
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,10 @@ def table_pairs(
 ) -> list[Pair]:
     """A pair per row: the image at the path in `image_column` (relative to `images_root`, else to the table's
     folder), each of `caption_columns` a caption (empty or absent ones left out: a row with none is skipped
-    as uncaptioned; a caption column that no row has is a typo, and an error)."""
+    as uncaptioned; a caption column that no row has is a typo, and an error). A root under which none of the
+    first PROBED images exists is an error before any shard is written (a rerun would keep empty shards)."""
+    if images_root is not None and not images_root.is_dir():
+        raise MissingDataError(f"--images-root {images_root}: no such folder")
     root = images_root or path.parent
     pairs, columns = [], set()
     try:
@@ -98,6 +102,13 @@ def table_pairs(
     absent = [c for c in caption_columns if c not in columns]
     if pairs and absent:  # a row without a caption is skipped as uncaptioned; a column no row has is a typo
         raise MissingDataError(f"--table {path}: no row has column {absent[0]!r} (the rows have {sorted(columns)})")
+    probed = pairs[:PROBED]
+    if probed and not any(Path(pair.path).is_file() for pair in probed):
+        relative_to = "--images-root" if images_root is not None else "the table's folder; set --images-root"
+        raise MissingDataError(
+            f"--table {path}: none of the first {len(probed)} images exists (the first, {probed[0].source!r}, is not "
+            f"at {probed[0].path}): the paths are read relative to {relative_to}"
+        )
     return pairs
 
 

@@ -1,8 +1,8 @@
 """`mmpt-make-image-text-shards`: a folder with sidecar captions, a gb18030 csv with two caption columns, and
 Chinese-CLIP's tsv + jsonl become img2dataset-layout shards that mmpt's loader reads as they are (a caption column
 chosen by `json.<column>`), resized where asked; bad pairs are skipped by reason with exit 3 past the limit; an
-interrupted run, started again, ends with the same bytes; a missing column or a line of a JSON table that is not
-an object is one line and exit 2."""
+interrupted run, started again, ends with the same bytes; a missing column, a line of a JSON table that is not
+an object or a wrong --images-root is one line and exit 2."""
 
 import base64
 import io
@@ -132,6 +132,18 @@ def test_a_missing_column_is_one_line_and_exit_2(inputs):
         make_shards([*args, "--encoding", "gb18030", "--out", str(inputs / "out")])
     assert exit_code(error.value) == 2 and "row 1 has no column 'file'" in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_a_wrong_images_root_is_one_line_and_exit_2_before_any_shard(inputs):
+    args = ["--table", str(inputs / "pairs.csv"), "--image-column", "path", "--caption-columns", "caption"]
+    args += ["--encoding", "gb18030", "--out", str(inputs / "out")]
+    for root, said in ((inputs / "nowhere", "no such folder"), (inputs / "photos", "none of the first 2 images")):
+        with pytest.raises(Exception) as error:
+            make_shards([*args, "--images-root", str(root)])
+        assert exit_code(error.value) == 2 and said in str(error.value) and "\n" not in str(error.value)
+    assert f"is not at {inputs}/photos/photos/a.jpg" in str(error.value)
+    assert not (inputs / "out").exists()  # nothing written that a fixed rerun would keep
+    assert make_shards([*args, "--images-root", str(inputs)]) == 0
 
 
 def test_a_jsonl_row_without_its_caption_is_skipped_and_a_line_that_is_not_an_object_is_exit_2(inputs, capsys):
