@@ -11,10 +11,11 @@ What composes: every ZeRO stage and precision, pooled accumulation, momentum cop
 gradient checkpointing inside a tower (non-reentrant checkpoints are traced as such). At ZeRO-3, DeepSpeed
 0.19.8 gathers and releases each submodule's partitioned parameters in hooks it keeps out of graphs
 (`torch.compiler.disable`): a block compiles into the pieces between its submodules' hooks, exact against eager,
-its speed not yet measured on a GPU, so `auto` leaves ZeRO-3 eager. Refused with a config error naming
-`train.compile`: towers with torch's `nn.MultiheadAttention` (open_clip's) at ZeRO-3, whose forward reads its
-output projection's weight without calling that module, so the weight is still partitioned when the block is
-traced; sequence parallelism (its hooks on the split transformers and its attention run collectives mid-tower).
+its speed not yet measured on a GPU, so `auto` leaves ZeRO-3 eager. torch's `nn.MultiheadAttention` (open_clip's)
+reads its output projection's parameters without calling that module; eager ZeRO-3 gathers them when first read,
+which a traced forward does not do, so they are declared the attention's own (`register_external_parameter`) and
+its hook gathers them before the block runs. Refused with a config error naming `train.compile`: sequence
+parallelism (its hooks on the split transformers and its attention run collectives mid-tower).
 `train.compile: auto` compiles only GPU runs at ZeRO 0-2 without sequence parallelism (on CPU ranks compilation
 costs more than it saves in a short run).
 """
@@ -64,13 +65,13 @@ def compile_towers(needs: EngineNeeds, method_name: str, zero_stage: int) -> int
         raise ConfigError(
             f"config key 'train.compile': method '{method_name}' declares no tower to compile; set it to false"
         )
-    attention = [n for t in needs.compilable for n, m in t.named_modules() if isinstance(m, nn.MultiheadAttention)]
-    if zero_stage == 3 and attention:
-        raise ConfigError(
-            f"config key 'train.compile': method '{method_name}' has torch's nn.MultiheadAttention ({attention[0]}), "
-            "whose forward reads its output projection's weight without calling it: under ZeRO-3 that weight is "
-            "still partitioned when the compiled block is traced; compile at train.zero_stage 0-2 or set it to false"
-        )
+    if zero_stage == 3:
+        import deepspeed
+
+        for module in (m for tower in needs.compilable for m in tower.modules()):
+            if isinstance(module, nn.MultiheadAttention):
+                for parameter in module.out_proj.parameters():
+                    deepspeed.zero.register_external_parameter(module, parameter)
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     seen: set[int] = set()
