@@ -133,7 +133,7 @@ def parameter_text(cfg: Config, parameters: tuple[int, int | None], record: dict
     for tower in ("image", "text"):
         kept = getattr(cfg.method, f"lock_{tower}", None)
         if kept is not None:
-            notes.append(f"{tower} tower locked (`method.lock_{tower}: {kept}`)")
+            notes.append(f"the {tower} tower locked by `method.lock_{tower}: {kept}`")
     if trained == total and not notes:
         return f"{total:,} (all trainable)"
     return f"{total:,} ({'; '.join([f'{trained:,} trained', *notes])})"
