@@ -23,7 +23,8 @@ PROBED = 100  # a table none of whose first images exists names a wrong folder, 
 
 @dataclass(frozen=True)
 class Pair:
-    """One sample: its image (`path`, or the tsv line at `offset` of `path`) and its captions by column name."""
+    """One sample: its image (`path`, or the tsv line at `offset` of `path`) and its captions by column name ("" where
+    a row leaves a column empty)."""
 
     source: str  # what the image is called where it came from (a path, or a Chinese-CLIP image id)
     path: str
@@ -78,9 +79,10 @@ def table_pairs(
     path: Path, image_column: str, caption_columns: list[str], images_root: Path | None, encoding: str = "utf-8"
 ) -> list[Pair]:
     """A pair per row: the image at the path in `image_column` (relative to `images_root`, else to the table's
-    folder), each of `caption_columns` a caption (empty or absent ones left out: a row with none is skipped
-    as uncaptioned; a caption column that no row has is a typo, and an error). A root under which none of the
-    first PROBED images exists is an error before any shard is written (a rerun would keep empty shards)."""
+    folder), each of `caption_columns` a caption (empty or absent ones as "", left out of the shard: a row with
+    none is skipped as uncaptioned; a caption column that no row has is a typo, and an error). A root under which
+    none of the first PROBED images exists is an error before any shard is written (a rerun would keep empty
+    shards)."""
     if images_root is not None and not images_root.is_dir():
         raise MissingDataError(f"--images-root {images_root}: no such folder")
     root = images_root or path.parent
@@ -92,9 +94,7 @@ def table_pairs(
                     f"--table {path}: row {number} has no column {image_column!r} (it has {sorted(row)})"
                 )
             columns.update(row)
-            captions = {
-                c: str(row[c]).strip() for c in caption_columns if row.get(c) is not None and str(row[c]).strip()
-            }
+            captions = {c: "" if row.get(c) is None else str(row[c]).strip() for c in caption_columns}
             image = str(row[image_column])
             pairs.append(Pair(image, str(root / image), captions))
     except UnicodeDecodeError as exc:

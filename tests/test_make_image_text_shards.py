@@ -42,6 +42,7 @@ def inputs(tmp_path):
     (photos / "broken.txt").write_text("broken")
     (photos / "uncaptioned.jpg").write_bytes(jpeg((50, 50)))
     table = "path,caption,caption_zh\nphotos/a.jpg,a red square,红色方块\nphotos/sub/b.png,a tall one,高图\n"
+    table += "photos/a.jpg,,只有中文\n"  # no English caption: no "caption" in its json
     (tmp_path / "pairs.csv").write_bytes(table.encode("gb18030"))
     tsv = "".join(f"{i}\t{base64.urlsafe_b64encode(jpeg((80, 60))).decode()}\n" for i in (1001, 1002))
     (tmp_path / "train_imgs.tsv").write_text(tsv)
@@ -58,10 +59,11 @@ def test_a_table_becomes_shards_mmpt_trains_on_in_either_caption_column(inputs, 
     args = ["--table", str(inputs / "pairs.csv"), "--image-column", "path", "--caption-columns", "caption,caption_zh"]
     assert make_shards([*args, "--encoding", "gb18030", "--out", str(out), "--resize", "64", "--processes", "1"]) == 0
     files = members(out / "00000.tar")
-    assert sorted(files) == ["000000000.jpg", "000000000.json", "000000000.txt", "000000001.jpg", "000000001.json",
-                             "000000001.txt"]  # fmt: skip
+    assert sorted(files) == [f"00000000{i}.{kind}" for i in range(3) for kind in ("jpg", "json", "txt")]
     record = json.loads(files["000000001.json"])
     assert record["caption_zh"] == "高图" and files["000000001.txt"].decode() == "a tall one"
+    chinese_only = json.loads(files["000000002.json"])  # a source reading json.caption finds no English here
+    assert "caption" not in chinese_only and chinese_only["caption_zh"] == files["000000002.txt"].decode() == "只有中文"
     assert (record["original_width"], record["original_height"], record["width"], record["height"]) == (
         100,
         300,
@@ -69,7 +71,7 @@ def test_a_table_becomes_shards_mmpt_trains_on_in_either_caption_column(inputs, 
         192,
     )
     assert Image.open(io.BytesIO(files["000000001.jpg"])).size == (64, 192)
-    assert json.loads((out / "00000_stats.json").read_text())["successes"] == 2
+    assert json.loads((out / "00000_stats.json").read_text())["successes"] == 3
 
     config = REPO / "configs/clip/demo.yaml"
     source = f'data.train.sources=[{{shards: "{out}/*.tar", caption_key: json.caption_zh}}]'
@@ -135,9 +137,9 @@ def test_a_missing_column_is_one_line_and_exit_2(inputs):
 
 
 def test_a_wrong_images_root_is_one_line_and_exit_2_before_any_shard(inputs):
-    args = ["--table", str(inputs / "pairs.csv"), "--image-column", "path", "--caption-columns", "caption"]
+    args = ["--table", str(inputs / "pairs.csv"), "--image-column", "path", "--caption-columns", "caption,caption_zh"]
     args += ["--encoding", "gb18030", "--out", str(inputs / "out")]
-    for root, said in ((inputs / "nowhere", "no such folder"), (inputs / "photos", "none of the first 2 images")):
+    for root, said in ((inputs / "nowhere", "no such folder"), (inputs / "photos", "none of the first 3 images")):
         with pytest.raises(Exception) as error:
             make_shards([*args, "--images-root", str(root)])
         assert exit_code(error.value) == 2 and said in str(error.value) and "\n" not in str(error.value)

@@ -5,11 +5,12 @@
         --caption-columns caption,caption_zh --out shards/pairs --resize 384
     python launch/make_image_text_shards.py --cn-clip MUGE/train_imgs.tsv MUGE/train_texts.jsonl --out shards/muge
 
-Writes <out>/00000.tar, 00001.tar, ... each sample <key>.jpg, <key>.txt (the first caption column) and
-<key>.json (key, every caption column, source, sizes, status), with <shard>_stats.json beside each shard, as
-img2dataset does. --resize N shrinks images whose shorter side is longer than N to N (aspect kept; img2dataset's
-keep_ratio), so training decodes less. Shards are made in parallel (--processes); a shard is finished once its
-_stats.json exists: an interrupted run, started again, keeps those and makes the rest, the same shards as one run.
+Writes <out>/00000.tar, 00001.tar, ... each sample <key>.jpg, <key>.txt (the first caption column, or the
+first one the row fills) and <key>.json (key, every caption column the row fills, source, sizes, status), with
+<shard>_stats.json beside each shard, as img2dataset does. --resize N shrinks images whose shorter side is longer
+than N to N (aspect kept; img2dataset's keep_ratio), so training decodes less. Shards are made in parallel
+(--processes); a shard is finished once its _stats.json exists: an interrupted run, started again, keeps those and
+makes the rest, the same shards as one run.
 
 Pairs that cannot be used are skipped and counted by reason (missing image, unreadable image, no caption);
 each shard's _stats.json names them (`skipped_pairs`: source and reason).
@@ -73,7 +74,8 @@ def write_shard(task: tuple[int, list[Any], Path, int | None]) -> dict[str, Any]
     partial = out / f"{name}.tar.partial"
     with TarWriter(str(partial), mtime=0) as tar:  # mtime fixed: the same pairs give byte-identical shards
         for position, pair in enumerate(pairs):
-            if not pair.captions:
+            captions = {column: text for column, text in pair.captions.items() if text}
+            if not captions:
                 skipped.append({"source": pair.source, "reason": "no_caption"})
                 continue
             try:
@@ -89,11 +91,12 @@ def write_shard(task: tuple[int, list[Any], Path, int | None]) -> dict[str, Any]
                 skipped.append({"source": pair.source, "reason": "unreadable_image"})
                 continue
             key = f"{name}{position:0{KEY_DIGITS}d}"
-            first = next(iter(pair.captions.values()))
+            first = next(iter(captions.values()))
             record = {
                 "key": key,
-                "caption": first,
-                **pair.captions,
+                # img2dataset's "caption" is the .txt, unless a caption column of that name is empty in this row
+                **({} if "caption" in pair.captions else {"caption": first}),
+                **captions,
                 "source": pair.source,
                 **sizes,
                 "status": "success",
