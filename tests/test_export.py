@@ -293,7 +293,7 @@ def clip_run(corpora, one_process, tmp_path_factory):  # noqa: F811
     return run_dir
 
 
-def test_the_card_counts_a_single_sources_samples_from_the_totals(tmp_path):
+def test_the_card_counts_a_single_sources_samples_and_says_when_a_run_ended_in_warmup(tmp_path):
     """A run of one source counts its samples in the totals alone (no per-source counts)."""
     from mmpt.config_loader import load_config
     from mmpt.export.card import training_section
@@ -301,6 +301,11 @@ def test_the_card_counts_a_single_sources_samples_from_the_totals(tmp_path):
     cfg = load_config(REPO / "configs/clip/demo.yaml", ['data.train.sources=[{shards: "a/*.tar"}]'])
     record = {"steps": 3, "samples": 192, "skipped": 0, "samples_per_source": {}}
     assert "| `a/*.tar` | 1 | 192 |" in training_section(cfg, record)
+    # the schedule's lr is reached at the end of warmup (open_clip's (step + 1) / warmup)
+    for steps, warmup, said in ((3, 4, True), (4, 4, False)):
+        cfg.optim.warmup_steps = warmup
+        text = training_section(cfg, {**record, "steps": steps})
+        assert ("the run ended in warmup, that lr not reached" in text) == said, text
 
 
 def test_every_release_carries_a_model_card_with_its_runs_evaluations(clip_run, tmp_path):

@@ -182,15 +182,17 @@ def training_section(cfg: Config, record: dict[str, Any] | None) -> str:
             count = samples if len(data.sources) == 1 else per_source.get(name)
             shards = f" (`{source.shards}`)" if source.name else ""
             lines.append(f"| `{name}`{shards} | {source.weight:g} | {_number(count) if count is not None else '-'} |")
+        steps = record.get("steps", 0)
+        below = "; the run ended in warmup, that lr not reached" if steps < cfg.optim.warmup_steps else ""
         lines += [
             "",
-            f"- steps: {_number(record.get('steps', 0))} (of `train.max_steps` {_number(train.max_steps)})",
+            f"- steps: {_number(steps)} (of `train.max_steps` {_number(train.max_steps)})",
             f"- samples trained on: {_number(samples) if samples is not None else 'not recorded'}"
             + (f" ({_number(skipped)} skipped as unusable)" if skipped else ""),
             f"- batch: {data.batch_size} per rank x {train.grad_accum} micro-batch(es) per step; precision "
             f"{train.precision}, ZeRO stage {train.zero_stage}",
             f"- optimizer: AdamW, lr {cfg.optim.lr:g} ({cfg.optim.warmup_steps} warmup steps, then {cfg.optim.decay} "
-            f"decay), weight decay {cfg.optim.weight_decay:g}",
+            f"decay{below}), weight decay {cfg.optim.weight_decay:g}",
         ]
     init = getattr(cfg.method, "init_from", None) or getattr(cfg.method, "encoder", None)
     if init:
