@@ -159,7 +159,9 @@ def _pyav_frames(
             decoded = index + 1
             if index in wanted:  # scaled while converted to RGB (swscale, area averaging)
                 scaled = {"width": size[0], "height": size[1], "interpolation": "AREA"} if size else {}
-                frames[index] = frame.to_ndarray(format="rgb24", **scaled)
+                # swscale's threads as the decoder's: its default (one per core) slice threads were seen to wait
+                # forever in a loader worker forked from a process that had decoded video before
+                frames[index] = frame.to_ndarray(format="rgb24", threads=num_threads, **scaled)
             if index >= last:
                 break
     return frames, decoded
