@@ -286,9 +286,10 @@ def start(cfg: Config) -> tuple[Run | None, int]:
                 step,
                 *(() if same else (*saved, spec.world_size, spec.num_workers, spec.start_epoch)),
             )
+    parameters = parameter_counts(engine.module.model)
     if rank == 0:
         pooling = engine.module.pooling
-        log.info(startup_summary(cfg, engine.module.model, layout, loader, initial_weights, step, checkpoint, pooling))
+        log.info(startup_summary(cfg, parameters, layout, loader, initial_weights, step, checkpoint, pooling))
 
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * layout.data_size
     metrics = MetricLogger(
@@ -304,7 +305,7 @@ def start(cfg: Config) -> tuple[Run | None, int]:
         data_group=layout.data_group,
         peak_tflops=peak_tflops(cfg.train.peak_tflops, cfg.train.precision, engine.device),
     )
-    metrics.parameters = parameter_counts(engine.module.model)
+    metrics.parameters = parameters
     return Run(
         cfg,
         method,

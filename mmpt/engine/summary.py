@@ -31,7 +31,7 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 
 def startup_summary(
     cfg: Config,
-    model: nn.Module,
+    parameters: dict[str, int],
     layout: mdist.ParallelLayout,
     loader: StatefulLoader,
     initial_weights: str | None,
@@ -39,11 +39,11 @@ def startup_summary(
     resumed_from: Path | None,
     pooling: Pooling = None,
 ) -> str:
-    """`pooling`: how a step pooling its micro-batches for the loss runs them (`mmpt.engine.pool_pass`)."""
+    """`parameters`: the model's `parameter_counts`. `pooling`: how a step pooling its micro-batches for the loss
+    runs them (`mmpt.engine.pool_pass`)."""
     world = mdist.get_world_size()
     per_node = int(mdist.local_world_size())
     batch, accum = cfg.data.train.batch_size, cfg.train.grad_accum
-    counts = parameter_counts(model)
     how = POOL_PASSES.get(pooling or "")
     pooled = [f"pooled accumulation: the loss over all {accum} micro-batches, {how} (train.pool_pass)"] if how else []
     lines = [
@@ -54,8 +54,8 @@ def startup_summary(
         f"batch: {batch} per rank x {accum} micro-batch(es) x {layout.data_size} data-parallel rank(s) = "
         f"{batch * accum * layout.data_size} samples per step, {cfg.train.max_steps} steps",
         *pooled,
-        f"parameters: {counts['total']:,} ({counts['trained']:,} trainable"
-        + (f", {counts['adapters']:,} of them in LoRA adapters)" if counts["adapters"] else ")"),
+        f"parameters: {parameters['total']:,} ({parameters['trained']:,} trainable"
+        + (f", {parameters['adapters']:,} of them in LoRA adapters)" if parameters["adapters"] else ")"),
         learning_rate_line(cfg),
         f"initial weights: {initial_weights or 'random (the config names none)'}"
         + (" (at the run's start; the checkpoint's now)" if resumed_from is not None else ""),
