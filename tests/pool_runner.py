@@ -26,6 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+# A scenario that stops making progress ends the pool after 10 minutes, not the default half hour: the slowest
+# step here (a first compiled step on two loaded cores) takes a few minutes, and a scenario's own setting wins.
+WATCHDOG = "train.watchdog_timeout=600"
+
 
 def run_matrix_cell(config: str, overrides: list[str], run_dir: Path) -> dict:
     import torch
@@ -37,7 +41,7 @@ def run_matrix_cell(config: str, overrides: list[str], run_dir: Path) -> dict:
     from mmpt.config_loader import load_config
     from mmpt.engine import train
 
-    common = [*overrides, f"run.output_dir={run_dir}", "train.save_every=2"]
+    common = [WATCHDOG, *overrides, f"run.output_dir={run_dir}", "train.save_every=2"]
     train(load_config(config, [*common, "train.max_steps=2"]))
     train(load_config(config, [*common, "train.max_steps=3"]))  # resumes from step 2
     if mdist.get_rank() != 0:
@@ -153,7 +157,7 @@ def run_scenario(scenario: dict, results: Path) -> None:
         if scenario["kind"] == "matrix":
             record = run_matrix_cell(scenario["config"], scenario["overrides"], run_dir)
         else:
-            overrides = [*scenario["overrides"], f"run.output_dir={run_dir}"]
+            overrides = [WATCHDOG, *scenario["overrides"], f"run.output_dir={run_dir}"]
 
             def start(cfg) -> dict:  # the scenario's faults, if any, are carried out by each start
                 if scenario.get("fault"):
