@@ -36,7 +36,13 @@ class Pair:
             return Path(self.path).read_bytes()
         with open(self.path, "rb") as tsv:
             tsv.seek(self.offset)
-            return base64.urlsafe_b64decode(tsv.readline().split(b"\t", 1)[1].strip())
+            return chinese_clip_image(tsv.readline().split(b"\t", 1)[1].strip())
+
+
+def chinese_clip_image(encoded: str | bytes) -> bytes:
+    """The image of a Chinese-CLIP `*_imgs.tsv` line from its base64: Chinese-CLIP writes the URL-safe alphabet,
+    other tools the standard one; either is read. Anything else raises ValueError."""
+    return base64.b64decode(encoded, altchars=b"-_", validate=True)
 
 
 def folder_pairs(folder: Path) -> list[Pair]:

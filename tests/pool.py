@@ -9,6 +9,7 @@ every scenario the selected tests name, and each test then asserts on its scenar
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -24,6 +25,8 @@ Builder = Callable[[dict, Path], tuple[Path | dict, list[str], str]]
 SCENARIOS: dict[str, Builder] = {}
 FIRST: set[str] = set()  # scenarios trained before any other in the pool's processes
 FAULTS: dict[str, str] = {}  # scenario -> the faults its ranks carry out (tests/faults.py's syntax)
+# Every scenario's run folder (checkpoints, releases) stays on disk to the session's end, for the tests to read.
+DISK_PER_SCENARIO = 0.3e9
 
 
 def scenario(name: str, first: bool = False, fault: str | None = None) -> Callable[[Builder], Builder]:
@@ -91,6 +94,13 @@ def build_scenarios(names: list[str], corpora: dict, root: Path) -> list[dict]:
 
 def run_pool(scenarios: list[dict], root: Path) -> RankPool:
     """Train `scenarios` (dicts: name, config, overrides, kind, run_dir) in one launcher start."""
+    free, need = shutil.disk_usage(root).free, DISK_PER_SCENARIO * len(scenarios)
+    if free < need:  # found now, not as a failed write half an hour in
+        pytest.fail(
+            f"{root}: {free / 1e9:.1f} GB free, and the shared pool's {len(scenarios)} scenarios keep about "
+            f"{need / 1e9:.0f} GB of run folders to the session's end: free some, or give pytest another --basetemp",
+            pytrace=False,
+        )
     listed, results = root / "scenarios.json", root / "results.jsonl"
     listed.write_text(json.dumps(scenarios))
     command = [
@@ -113,4 +123,6 @@ def run_pool(scenarios: list[dict], root: Path) -> RankPool:
         failure = f"{started[-1] if started else 'the start'} failed\n{result.stdout[-3000:]}{result.stderr[-5000:]}"
     for record in done.values():
         print(f"pool: {record['name']} in {record['seconds']} s")
+    kept = sum(path.stat().st_size for path in root.rglob("*") if path.is_file())
+    print(f"pool: {len(done)} scenarios keep {kept / 1e9:.1f} GB on disk")
     return RankPool(done, failure)

@@ -44,9 +44,13 @@ def inputs(tmp_path):
     table = "path,caption,caption_zh\nphotos/a.jpg,a red square,红色方块\nphotos/sub/b.png,a tall one,高图\n"
     table += "photos/a.jpg,,只有中文\n"  # no English caption: no "caption" in its json
     (tmp_path / "pairs.csv").write_bytes(table.encode("gb18030"))
-    tsv = "".join(f"{i}\t{base64.urlsafe_b64encode(jpeg((80, 60))).decode()}\n" for i in (1001, 1002))
-    (tmp_path / "train_imgs.tsv").write_text(tsv)
-    texts = [{"text_id": 1, "text": "蓝色", "image_ids": [1001, 1002]}, {"text_id": 2, "text": "缺", "image_ids": [9]}]
+    image = jpeg((80, 60))
+    tsv = f"1001\t{base64.urlsafe_b64encode(image).decode()}\n1002\t{base64.b64encode(image).decode()}\n"
+    (tmp_path / "train_imgs.tsv").write_text(tsv + "1003\t#not base64#\n")  # both alphabets, then a damaged line
+    texts = [
+        {"text_id": 1, "text": "蓝色", "image_ids": [1001, 1002, 1003]},
+        {"text_id": 2, "text": "缺", "image_ids": [9]},
+    ]
     (tmp_path / "train_texts.jsonl").write_text("\n".join(json.dumps(t, ensure_ascii=False) for t in texts) + "\n")
     return tmp_path
 
@@ -118,14 +122,15 @@ def test_a_parquet_table_reads_as_the_csv_does(inputs):
 def test_chinese_clip_layout_gives_a_pair_per_text_and_image(inputs):
     out = inputs / "shards"
     pair = [str(inputs / "train_imgs.tsv"), str(inputs / "train_texts.jsonl")]
-    assert make_shards(["--cn-clip", *pair, "--out", str(out), "--processes", "1", "--max-skip-rate", "0.5"]) == 0
+    assert make_shards(["--cn-clip", *pair, "--out", str(out), "--processes", "1", "--max-skip-rate", "0.6"]) == 0
     files = members(out / "00000.tar")
     assert [json.loads(files[f"00000000{i}.json"])["source"] for i in (0, 1)] == [
         "image 1001 (text 1)",
         "image 1002 (text 1)",
     ]
     assert files["000000000.txt"].decode() == "蓝色" and files["000000000.jpg"] == jpeg((80, 60))  # kept as it was
-    assert json.loads((out / "00000_stats.json").read_text())["skipped"] == {"missing_image": 1}
+    skipped = json.loads((out / "00000_stats.json").read_text())["skipped"]
+    assert skipped == {"missing_image": 1, "unreadable_image": 1}
 
 
 def test_a_missing_column_is_one_line_and_exit_2(inputs):

@@ -40,10 +40,11 @@ def commands() -> list[list[str]]:
 
 
 def muge_split(folder, split: str, samples, classnames) -> None:
-    """`<split>_imgs.tsv` and `<split>_texts.jsonl` as MUGE ships them: a caption per scan, ids of their own."""
-    (folder / f"{split}_imgs.tsv").write_text(
-        "".join(f"{700 + i}\t{base64.b64encode(image).decode()}\n" for i, (image, _, _) in enumerate(samples))
-    )
+    """`<split>_imgs.tsv` and `<split>_texts.jsonl` as MUGE ships them: a caption per scan, ids of their own, the
+    images in URL-safe base64 (Chinese-CLIP's own tools write and read that alphabet)."""
+    tsv = "".join(f"{700 + i}\t{base64.urlsafe_b64encode(image).decode()}\n" for i, (image, _, _) in enumerate(samples))
+    assert {"-", "_"} & set(tsv), "no image's base64 differs between the two alphabets"
+    (folder / f"{split}_imgs.tsv").write_text(tsv)
     lines = [
         {"text_id": 40 + i, "text": f"手写的{classnames[label]}", "image_ids": [700 + i]}
         for i, (_, label, _) in enumerate(samples)

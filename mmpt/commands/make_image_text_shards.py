@@ -85,6 +85,9 @@ def write_shard(task: tuple[int, list[Any], Path, int | None]) -> dict[str, Any]
             except OSError:
                 skipped.append({"source": pair.source, "reason": "missing_image"})
                 continue
+            except ValueError:  # a tsv line whose base64 is damaged
+                skipped.append({"source": pair.source, "reason": "unreadable_image"})
+                continue
             try:
                 image, sizes = jpeg_of(data, resize)
             except Exception:  # PIL raises several kinds for damaged or non-image bytes

@@ -15,7 +15,6 @@ A text may match several images (MUGE's queries do): matches are a boolean [imag
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 
 from mmpt.data.fields import SampleFields
 from mmpt.data.image_text import decode_text, pick_field
+from mmpt.data.pairs import chinese_clip_image
 from mmpt.data.shards import DataError, MissingDataError, expand_shards
 from mmpt.data.stream import read_shard
 
@@ -169,7 +169,7 @@ def load_chinese_clip(texts_file: Path) -> RetrievalSet:
         image_id, _, encoded = line.partition("\t")
         image_ids.append(_id(image_id, f"{images_file}:{number}"))
         try:
-            images.append(ImageBytes(base64.b64decode(encoded, validate=True), f"{images_file}:{image_id}"))
+            images.append(ImageBytes(chinese_clip_image(encoded), f"{images_file}:{image_id}"))
         except ValueError as exc:
             raise DataError(f"{images_file}:{number}: expected image_id<TAB>base64 ({exc})") from None
         row[image_id.strip()] = len(images) - 1
