@@ -389,6 +389,9 @@ def test_class_names_are_checked_by_what_they_are(tmp_path):
     zh_root = image_folder(tmp_path / "cifar_zh", ["0", "1"])
     (zh_root / "classnames.txt").write_text("飞机\n汽车\n", encoding="utf-8")
     assert load_classification_set(zh_root, "zh").classnames == ["飞机", "汽车"]
+    (zh_root / "classnames.txt").write_text("飞机\n汽车\n鸟\n", encoding="utf-8")  # a config error, as in training
+    with pytest.raises(ClassNamesError, match=r"classnames.txt lists 3 classes but .*cifar_zh has 2 class folders"):
+        load_classification_set(zh_root, "zh")
     # English folder names in Chinese prompts.
     folders = image_folder(tmp_path / "animals", ["cat", "dog"])
     assert load_classification_set(folders, "en").classnames == ["cat", "dog"]

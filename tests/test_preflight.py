@@ -269,6 +269,12 @@ def test_a_retrieval_set_of_one_tar_shard_is_left_for_the_evaluation_to_read(tmp
         ),
         (
             "clip/demo.yaml",
+            "data.eval=[{{dataset: {root}/valid_texts.jsonl, task: zeroshot_retrieval}}]",
+            "data.eval.0.dataset",
+            "valid_imgs.tsv: its first line is not image_id<TAB>base64 image (",
+        ),
+        (
+            "clip/demo.yaml",
             "data.eval=[{{dataset: {root}/pairs.csv, task: zeroshot_retrieval}}]",
             "data.eval.0.dataset",
             "pairs.csv: not a retrieval layout mmpt reads",
@@ -293,6 +299,8 @@ def test_what_training_would_fail_on_or_ignore_stops_before_it_starts(tmp_path, 
     (tmp_path / "listing.jsonl").write_text('{"video": "clip00", "caption": "a red square moves left"}\n')
     (tmp_path / "images.jsonl").write_text('{"image": "cat.jpg", "caption": ["a cat"]}\n')
     (tmp_path / "pairs.csv").write_text("image,caption\ncat.jpg,a cat\n")
+    (tmp_path / "valid_texts.jsonl").write_text('{"text_id": 1, "text": "a cat", "image_ids": [1]}\n')
+    (tmp_path / "valid_imgs.tsv").write_text("1\tbm90IGFuIGltYWdl\n")  # base64, but of no image
     for folder, rows in (("intent", "text,category\nhello,greet\n"), ("empty", "text,category\n")):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "train.csv").write_text(rows)

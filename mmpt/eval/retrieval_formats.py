@@ -15,6 +15,7 @@ A text may match several images (MUGE's queries do): matches are a boolean [imag
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from mmpt.data.image_text import decode_text, pick_field
 from mmpt.data.pairs import chinese_clip_image
 from mmpt.data.shards import DataError, MissingDataError, expand_shards
 from mmpt.data.stream import read_shard
+from mmpt.errors import first_line
 
 
 @dataclass(frozen=True)
@@ -157,11 +159,30 @@ def load_json_annotations(path: Path, split: str = "test") -> tuple[list[Path], 
     return files, captions
 
 
-def load_chinese_clip(texts_file: Path) -> RetrievalSet:
-    """`<split>_texts.jsonl` with the `<split>_imgs.tsv` beside it; every image of the tsv is a candidate."""
+def chinese_clip_images_file(texts_file: Path) -> Path:
     images_file = texts_file.with_name(texts_file.name.replace("_texts.jsonl", "_imgs.tsv"))
     if not images_file.is_file():
         raise DataError(f"{texts_file}: the images file {images_file.name} is not beside it (Chinese-CLIP layout)")
+    return images_file
+
+
+def check_chinese_clip(texts_file: Path) -> None:
+    """The images file is beside `texts_file` and its first image decodes: a layout that cannot be read is found
+    before a run trains, not when it evaluates (the set is read whole only then)."""
+    from PIL import Image
+
+    images_file = chinese_clip_images_file(texts_file)
+    with images_file.open(encoding="utf-8") as lines:
+        first = next((line for line in lines if line.strip()), "")
+    try:
+        Image.open(io.BytesIO(chinese_clip_image(first.partition("\t")[2]))).verify()
+    except Exception as exc:  # PIL raises several kinds for bytes that are no image
+        raise DataError(f"{images_file}: its first line is not image_id<TAB>base64 image ({first_line(exc)})") from None
+
+
+def load_chinese_clip(texts_file: Path) -> RetrievalSet:
+    """`<split>_texts.jsonl` with the `<split>_imgs.tsv` beside it; every image of the tsv is a candidate."""
+    images_file = chinese_clip_images_file(texts_file)
     images, row, image_ids, text_ids = [], {}, [], []
     for number, line in enumerate(images_file.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():

@@ -254,7 +254,7 @@ def class_folder_set(
                 f"written in '{language}': give {language}/classnames.txt, {FOREIGN_HINT}"
             )
     if len(classnames) != len(class_dirs):
-        raise DataError(
+        raise ClassNamesError(
             f"{names_file} lists {len(classnames)} classes but {folder} has {len(class_dirs)} class folders"
         )
 

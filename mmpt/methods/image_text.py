@@ -20,7 +20,7 @@ from mmpt.data.shards import DataError, is_remote
 from mmpt.errors import first_line
 from mmpt.eval import resolve_dataset
 from mmpt.eval.retrieval import zeroshot_retrieval
-from mmpt.eval.retrieval_formats import is_shard_pattern, read_listing, shard_caption_keys
+from mmpt.eval.retrieval_formats import check_chinese_clip, is_shard_pattern, read_listing, shard_caption_keys
 from mmpt.eval.zeroshot import load_classification_set, zeroshot_classification
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.losses.sigmoid import INIT_LOGIT_BIAS, INIT_LOGIT_SCALE, Exchange, SigmoidLoss
@@ -233,7 +233,8 @@ class ImageTextMethod(Method[SettingsT]):
 
     def check_eval_set(self, cfg: Config, eval_set: EvalSetConfig) -> None:
         """A classification folder's class names in each language; a retrieval listing file read and its images
-        found (Chinese-CLIP's and the shard layouts are read whole only when evaluated)."""
+        found; Chinese-CLIP's images file and its first image decoded (that layout and the shards are read whole
+        only when evaluated)."""
         listing = Path(eval_set.dataset)
         if eval_set.task == "zeroshot_classification" and listing.is_dir():
             for language in eval_set.languages:
@@ -241,12 +242,9 @@ class ImageTextMethod(Method[SettingsT]):
                     load_classification_set(eval_set.dataset, language, eval_set.foreign_class_names)
                 except (DataError, ValueError) as exc:  # ValueError: class names that are ids or foreign
                     raise ValueError(f"({language}) {exc}") from None
-        elif (
-            eval_set.task == "zeroshot_retrieval"
-            and listing.is_file()
-            and not listing.name.endswith("_texts.jsonl")
-            and not is_shard_pattern(eval_set.dataset)
-        ):
+        elif eval_set.task == "zeroshot_retrieval" and listing.name.endswith("_texts.jsonl") and listing.is_file():
+            check_chinese_clip(listing)
+        elif eval_set.task == "zeroshot_retrieval" and listing.is_file() and not is_shard_pattern(eval_set.dataset):
             missing = [f for f in read_listing(listing)[0] if not f.is_file()]
             if missing:
                 raise DataError(f"{listing}: image {missing[0]} does not exist ({len(missing)} missing)")
