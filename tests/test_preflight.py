@@ -316,15 +316,21 @@ def test_what_training_would_fail_on_or_ignore_stops_before_it_starts(tmp_path, 
 
 def test_a_library_warning_is_printed_once_and_torchs_renamed_collectives_not_at_all():
     """huggingface_hub prints with a handler of its own (the root logger would print each retry again); torch
-    2.14's notice on collectives DeepSpeed calls by their old names is not news to a user."""
+    2.14's notice on collectives DeepSpeed calls by their old names is not news to a user; what a library says
+    at INFO on the root logger itself (as open_clip does) is not printed, a named logger's INFO is."""
     code = (
         "import logging, warnings, huggingface_hub.utils._http\n"
         "from mmpt.commands.train import configure_output\n"
         "configure_output(0)\n"
         "logging.getLogger('huggingface_hub.utils._http').warning('retrying in 1s')\n"
+        "logging.info('Loaded built-in ViT-B-32 model config.')\n"
+        "logging.warning('a root warning')\n"
+        "logging.getLogger('my_method').info('a method of its own')\n"
         "warnings.warn('`torch.distributed.all_gather_into_tensor` is deprecated. Use another.', FutureWarning)\n"
         "warnings.warn('something else is deprecated', FutureWarning)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launcher_env(), check=True)
     assert done.stderr.count("retrying in 1s") == 1, done.stderr
     assert "all_gather_into_tensor" not in done.stderr and "something else is deprecated" in done.stderr
+    assert "model config" not in done.stderr and "a root warning" in done.stderr, done.stderr
+    assert "a method of its own" in done.stderr, done.stderr

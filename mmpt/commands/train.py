@@ -69,6 +69,10 @@ def configure_output(rank: int) -> None:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
     )
+    # Libraries that log on the root logger itself (open_clip: some 30 lines a run on model configs and image
+    # preprocessing) say their warnings only; named loggers (mmpt's, a method's of its own) keep their INFO.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda record: record.name != "root" or record.levelno >= logging.WARNING)
     # huggingface_hub prints through a handler of its own (as transformers does, which does not propagate): once.
     logging.getLogger("huggingface_hub").propagate = False
     # torch 2.14 renamed these collectives; DeepSpeed 0.19.8 (pinned) and mmpt call the names every torch release
