@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 
@@ -197,10 +198,11 @@ def stream_captions(stream):
     return captured
 
 
-def test_a_distilled_run_trains_and_keeps_the_student_alone(corpora, one_process, tmp_path):  # noqa: F811
+def test_a_distilled_run_trains_and_keeps_the_student_alone(corpora, one_process, tmp_path, caplog):  # noqa: F811
     from safetensors.torch import load_file
     from transformers import CLIPModel
 
+    from mmpt.commands.export import main as export
     from mmpt.config_loader import load_config
     from mmpt.engine import train
 
@@ -209,7 +211,12 @@ def test_a_distilled_run_trains_and_keeps_the_student_alone(corpora, one_process
     clip = corpora["transformers_clip"]
     teacher = f"method.distill={{teacher: {{name: transformers, model: {clip}}}, temperature: 2}}"
     overrides = [*shrink(config, corpora), f"run.output_dir={run_dir}", "train.zero_stage=0", "train.precision=fp32"]
-    train(load_config(config, [*overrides, teacher, "train.max_steps=2", "data.eval=[]", "train.eval_every=0"]))
+    with caplog.at_level(logging.INFO, logger="mmpt"):
+        train(load_config(config, [*overrides, teacher, "train.max_steps=2", "data.eval=[]", "train.eval_every=0"]))
+    said = f"distillation: teacher transformers {clip}, weight 1, temperature 2"
+    assert "teacher: initialised" in caplog.text and said in caplog.text and "loss: contrastive" in caplog.text
+    assert export(["--run", str(run_dir), "--out", str(tmp_path / "release")]) == 0
+    assert f"- {said}" in (tmp_path / "release/README.md").read_text()  # the model card says so too
     logged = (run_dir / "metrics.jsonl").read_text()
     assert '"loss/distill"' in logged
     weights = load_file(str(run_dir / "model.safetensors"))

@@ -59,6 +59,7 @@ def changed(model, start):
 @pytest.mark.parametrize("name", CASES)
 def test_a_locked_image_tower_is_bit_identical_and_the_text_tower_trains(name, corpora, tmp_path):
     cfg, method, model = tiny(name, corpora, tmp_path, "method.lock_image=0")
+    assert "the image tower locked by method.lock_image: 0" in method.summary_lines(cfg)  # the run summary's line
     start = {k: v.clone() for k, v in model.state_dict().items()}
     train_steps(method, cfg, model, tmp_path)
     moved = changed(model, start)

@@ -289,7 +289,10 @@ def start(cfg: Config) -> tuple[Run | None, int]:
     parameters = parameter_counts(engine.module.model)
     if rank == 0:
         pooling = engine.module.pooling
-        log.info(startup_summary(cfg, parameters, layout, loader, initial_weights, step, checkpoint, pooling))
+        summary = startup_summary(
+            cfg, parameters, layout, loader, initial_weights, step, checkpoint, pooling, method.summary_lines(cfg)
+        )
+        log.info(summary)
 
     global_batch = cfg.data.train.batch_size * cfg.train.grad_accum * layout.data_size
     metrics = MetricLogger(
@@ -377,7 +380,7 @@ def loss_with_teacher(cfg: Config, method: Method, world_size: int, load_univers
         model = teacher.build()
         loaded = teacher.load(model)
     if loaded:
-        log.info(loaded)
+        log.info(f"teacher: {loaded}")
     return teacher.around(loss, model)
 
 

@@ -3,6 +3,7 @@ wrong layout, batch, starting point or data mix before it costs a day."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from torch import nn
@@ -38,9 +39,10 @@ def startup_summary(
     start_step: int,
     resumed_from: Path | None,
     pooling: Pooling = None,
+    method_lines: Sequence[str] = (),
 ) -> str:
     """`parameters`: the model's `parameter_counts`. `pooling`: how a step pooling its micro-batches for the loss
-    runs them (`mmpt.engine.pool_pass`)."""
+    runs them (`mmpt.engine.pool_pass`). `method_lines`: the method's own (`Method.summary_lines`)."""
     world = mdist.get_world_size()
     per_node = int(mdist.local_world_size())
     batch, accum = cfg.data.train.batch_size, cfg.train.grad_accum
@@ -56,6 +58,7 @@ def startup_summary(
         *pooled,
         f"parameters: {parameters['total']:,} ({parameters['trained']:,} trainable"
         + (f", {parameters['adapters']:,} of them in LoRA adapters)" if parameters["adapters"] else ")"),
+        *method_lines,
         learning_rate_line(cfg),
         f"initial weights: {initial_weights or 'random (the config names none)'}"
         + (" (at the run's start; the checkpoint's now)" if resumed_from is not None else ""),

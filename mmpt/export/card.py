@@ -193,6 +193,7 @@ def training_section(cfg: Config, record: dict[str, Any] | None) -> str:
             f"{train.precision}, ZeRO stage {train.zero_stage}",
             f"- optimizer: AdamW, lr {cfg.optim.lr:g} ({cfg.optim.warmup_steps} warmup steps, then {cfg.optim.decay} "
             f"decay{below}), weight decay {cfg.optim.weight_decay:g}",
+            *(f"- {line}" for line in get_method(cfg.method_name).summary_lines(cfg)),
         ]
     init = getattr(cfg.method, "init_from", None) or getattr(cfg.method, "encoder", None)
     if init:

@@ -246,6 +246,11 @@ class Method(Generic[SectionT]):
         rank 0 and calls `load_initial_weights`. Deciding reads no file (the planner asks too)."""
         return None
 
+    def summary_lines(self, cfg: Config) -> list[str]:
+        """Lines of the run summary on what this method's section changes about training (its loss, a teacher,
+        locked towers): what the engine's own lines cannot know."""
+        return []
+
     def build_loss(self, cfg: Config) -> nn.Module:
         raise NotImplementedError
 

@@ -301,6 +301,23 @@ class ImageTextMethod(Method[SettingsT]):
     def build_loss(self, cfg: Config) -> nn.Module:
         return build_image_text_loss(self.loss_spec(cfg))
 
+    def summary_lines(self, cfg: Config) -> list[str]:
+        settings = self.settings(cfg)
+        lines = [f"loss: {self.loss_spec(cfg).name}"]
+        distill = getattr(settings, "distill", None)
+        if distill is not None:
+            teacher = distill.teacher
+            if isinstance(teacher, dict):
+                teacher = " ".join(str(teacher[key]) for key in ("name", "model", "pretrained") if teacher.get(key))
+            lines.append(
+                f"distillation: teacher {teacher}, weight {distill.weight:g}, temperature {distill.temperature:g}"
+            )
+        for tower in ("image", "text"):
+            kept = getattr(settings, f"lock_{tower}", None)
+            if kept is not None:
+                lines.append(f"the {tower} tower locked by method.lock_{tower}: {kept}")
+        return lines
+
     def tower_groups(self, model: nn.Module) -> dict[str, TowerGroups]:
         """{"image": groups, "text": groups}: each tower's parameters from input to output (`mmpt.models.locking`),
         what `method.lock_image` / `lock_text` lock and `optim.layer_decay` scales."""

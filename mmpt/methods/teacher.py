@@ -72,14 +72,14 @@ class Teacher:
         if self.weights is None:
             return self.method.load_initial_weights(model, self.cfg)
         load_strictly(model, read_safetensors(self.weights.parent), str(self.weights.parent), "the teacher's config")
-        return f"teacher from {self.weights.parent}"
+        return f"weights of {self.weights.parent}"
 
     def tensors(self) -> Callable[[nn.Module], tuple[str, TensorReader]] | None:
         """Where the teacher's weights are a release's, rank 0 reads them tensor by tensor under ZeRO-3."""
         if self.weights is None:
             return self.method.initial_tensors(self.cfg)
         path = self.weights
-        return lambda model: (f"teacher from {path.parent}", SafetensorsTensors(path))
+        return lambda model: (f"weights of {path.parent}", SafetensorsTensors(path))
 
     def tokenizer(self):
         return self.method.tokenizer(self.cfg, self.files)
