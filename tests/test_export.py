@@ -542,7 +542,7 @@ def test_an_m2_encoder_exports_as_a_folder_transformers_loads_with_its_own_code(
     torch.testing.assert_close(theirs.logits_per_image, scale * ours_image @ ours_text.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_a_clip_vit_with_a_bert_exports_as_a_chinese_clip_model_transformers_loads(corpora, tmp_path):
+def test_a_clip_vit_with_a_bert_exports_as_a_chinese_clip_model_transformers_loads(corpora, tmp_path, monkeypatch):
     """`--format transformers` of the `clip` method (a timm ViT in CLIP's layout, a BERT pooled at [CLS]):
     transformers' ChineseCLIPModel, its tokenizer and image processor load the folder and give mmpt's features
     from their own preprocessing (what cannot be one is in BAD_REQUESTS)."""
@@ -552,7 +552,7 @@ def test_a_clip_vit_with_a_bert_exports_as_a_chinese_clip_model_transformers_loa
     vit = "method.image.timm_name=vit_tiny_patch16_224", "method.image.timm_kwargs={img_size: 32, pre_norm: true}"
     release = demo_release("clip", corpora, tmp_path, *vit, "method.text.pooling=cls")
     model = mmpt.load(release)
-    out = tmp_path / "hf"
+    out = Path(f"{release}-transformers")  # where the release's card exports it
     assert export(["--run", str(release), "--out", str(out), "--format", "transformers"]) == 0
     loaded = ChineseCLIPModel.from_pretrained(out).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -571,3 +571,15 @@ def test_a_clip_vit_with_a_bert_exports_as_a_chinese_clip_model_transformers_loa
         ours_text = model.encode_text(ours_ids["input_ids"], ours_ids["attention_mask"])
     torch.testing.assert_close(F.normalize(text.pooler_output, dim=-1), ours_text, rtol=0, atol=1e-5)
     torch.testing.assert_close(F.normalize(image.pooler_output, dim=-1), ours_image, rtol=0, atol=1e-5)
+    # the release card's lines, as they are, give mmpt's embeddings
+    card = (release / "README.md").read_text().split("### With transformers\n", 1)[1]
+    monkeypatch.chdir(tmp_path)
+    images[0].save("cat.jpg")
+    scope: dict = {}
+    exec(card.split("```python\n", 1)[1].split("```", 1)[0], scope)
+    with torch.no_grad():
+        tokens = pre["tokenizer"](["a photo of a cat"])
+        ours_text = model.encode_text(tokens["input_ids"], tokens["attention_mask"])
+        ours_image = model.encode_image(pre["preprocess"](Image.open("cat.jpg").convert("RGB")).unsqueeze(0))
+    torch.testing.assert_close(scope["text_features"], ours_text, rtol=0, atol=1e-5)
+    torch.testing.assert_close(scope["image_features"], ours_image, rtol=0, atol=1e-5)

@@ -313,9 +313,22 @@ def transformers_lines(out: str, cfg: Config) -> list[str]:
         f'model = AutoModel.from_pretrained("{out}"{trust})',
         f'tokenizer = AutoTokenizer.from_pretrained("{out}"{trust})',
         f'processor = AutoImageProcessor.from_pretrained("{out}", backend="pil")',
+    ]
+    if remote:
+        return [*lines, "```", "", "The folder carries the model's own code (it imports nothing of mmpt)."]
+    return [  # the embeddings mmpt computes: padded to the context length as in training, L2-normalised
+        *lines,
+        "import torch",
+        "from PIL import Image",
+        "with torch.no_grad():",
+        '    text = tokenizer(["a photo of a cat"], padding="max_length", truncation=True, return_tensors="pt")',
+        "    text_features = model.get_text_features(**text).pooler_output",
+        '    pixels = processor(images=[Image.open("cat.jpg")], return_tensors="pt")',
+        "    image_features = model.get_image_features(**pixels).pooler_output",
+        "text_features = torch.nn.functional.normalize(text_features, dim=-1)  # as mmpt's embeddings",
+        "image_features = torch.nn.functional.normalize(image_features, dim=-1)",
         "```",
     ]
-    return lines + (["", "The folder carries the model's own code (it imports nothing of mmpt)."] if remote else [])
 
 
 def release_usage(cfg: Config, folder: str) -> str:
