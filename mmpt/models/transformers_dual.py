@@ -229,9 +229,10 @@ def read_image_processor(folder: str | Path) -> Any:
 
     try:
         return AutoImageProcessor.from_pretrained(str(folder), backend="pil")
-    except Exception as exc:  # no preprocessor_config.json
+    except Exception as exc:  # neither file, or one transformers cannot read
         raise ConfigError(
-            f"config key '{KEY}': cannot read an image processor from {folder}: {first_line(exc)}"
+            f"config key '{KEY}': cannot read an image processor (preprocessor_config.json or processor_config.json) "
+            f"from {folder}: {first_line(exc)}"
         ) from None
 
 
