@@ -42,7 +42,7 @@ class Pair:
 def chinese_clip_image(encoded: str | bytes) -> bytes:
     """The image of a Chinese-CLIP `*_imgs.tsv` line from its base64: Chinese-CLIP writes the URL-safe alphabet,
     other tools the standard one; either is read. Anything else raises ValueError."""
-    return base64.b64decode(encoded, altchars=b"-_", validate=True)
+    return base64.b64decode(encoded.strip(), altchars=b"-_", validate=True)
 
 
 def folder_pairs(folder: Path) -> list[Pair]:

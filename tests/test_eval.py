@@ -305,7 +305,7 @@ def test_every_retrieval_layout_reads_the_same_set(tmp_path):
 
 
 def test_a_text_matching_several_images_and_an_image_without_text(tmp_path):
-    from mmpt.eval.retrieval_formats import read_retrieval_set
+    from mmpt.eval.retrieval_formats import check_chinese_clip, read_retrieval_set
 
     folder = tmp_path / "muge"
     folder.mkdir()
@@ -317,6 +317,7 @@ def test_a_text_matching_several_images_and_an_image_without_text(tmp_path):
     (folder / "valid_texts.jsonl").write_text(
         json.dumps({"text_id": 0, "text": "红色或蓝色", "image_ids": [0, 2]}, ensure_ascii=False) + "\n"
     )
+    check_chinese_clip(folder / "valid_texts.jsonl")  # what a run checks before training: the first image decodes
     data = read_retrieval_set(folder / "valid_texts.jsonl")
     assert data.matches[:, 0].tolist() == [True, False, True, False]
     scores = torch.tensor([[0.2], [0.9], [0.5], [0.1]])  # green scores highest, then blue (a match), then red
