@@ -165,12 +165,13 @@ def test_a_run_says_what_it_will_do_and_a_finished_run_says_it_is_done(tmp_path,
     config = write_config(tmp_path / "cfg.yaml", cfg)
     first = launched(config)
     assert first.returncode == 0, first.stderr[-3000:]
-    summary = first.stderr[first.stderr.index("run summary") :].splitlines()[1:12]
+    summary = first.stderr[first.stderr.index("run summary") :].splitlines()[1:13]
     assert [line.strip().split(":")[0].split(" ")[0] for line in summary] == [
         "ranks",
         "ZeRO",
         "batch",
         "parameters",
+        "loss",
         "learning",
         "initial",
         "source",
@@ -179,10 +180,11 @@ def test_a_run_says_what_it_will_do_and_a_finished_run_says_it_is_done(tmp_path,
         "evaluation",
         "output",
     ], summary
-    assert summary[4].strip() == "learning rate 0.001"  # warmup_steps 2 of 2: reached at the last step
-    assert summary[9].strip() == "evaluation every 2 steps and at the end: zeroshot (zeroshot_classification, en/zh)"
+    assert summary[4].strip() == "loss: contrastive"  # the method's line (Method.summary_lines)
+    assert summary[5].strip() == "learning rate 0.001"  # warmup_steps 2 of 2: reached at the last step
+    assert summary[10].strip() == "evaluation every 2 steps and at the end: zeroshot (zeroshot_classification, en/zh)"
     assert "16 per rank x 1 micro-batch(es) x 1 data-parallel rank(s) = 16 samples per step, 2 steps" in summary[2]
-    assert summary[7].strip().startswith("source 'zh': 8 shard(s), ") and summary[7].endswith("caption_key=txt")
+    assert summary[8].strip().startswith("source 'zh': 8 shard(s), ") and summary[8].endswith("caption_key=txt")
     again = launched(config)
     assert again.returncode == 0
     assert f"mmpt: {tmp_path / 'run'} already finished at step 2 (train.max_steps=2): nothing to do" in again.stdout
