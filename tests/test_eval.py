@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from mmpt.config import ConfigError
 from mmpt.data.shards import DataError, MissingDataError
 from mmpt.eval.retrieval import official_caption_normalization, recall_metrics, retrieval_ranks
 from mmpt.eval.retrieval_formats import load_retrieval_set
@@ -392,6 +393,10 @@ def test_class_names_are_checked_by_what_they_are(tmp_path):
     assert load_classification_set(zh_root, "zh").classnames == ["飞机", "汽车"]
     (zh_root / "classnames.txt").write_text("飞机\n汽车\n鸟\n", encoding="utf-8")  # a config error, as in training
     with pytest.raises(ClassNamesError, match=r"classnames.txt lists 3 classes but .*cifar_zh has 2 class folders"):
+        load_classification_set(zh_root, "zh")
+    (zh_root / "classnames.txt").write_text("飞机\n汽车\n", encoding="utf-8")
+    (zh_root / "zeroshot_classification_templates.txt").write_text("一张照片\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"templates.txt: every template needs a '\{c\}' placeholder"):
         load_classification_set(zh_root, "zh")
     # English folder names in Chinese prompts.
     folders = image_folder(tmp_path / "animals", ["cat", "dog"])

@@ -135,7 +135,7 @@ def load_templates(
         return templates, source
     templates = _lines(found)
     if any("{c}" not in t for t in templates):
-        raise DataError(f"{found}: every template needs a '{{c}}' placeholder")
+        raise ConfigError(f"{found}: every template needs a '{{c}}' placeholder")  # a file to correct, as class names
     return templates, str(found)
 
 
