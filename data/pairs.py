@@ -36,7 +36,7 @@ class Pair:
             return Path(self.path).read_bytes()
         with open(self.path, "rb") as tsv:
             tsv.seek(self.offset)
-            return chinese_clip_image(tsv.readline().split(b"\t", 1)[1].strip())
+            return chinese_clip_image(tsv.readline().split(b"\t", 1)[1])
 
 
 def chinese_clip_image(encoded: str | bytes) -> bytes:

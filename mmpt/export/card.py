@@ -24,6 +24,7 @@ from mmpt.config import Config
 from mmpt.export.formats import FORMATS, format_problem, supported_formats
 from mmpt.export.towers import tower_names
 from mmpt.methods import get_method
+from mmpt.models.locking import TowerLocks
 
 CARD = "README.md"
 MAX_EVALUATION_COLUMNS = 8  # evaluation steps shown side by side; metrics.jsonl keeps every one
@@ -130,10 +131,8 @@ def parameter_text(cfg: Config, parameters: tuple[int, int | None], record: dict
     if adapters:
         merged = getattr(cfg.method, "lora", None) is None  # the export folded the adapters into the weights
         notes.append(f"{adapters:,} of them in LoRA adapters{', merged into these weights' if merged else ''}")
-    for tower in ("image", "text"):
-        kept = getattr(cfg.method, f"lock_{tower}", None)
-        if kept is not None:
-            notes.append(f"the {tower} tower locked by `method.lock_{tower}: {kept}`")
+    locked = cfg.method.locked() if isinstance(cfg.method, TowerLocks) else {}
+    notes += [f"the {tower} tower locked by `method.lock_{tower}: {kept}`" for tower, kept in locked.items()]
     if trained == total and not notes:
         return f"{total:,} (all trainable)"
     return f"{total:,} ({'; '.join([f'{trained:,} trained', *notes])})"

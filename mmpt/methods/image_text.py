@@ -26,7 +26,7 @@ from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.losses.sigmoid import INIT_LOGIT_BIAS, INIT_LOGIT_SCALE, Exchange, SigmoidLoss
 from mmpt.methods.base import EngineNeeds, Method, copy_tokenizer, eval_record, stream_spec
 from mmpt.methods.teacher import Distilled, Teacher, prepare_teacher, teacher_of
-from mmpt.models.locking import TowerGroups
+from mmpt.models.locking import TowerGroups, TowerLocks
 
 
 def eval_batch_size_field():
@@ -312,11 +312,8 @@ class ImageTextMethod(Method[SettingsT]):
             lines.append(
                 f"distillation: teacher {teacher}, weight {distill.weight:g}, temperature {distill.temperature:g}"
             )
-        for tower in ("image", "text"):
-            kept = getattr(settings, f"lock_{tower}", None)
-            if kept is not None:
-                lines.append(f"the {tower} tower locked by method.lock_{tower}: {kept}")
-        return lines
+        locked = settings.locked() if isinstance(settings, TowerLocks) else {}
+        return lines + [f"the {tower} tower locked by method.lock_{tower}: {kept}" for tower, kept in locked.items()]
 
     def tower_groups(self, model: nn.Module) -> dict[str, TowerGroups]:
         """{"image": groups, "text": groups}: each tower's parameters from input to output (`mmpt.models.locking`),

@@ -34,6 +34,10 @@ class TowerLocks(Section):
     lock_image: int | None = lock_field("image")
     lock_text: int | None = lock_field("text")
 
+    def locked(self) -> dict[str, int]:
+        """{tower: its `lock_*` value} of the towers these keys lock: what the run summary and model card say."""
+        return {tower: kept for tower in ("image", "text") if (kept := getattr(self, f"lock_{tower}")) is not None}
+
 
 def layered_groups(tower: nn.Module, layers: nn.ModuleList, *after: nn.Module) -> TowerGroups:
     """`tower`'s parameters as [those registered before its first layer], one group per layer, [those after its last
