@@ -44,11 +44,7 @@ def models(digits: Path, large: bool) -> list[tuple[str, str, list[str]]]:
     tokenizer = f"method.tokenizer={digits}/tokenizer.json"
     found = [
         ("clip demo", "configs/clip/demo.yaml", [tokenizer]),
-        (
-            "open_clip demo",
-            "configs/open_clip/demo.yaml",
-            [f"method.model={REPO}/mmpt/models/bench-vit-tiny.json"],
-        ),
+        ("open_clip demo", "configs/open_clip/demo.yaml", [f"method.model={REPO}/mmpt/models/bench-vit-tiny.json"]),
         ("m2_encoder demo", "configs/m2_encoder/demo.yaml", [tokenizer]),
         ("victor demo", "configs/victor/demo.yaml", [tokenizer]),
         ("space2 demo", "configs/space2/demo.yaml", []),
@@ -174,10 +170,7 @@ def main() -> int:
             "torch": torch.__version__,
             "onnxruntime": onnxruntime.__version__,
         },
-        "threads": {
-            "torch": torch.get_num_threads(),
-            "onnxruntime": args.threads or "default (one per core)",
-        },
+        "threads": {"torch": torch.get_num_threads(), "onnxruntime": args.threads or "default (one per core)"},
         "load_average_1_5_15_min": {"before": list(load_before), "after": list(load_after)},
         "setup": {
             "repeats": args.repeats,

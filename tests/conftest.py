@@ -201,12 +201,7 @@ def run_command(
     """`command` run as a user runs it: from `cwd`, in the launcher's environment (with `env` on top), its output
     captured as text. A non-zero exit fails the test with the tail of the output, unless `check` is False."""
     result = subprocess.run(
-        command,
-        cwd=cwd,
-        env={**launcher_env(), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        command, cwd=cwd, env={**launcher_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout
     )
     assert result.returncode == 0 or not check, result.stdout[-4000:] + result.stderr[-4000:]
     return result

@@ -43,9 +43,7 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "loss",
-    [GroupedContrastiveLoss(), GroupedContrastiveLoss(tile_size=96)],
-    ids=["infonce", "infonce-tiled"],
+    "loss", [GroupedContrastiveLoss(), GroupedContrastiveLoss(tile_size=96)], ids=["infonce", "infonce-tiled"]
 )
 def test_bf16_gradients_match_fp64(loss):
     images, texts = bf16_pairs()

@@ -179,10 +179,7 @@ def test_every_method_compiled_at_zero2_on_two_ranks(corpora, tmp_path):
 
 @pytest.mark.extended
 @pytest.mark.matrix
-@pytest.mark.parametrize(
-    ("stage", "name"),
-    [(s, n) for s in (0, 1, 3) for n in list_methods()],
-)
+@pytest.mark.parametrize(("stage", "name"), [(s, n) for s in (0, 1, 3) for n in list_methods()])
 def test_every_method_compiled_at_the_other_stages_on_two_ranks(stage, name, corpora, tmp_path):
     """The rest of the matrix, every method at ZeRO 0, 1 and 3 (at 0 and 1 the ZeRO-2 check's kernels are reused;
     ZeRO-3's graphs break at DeepSpeed's parameter hooks and are compiled anew)."""

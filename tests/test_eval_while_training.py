@@ -6,15 +6,7 @@ import re
 
 import pytest
 
-from conftest import (
-    REPO,
-    read_metrics,
-    small_clip_demo,
-    step_losses,
-    tiny_config,
-    train_in_process,
-    write_config,
-)
+from conftest import REPO, read_metrics, small_clip_demo, step_losses, tiny_config, train_in_process, write_config
 from pool import scenario
 
 

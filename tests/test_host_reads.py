@@ -31,10 +31,7 @@ def one_config_per_method() -> list[Path]:
 
 def test_training_steps_read_nothing_back_to_the_host(corpora, tmp_path, digits_root):
     open_clip = tiny_config(digits_root, tmp_path / "unused")
-    open_clip["method"] = {
-        "name": "open_clip",
-        "model": str(REPO / "mmpt/models/bench-vit-tiny.json"),
-    }
+    open_clip["method"] = {"name": "open_clip", "model": str(REPO / "mmpt/models/bench-vit-tiny.json")}
     open_clip["data"]["train"]["batch_size"] = 4
     configs = [(config, shrink(config, corpora)) for config in one_config_per_method()]
     configs.append((write_config(tmp_path / "open_clip.yaml", open_clip), ["run.progress_bar=false"]))

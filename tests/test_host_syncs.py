@@ -144,10 +144,7 @@ def test_masked_sums_equal_the_boolean_selections_they_replace():
     pairs = [
         (lambda: intra_mfm_loss(outputs, frames, frame_mask, temperature), old_intra),
         (lambda: inter_mfm_loss(outputs, keys, frame_mask, queue, temperature), old_inter),
-        (
-            lambda: masked_lm_loss(token_logits, labels),
-            lambda: F.cross_entropy(token_logits[chosen], labels[chosen]),
-        ),
+        (lambda: masked_lm_loss(token_logits, labels), lambda: F.cross_entropy(token_logits[chosen], labels[chosen])),
     ]
     leaves = (outputs, frames, token_logits)
     for new, old in pairs:

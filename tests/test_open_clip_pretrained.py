@@ -62,12 +62,7 @@ def config(root, pretrained, model="tiny-clip", **method):
 
     return validate_config(
         {
-            "method": {
-                "name": "open_clip",
-                "model": model_name(root, model),
-                "pretrained": str(pretrained),
-                **method,
-            },
+            "method": {"name": "open_clip", "model": model_name(root, model), "pretrained": str(pretrained), **method},
             "data": {"train": {"sources": [{"shards": str(root / "*.json")}], "batch_size": 2}},
             "optim": {"lr": 1e-4, "weight_decay": 0.05, "warmup_steps": 0},
             "train": {"max_steps": 1, "zero_stage": 0, "grad_accum": 1, "grad_clip": 1.0},

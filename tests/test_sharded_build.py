@@ -161,11 +161,7 @@ def check_memory_while_building_loading_and_writing(rank, tmp, kind):
     _deepspeed_ready()  # its imports and process group are not the model's memory
     (model, said, _), grown = _peak_growth(
         lambda: build_partitioned(
-            build,
-            lambda m: method.load_initial_weights(m, cfg),
-            method.initial_tensors(cfg),
-            lambda m: (),
-            ds_config,
+            build, lambda m: method.load_initial_weights(m, cfg), method.initial_tensors(cfg), lambda m: (), ds_config
         )
     )
     # Judged on every rank from every rank's figure: a rank that failed alone would leave the other waiting.

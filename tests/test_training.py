@@ -5,16 +5,7 @@ import sys
 
 import pytest
 
-from conftest import (
-    REPO,
-    free_port,
-    read_metrics,
-    run_command,
-    run_tool,
-    step_losses,
-    tiny_config,
-    write_config,
-)
+from conftest import REPO, free_port, read_metrics, run_command, run_tool, step_losses, tiny_config, write_config
 from pool import scenario
 
 pytestmark = pytest.mark.distributed

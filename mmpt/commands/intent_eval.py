@@ -68,13 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         name = args.encoder
     finetune = FineTuning(epochs=args.finetune_epochs, lr=args.finetune_lr) if args.finetune_epochs else None
     result = intent_classification(
-        model,
-        encoder,
-        dataset,
-        shots=args.shots,
-        full=not args.no_full,
-        seeds=args.seeds,
-        finetune=finetune,
+        model, encoder, dataset, shots=args.shots, full=not args.no_full, seeds=args.seeds, finetune=finetune
     )
     result["model"] = name
     text = json.dumps(result, indent=2)

@@ -17,11 +17,7 @@ from mmpt.registry import Registry
 Builder = Callable[..., Path]
 CORPORA: Registry[Builder] = Registry(
     "demo corpus",
-    builtin={
-        "digits": "mmpt.demo.digits",
-        "dialogs": "mmpt.demo.dialogs",
-        "moving_digits": "mmpt.demo.moving_digits",
-    },
+    builtin={"digits": "mmpt.demo.digits", "dialogs": "mmpt.demo.dialogs", "moving_digits": "mmpt.demo.moving_digits"},
 )
 register = CORPORA.register
 log = logging.getLogger(__name__)

@@ -106,10 +106,7 @@ def skips_on_device(train: TrainConfig) -> bool:
 
 
 def build_optimizer(
-    model: nn.Module,
-    cfg: OptimConfig,
-    towers: dict[str, list[list[nn.Parameter]]] | None = None,
-    skipping: bool = True,
+    model: nn.Module, cfg: OptimConfig, towers: dict[str, list[list[nn.Parameter]]] | None = None, skipping: bool = True
 ) -> torch.optim.Optimizer:
     """AdamW over `param_groups` (`SkippingAdamW` where `skipping`); `towers` (the method's
     `EngineNeeds.tower_groups`) for `cfg.layer_decay`."""

@@ -246,9 +246,7 @@ def load_shard_retrieval(pattern: str, fields: SampleFields) -> tuple[list[Image
 
 
 def load_wds_retrieval(
-    folder: Path,
-    split: str = "test",
-    fields: SampleFields | None = None,
+    folder: Path, split: str = "test", fields: SampleFields | None = None
 ) -> tuple[list[ImageBytes], list[list[str]]]:
     """A CLIP_benchmark webdataset retrieval folder (its `txt` holds a caption per line, unless `fields` names
     other caption keys)."""

@@ -71,8 +71,7 @@ def _didemo(path: Path, root: Path) -> tuple[list[Path], list[list[str]]]:
 
 
 def load_video_retrieval_set(
-    path: str | os.PathLike,
-    video_root: str | os.PathLike | None = None,
+    path: str | os.PathLike, video_root: str | os.PathLike | None = None
 ) -> tuple[list[Path], list[list[str]]]:
     """(video files, captions of each) from a jsonl, an MSR-VTT-style csv or DiDeMo's json. A jsonl's relative paths
     and ids are found beside it, else under `video_root`; a csv's and a json's under `video_root` (default: the

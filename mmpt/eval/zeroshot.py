@@ -84,10 +84,7 @@ def language_files(folder: Path, stem: str, language: str) -> list[Path]:
 
 
 def language_lines(
-    folder: Path,
-    stem: str,
-    language: str,
-    foreign_ok: bool = False,
+    folder: Path, stem: str, language: str, foreign_ok: bool = False
 ) -> tuple[list[str] | None, Path | None, list[Path]]:
     """(lines, file, files looked at) of the first of `language_files` written in `language` (any, with
     `foreign_ok`); lines and file are None when there is none. A file in another language's script is passed
@@ -115,9 +112,7 @@ def warn_once(message: str) -> None:
 
 
 def load_templates(
-    folder: Path,
-    language: str,
-    defaults: dict[str, list[str]] = DEFAULT_TEMPLATES,
+    folder: Path, language: str, defaults: dict[str, list[str]] = DEFAULT_TEMPLATES
 ) -> tuple[list[str], str]:
     """(prompt templates, where they came from); mmpt's defaults for the language, with a warning, when
     the dataset has none."""

@@ -41,13 +41,4 @@ def get_method(name: str | None) -> Method:
         raise ConfigError(f"config key 'method.name' = {exc}") from None
 
 
-__all__ = [
-    "METHODS",
-    "AfterStep",
-    "EngineNeeds",
-    "Method",
-    "MethodConfig",
-    "get_method",
-    "list_methods",
-    "register",
-]
+__all__ = ["METHODS", "AfterStep", "EngineNeeds", "Method", "MethodConfig", "get_method", "list_methods", "register"]

@@ -25,12 +25,7 @@ from mmpt.eval.retrieval import official_caption_normalization
 from mmpt.losses.grouped_itc import GroupedContrastiveLoss
 from mmpt.methods import register
 from mmpt.methods.base import EngineNeeds, MethodConfig, OfficialFolder, count
-from mmpt.methods.image_text import (
-    TINY_IMAGE_TEXT_DATA,
-    ImageTextMethod,
-    PlacementAugment,
-    eval_batch_size_field,
-)
+from mmpt.methods.image_text import TINY_IMAGE_TEXT_DATA, ImageTextMethod, PlacementAugment, eval_batch_size_field
 from mmpt.methods.teacher import DistillOption
 from mmpt.methods.towers import Tower, image_text_towers
 from mmpt.models.locking import TowerGroups, TowerLocks, lock_towers

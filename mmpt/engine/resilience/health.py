@@ -252,13 +252,7 @@ class HealthMonitor:
 
 def _row(window: Window) -> list[float]:
     """The floats one rank hands in: the summary, then (seconds, calls, MiB) per collective kind."""
-    row = [
-        window.wall,
-        window.collective_seconds,
-        float(window.sync_calls),
-        window.mean_arrival,
-        window.mean_return,
-    ]
+    row = [window.wall, window.collective_seconds, float(window.sync_calls), window.mean_arrival, window.mean_return]
     for kind in KINDS:
         totals = window.kind_totals(kind)
         row += [totals.seconds, float(totals.calls), totals.bytes / 2**20]
