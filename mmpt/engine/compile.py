@@ -1,23 +1,9 @@
 """Compiled towers (`train.compile`): the modules a method lists in `EngineNeeds.compilable`, compiled with
 torch.compile (inductor) in place, block by block where a tower stacks blocks (`regions`).
 
-`module.compile()` keeps the module where it is and compiles its call: parameter and buffer names do not
-change, so checkpoints, the consolidated weights and every export read and write the keys of an eager run,
-and a run may be resumed with compilation switched on or off. Compilation is lazy: each tower is compiled at
-its first call, again for each new variant of its inputs (a modality expert, masks or none, with or without
-gradient, training or evaluation mode) and once more with dynamic shapes when a batch size changes.
-
-What composes: every ZeRO stage and precision, pooled accumulation, momentum copies, batch norm over ranks and
-gradient checkpointing inside a tower (non-reentrant checkpoints are traced as such). At ZeRO-3, DeepSpeed
-0.19.8 gathers and releases each submodule's partitioned parameters in hooks it keeps out of graphs
-(`torch.compiler.disable`): a block compiles into the pieces between its submodules' hooks, exact against eager,
-its speed not yet measured on a GPU, so `auto` leaves ZeRO-3 eager. torch's `nn.MultiheadAttention` (open_clip's)
-reads its output projection's parameters without calling that module; eager ZeRO-3 gathers them when first read,
-which a traced forward does not do, so they are declared the attention's own (`register_external_parameter`) and
-its hook gathers them before the block runs. Refused with a config error naming `train.compile`: sequence
-parallelism (its hooks on the split transformers and its attention run collectives mid-tower).
-`train.compile: auto` compiles only GPU runs at ZeRO 0-2 without sequence parallelism (on CPU ranks compilation
-costs more than it saves in a short run).
+`module.compile()` keeps parameter and buffer names, so checkpoints and exports read and write an eager run's keys
+and a run may resume with compilation switched on or off. What composes with it, ZeRO-3's hooks and what `auto`
+chooses: docs/performance.md ("Compiled steps").
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
-"""Expected stops: the ways a run ends on purpose, each with a documented exit code and one line per rank.
-
-| exit | stop |
-|---|---|
-| 0 | finished |
-| 1 | an unexpected error (a bug, or a failure mmpt does not know): the full traceback |
-| 2 | config error: a key, value or combination that cannot work, a file it names that is not there, initial weights that do not fit the model |
-| 3 | data error: a source without a needed field, too many unusable samples |
-| 4 | non-finite training: too many optimizer steps in a row with a NaN/Inf loss or gradient |
-| 5 | checkpoint error: a rank could not write its part of a checkpoint (the previous one stands) |
-| 75 | watchdog: a rank made no progress (`mmpt.engine.watchdog`), restart to resume |
-| 76 | unhealthy rank: a rank arrived late or its collectives were slow for several logging windows and `train.on_unhealthy` is `stop` (`mmpt.engine.resilience.health`); `<output_dir>/unhealthy.json` names its node: restart without that node |
+"""Expected stops: the ways a run ends on purpose, each with a documented exit code (docs/running.md's table) and one
+line per rank.
 
 A stop that every rank finds alike (config, non-finite) is said in full by rank 0; the others say
 one short line. A data or checkpoint error belongs to one rank's readers or files, so each rank that

@@ -55,44 +55,8 @@ def diagnostics(terms: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class EngineNeeds:
-    """Everything a method asks of the engine besides running `training_step` (see `Method.engine_needs`).
-
-    pool_features, step_pool: pooled accumulation. With `train.grad_accum` K > 1 the engine first runs
-        `pool_features(model, micro_batch)` for each of the step's K micro-batches without gradient and
-        `step_pool(loss, [their features])`, then each micro-batch through `training_step` with that pool.
-        Each micro-batch loss is then the whole step's loss with gradient through that micro-batch only, so
-        the engine sums the K gradients instead of averaging them. Exact only if both passes compute the same
-        features: the engine replays each micro-batch's random draws (torch's generators, as
-        `pool_features` found them) for its `training_step`, so dropout, drop-path and patch dropout draw the
-        same masks in both, provided `training_step` makes the model's random draws in the order
-        `pool_features` does. Batch norm normalises each pass with its batch's statistics; the pool pass leaves
-        its running statistics alone (`mmpt.engine.batch_norm.RunningStatisticsKept`), so they count each batch once.
-    merged_step: the same pooled step in one pass, `merged_step(model, loss, [the K micro-batches])` -> the step's
-        loss terms: each micro-batch's forward with gradient, the loss once over all of them (the K-times batch's),
-        diagnostics averaged over the micro-batches. The engine backpropagates it once, in place of the pool pass
-        and the K training steps, where `train.pool_pass` merges: one forward less per micro-batch, with all K
-        micro-batches' activations held until backward (few where the towers checkpoint them).
-    fp32_modules: modules whose state stays fp32 under bf16/fp16 training; the engine runs their forward
-        under autocast to the training precision and hands their outputs back in it.
-    after_step: work after each applied optimizer step, in order.
-    momentum_copies: EMA copies of parts of the model (`mmpt.models.momentum.MomentumCopy`). The engine keeps
-        their state fp32 (as for `fp32_modules`), updates them after each applied optimizer step (before
-        `after_step`), and under ZeRO-3 partitions them like the parameters they follow, so that no rank holds
-        a whole copy (see `mmpt.engine.zero3.copies`).
-    sequence_parallel: transformers the engine may split along the sequence (`train.sequence_parallel`, see
-        `mmpt.engine.sequence_parallel`): each is called as `module(tokens [B, L, W], padding [B, L] or None)`,
-        mixes tokens only in timm `Attention` layers and returns [B, L, W].
-    batch_norm_across_ranks: every BatchNorm in the model takes its batch statistics over all data-parallel
-        ranks' samples (torch's SyncBatchNorm semantics, on CPU ranks too), so a model whose loss depends on
-        batch statistics trains as on the global batch, and running statistics agree on every rank.
-    tower_groups: {tower name: its parameters in groups, input to output} (`mmpt.models.locking.TowerGroups`): the
-        engine scales each group's learning rate by `optim.layer_decay` to the power of its distance from the
-        tower's last group.
-    compilable: the towers (image, video, text, dialog encoders) the engine compiles in place with
-        `torch.compile` when a run sets `train.compile` (see `mmpt.engine.compile`). Each is compiled as a
-        whole module, so its parameters keep their names; what runs between them (projections, pooling, the
-        loss) stays eager. List modules that each run a large share of the step and hold no host-side logic.
-    """
+    """Everything a method asks of the engine besides running `training_step` (see `Method.engine_needs`); each
+    field's contract is in docs/adding_a_method.md ("What a method may ask of the engine")."""
 
     pool_features: Callable[[Any, Any], Any] | None = None  # (model, one micro-batch) -> what the pool keeps
     step_pool: Callable[[Any, list[Any]], Any] | None = None  # (loss, each micro-batch's pool features) -> pool

@@ -1,45 +1,14 @@
 """Time every collective a rank runs, per logging window, at the cost of two clock reads per call.
 
-Why: data-parallel training is periodic and homogeneous. Every rank runs the same collectives in the
-same order, step after step, so a rank whose timings drift from its peers' is the faulty part (the C4
-idea). `mmpt.engine.resilience.health` compares the ranks; this module measures one rank.
-
-What is wrapped: `torch.distributed`'s collectives (mmpt's own gathers call those) and the collectives of
-DeepSpeed's communication backend (`deepspeed_private.comm_backend`). DeepSpeed's ZeRO code calls the
-backend object, which calls `torch.distributed` through function references taken when it started (its
-all-gather) or its shared-memory kernel on CPU ranks, so wrapping `torch.distributed` alone would miss its
-traffic. A call made from inside another wrapped call
-(DeepSpeed's backend calling `torch.distributed`) counts once, as the outer call.
-
-What is recorded, per window: for each collective kind (all_reduce, all_gather, reduce_scatter,
-all_to_all, broadcast, reduce, gather, scatter, barrier) and group (the world, or its ranks), the calls, the bytes (the
-larger of a call's input and output buffers) and the seconds in the call. For the synchronous calls, also
-when the rank arrived at each call and when the call returned, relative to the window's reference: the
-moment the previous logging step's small all-gather returned, an instant all ranks share (a synchronous
-collective returns on every rank once its last rank arrived, and a few bytes cross any link at once).
-Measuring from a shared instant needs no synchronised clocks.
-
-How arrival and return tell the faults apart (the reasoning `mmpt.engine.resilience.health` applies):
-
-- A rank whose own work is slow (compute, data) arrives late at the collectives: its peers wait for it
-  inside the call, so their collective time grows and its own shrinks. Its busy time (the window's time
-  outside collectives) stands above its peers'; its calls return when theirs do.
-- A rank whose collectives are slow once everyone arrived (its link, its NIC, its node) is not busier
-  than its peers. Its calls return after its peers' do (the data it waits for arrives last), so it also
-  reaches the next call late and its peers wait there: summed collective time alone would look the
-  same on every rank. What sets it apart is the return: its calls return later than its peers' by more
-  than the collective itself takes on them.
-
-Clocks: on CPU the host clock (`time.perf_counter`) around the call, which returns when the collective
-is done. On a GPU the host returns as soon as the call is queued, so each synchronous call records two
-CUDA events on the current stream: before (this rank's work reached the call) and after (the stream has
-waited for the collective). The events are read at `take()`, once per logging window, after the work
-has finished (`mmpt.engine.timing.Spans.take` synchronises already): no step waits for the host.
-Asynchronous calls (`async_op=True`: ZeRO-3's prefetching gathers, overlapped reductions) are counted
-with their bytes and the time the call took to issue; their waits show where the work waits for them.
-
-`install` wraps once per process, only when a run asks for rank health (`HealthMonitor.start`);
-`uninstall` restores the originals.
+Wrapped: `torch.distributed`'s collectives and those of DeepSpeed's communication backend
+(`deepspeed_private.comm_backend`), whose ZeRO code calls `torch.distributed` through references taken at its start,
+so wrapping `torch.distributed` alone would miss its traffic; a call made inside another wrapped call counts once,
+as the outer call. Recorded per window: for each collective kind and group, the calls, bytes (the larger of a
+call's buffers) and seconds; for synchronous calls also when the rank arrived and when the call returned, from the
+instant the previous logging step's small all-gather returned (shared by all ranks, so no synchronised clocks are
+needed). On a GPU each synchronous call records two CUDA events, read at `take()` once per window; asynchronous
+calls count their bytes and issue time. How arrival and return tell a straggler from a slow link, and why:
+docs/fault_tolerance.md ("Rank health").
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Rank health: name the rank that arrives late, or whose collectives are slow, from the collective timings.
 
-At every logging step each rank hands in its window (`mmpt.engine.resilience.collective_timing.Window`): its busy
-time (outside collectives), its time in collectives, and when on average it arrived at its synchronous
-collectives and when they returned, from an instant all ranks share. One all-gather of these floats (the
-logging step syncs anyway) gives every rank the same matrix, and every rank judges it alike, so a stop
-needs no further message: every rank raises the same error at the same step.
-
-Two faults, told apart (the reasoning is in `mmpt.engine.resilience.collective_timing`):
-
-- straggler (arrives late): the rank's busy time exceeds `train.straggler_factor` times its peers' median.
-- slow collectives (its link or node): its calls return later than its peers' by more than the
-  collective takes them. Per rank: the time from the latest mean arrival of any rank to its own mean
-  return; a rank above `train.slow_collective_factor` times its peers' median is slow once everyone
-  arrived. A late arrival does not move this figure (its calls return with its peers').
-
-Either must cost at least `train.unhealthy_min_share` of the window's time (tiny lags are scheduling
-noise) and hold for `train.straggler_windows` windows in a row before the rank is named: one line with the
-rank, its node and the evidence, and `<run_dir>/unhealthy.json` for the scheduler. `train.on_unhealthy:
-stop` then ends the run with EXIT_UNHEALTHY (76). Windows with an evaluation or a checkpoint are not
-judged: ranks do unequal work there by design.
+At every logging step one all-gather of each rank's window (`collective_timing.Window`) gives every rank the same
+matrix, and every rank judges it alike, so a stop needs no further message: every rank raises the same error at
+the same step. The two faults, their thresholds (`train.straggler_factor`, `train.slow_collective_factor`,
+`train.unhealthy_min_share`, `train.straggler_windows`) and what a stop writes: docs/fault_tolerance.md
+("Rank health"). Windows with an evaluation or a checkpoint are not judged: ranks do unequal work there by design.
 """
 
 from __future__ import annotations
