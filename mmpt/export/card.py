@@ -429,6 +429,32 @@ def render(
     return "\n\n".join(sections) + "\n"
 
 
+def write_card(
+    out: Path,
+    cfg: Config,
+    files_from: Path,
+    state: dict[str, torch.Tensor],
+    *,
+    title: str,
+    kind: str,
+    usage: list[str],
+    files: list[tuple[str, str]],
+) -> None:
+    """An export folder's README.md: `title` after the folder's name, `usage` under "How to use it", `files` and
+    this card; the record and parameter counts come from `files_from`, the run or release exported."""
+    card = render(
+        cfg,
+        title=f"{out.resolve().name}: {title}",
+        kind=kind,
+        parameters=parameter_counts(cfg, files_from, state),
+        record=training_record(files_from),
+        usage="\n".join(["## How to use it", "", *usage]),
+        files=[*files, (CARD, "this card")],
+        files_from=files_from,
+    )
+    (out / CARD).write_text(card, encoding="utf-8")
+
+
 def release_card(
     directory: Path, cfg: Config, state_dict: dict[str, torch.Tensor], files_from: Path, record: dict | None
 ) -> str:

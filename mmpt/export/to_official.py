@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from mmpt.config import Config
-from mmpt.export.card import CARD, parameter_counts, render, training_record
+from mmpt.export.card import write_card
 from mmpt.methods import get_method
 
 
@@ -20,15 +20,5 @@ def export_official(cfg: Config, state: dict[str, torch.Tensor], files_from: Pat
     code reads beside it; returns the checkpoint's path."""
     out.mkdir(parents=True, exist_ok=True)
     folder = get_method(cfg.method_name).official_export(cfg, state, files_from, out)
-    card = render(
-        cfg,
-        title=f"{out.resolve().name}: {folder.title}",
-        kind="official",
-        parameters=parameter_counts(cfg, files_from, state),
-        record=training_record(files_from),
-        usage="\n".join(["## How to use it", "", *folder.usage]),
-        files=[*folder.files, (CARD, "this card")],
-        files_from=files_from,
-    )
-    (out / CARD).write_text(card, encoding="utf-8")
+    write_card(out, cfg, files_from, state, title=folder.title, kind="official", usage=folder.usage, files=folder.files)
     return out / folder.files[0][0]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mmpt.config import Config
-from mmpt.export.card import CARD, mmpt_usage, parameter_counts, render, training_record
+from mmpt.export.card import mmpt_usage, write_card
 from mmpt.export.formats import LoadedModel
 from mmpt.export.towers import BATCH, SEQUENCE, Tower, towers
 from mmpt.methods import get_method
@@ -312,7 +312,7 @@ def export_onnx(model: LoadedModel, out: Path, names: list[str], check: bool = T
         written.append(path)
     record = contract(model, built, out, opset)
     (out / CONTRACT).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    (out / CARD).write_text(onnx_card(model, built, record, out), encoding="utf-8")
+    write_onnx_card(model, built, record, out)
     return written
 
 
@@ -451,25 +451,11 @@ def contract_section(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def onnx_card(model: LoadedModel, built: list[Tower], record: dict[str, Any], out: Path) -> str:
+def write_onnx_card(model: LoadedModel, built: list[Tower], record: dict[str, Any], out: Path) -> None:
     cfg: Config = model.config
-    usage = "\n".join(
-        [
-            "## How to use it",
-            "",
-            "### With onnxruntime",
-            "",
-            onnxruntime_code(record, out),
-            "",
-            contract_section(record),
-            "",
-            "### With mmpt",
-            "",
-            f"The mmpt model these files come from (`{model.files_from}`) loads with:",
-            "",
-            mmpt_usage(cfg, str(model.files_from)),
-        ]
-    )
+    usage = ["### With onnxruntime", "", onnxruntime_code(record, out), "", contract_section(record), ""]
+    usage += ["### With mmpt", "", f"The mmpt model these files come from (`{model.files_from}`) loads with:", ""]
+    usage.append(mmpt_usage(cfg, str(model.files_from)))
     files = [(tower.file, f"the {tower.name} tower") for tower in built]
     files += [
         (f"{tower.file}.data", f"the {tower.name} tower's weights")
@@ -478,15 +464,5 @@ def onnx_card(model: LoadedModel, built: list[Tower], record: dict[str, Any], ou
     ]
     files += [(CONTRACT, "the input contract: names, dtypes, shapes, preprocessing, tokenizer")]
     files += [(name, "tokenizer") for name in record.get("tokenizer", {}).get("files", [])]
-    files.append((CARD, "this card"))
-    state = model.model.state_dict()
-    return render(
-        cfg,
-        title=f"{out.resolve().name}: an mmpt `{cfg.method_name}` model, exported to ONNX",
-        kind="onnx",
-        parameters=parameter_counts(cfg, model.files_from, state),
-        record=training_record(model.files_from),
-        usage=usage,
-        files=files,
-        files_from=model.files_from,
-    )
+    title = f"an mmpt `{cfg.method_name}` model, exported to ONNX"
+    write_card(out, cfg, model.files_from, model.model.state_dict(), title=title, kind="onnx", usage=usage, files=files)

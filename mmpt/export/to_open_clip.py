@@ -18,17 +18,7 @@ from typing import Any
 
 import torch
 
-from mmpt.export.card import (
-    CARD,
-    EVAL_LINE,
-    mmpt_usage,
-    open_clip_lines,
-    open_clip_name,
-    open_clip_preprocess,
-    parameter_counts,
-    render,
-    training_record,
-)
+from mmpt.export.card import EVAL_LINE, mmpt_usage, open_clip_lines, open_clip_name, open_clip_preprocess, write_card
 from mmpt.export.formats import LoadedModel
 from mmpt.export.towers import towers
 from mmpt.methods import get_method
@@ -81,16 +71,14 @@ def export_open_clip(model: LoadedModel, out: Path, check: bool = True) -> Path:
     (out / LOCAL_CONFIG).write_text(json.dumps(local, indent=2) + "\n")
     if check:
         check_folder(model, out)
-    (out / CARD).write_text(open_clip_card(model, out, name, folder), encoding="utf-8")
+    write_open_clip_card(model, out, name, folder)
     return out
 
 
-def open_clip_card(model: LoadedModel, out: Path, name: str, folder: OpenClipFolder) -> str:
+def write_open_clip_card(model: LoadedModel, out: Path, name: str, folder: OpenClipFolder) -> None:
     cfg = model.config
     where = str(out)
     usage = [
-        "## How to use it",
-        "",
         "### With open_clip",
         "",
         "```python",
@@ -117,15 +105,8 @@ def open_clip_card(model: LoadedModel, out: Path, name: str, folder: OpenClipFol
         (WEIGHTS, "the state dict, open_clip's parameter names"),
         (LOCAL_CONFIG, "model config and preprocessing for `local-dir:`"),
         *folder.files,
-        (CARD, "this card"),
     ]
-    return render(
-        cfg,
-        title=f"{out.resolve().name}: an mmpt `{cfg.method_name}` model for open_clip",
-        kind="open_clip",
-        parameters=parameter_counts(cfg, model.files_from, model.model.state_dict()),
-        record=training_record(model.files_from),
-        usage="\n".join(usage),
-        files=files,
-        files_from=model.files_from,
+    title = f"an mmpt `{cfg.method_name}` model for open_clip"
+    write_card(
+        out, cfg, model.files_from, model.model.state_dict(), title=title, kind="open_clip", usage=usage, files=files
     )

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mmpt.export.card import CARD, parameter_counts, render, training_record, transformers_lines
+from mmpt.export.card import CARD, transformers_lines, write_card
 from mmpt.export.formats import LoadedModel
 from mmpt.methods import get_method
 
@@ -24,26 +24,20 @@ def export_transformers(model: LoadedModel, out: Path, check: bool = True) -> Pa
     get_method(model.config.method_name).transformers_export(module, model.config, model.files_from, out)
     if check:
         check_folder(module, out)
-    write_card(model, out)
-    return out
-
-
-def write_card(model: LoadedModel, out: Path) -> None:
-    """The folder's README.md: the model card, with the files transformers wrote."""
-    cfg = model.config
-    written = sorted(p for p in out.iterdir() if p.name != CARD)
+    written = sorted(p for p in out.iterdir() if p.name != CARD)  # the card lists what transformers wrote
     files = [(p.name, WRITTEN.get(p.suffix, "written by transformers' save_pretrained")) for p in written]
-    card = render(
-        cfg,
-        title=f"{out.resolve().name}: a transformers model",
+    usage, state = transformers_lines(str(out), model.config), model.model.state_dict()
+    write_card(
+        out,
+        model.config,
+        model.files_from,
+        state,
+        title="a transformers model",
         kind="transformers",
-        parameters=parameter_counts(cfg, model.files_from, model.model.state_dict()),
-        record=training_record(model.files_from),
-        usage="\n".join(["## How to use it", "", *transformers_lines(str(out), cfg)]),
-        files=[*files, (CARD, "this card")],
-        files_from=model.files_from,
+        usage=usage,
+        files=files,
     )
-    (out / CARD).write_text(card, encoding="utf-8")
+    return out
 
 
 WRITTEN = {  # what each kind of file transformers' save_pretrained writes holds
