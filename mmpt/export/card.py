@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -437,8 +438,8 @@ def write_card(
     *,
     title: str,
     kind: str,
-    usage: list[str],
-    files: list[tuple[str, str]],
+    usage: Sequence[str],
+    files: Sequence[tuple[str, str]],
 ) -> None:
     """An export folder's README.md: `title` after the folder's name, `usage` under "How to use it", `files` and
     this card; the record and parameter counts come from `files_from`, the run or release exported."""

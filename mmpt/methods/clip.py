@@ -98,9 +98,6 @@ class ClipMethod(ImageTextMethod[ClipConfig]):
     def load_tokenizer(self, path: Path, cfg: Config) -> TextTokenizer:
         return TextTokenizer(path, self.settings(cfg).text.context_length)
 
-    def input_paths(self, cfg: Config) -> dict[str, str | None]:
-        return {"method.tokenizer": self.settings(cfg).tokenizer}
-
     def prepare_files(self, cfg: Config, run_dir: Path) -> None:
         """The tokenizer (method.tokenizer's, or the pretrained text encoder's as a tokenizer.json) and the
         pretrained text encoder's config, so that the run builds its model without the checkpoint."""

@@ -82,9 +82,6 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     )
     uses_attention_mask = False  # open_clip's text tower pools at the end token
 
-    def tokenizer_source(self, cfg: Config) -> None:
-        return None  # open_clip brings its own
-
     def input_paths(self, cfg: Config) -> dict[str, str | None]:
         model = self.settings(cfg).model
         return {**super().input_paths(cfg), "method.model": model if model.endswith(".json") else None}
@@ -112,15 +109,8 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         return OpenClipTokenizer(self.settings(cfg).model)
 
     def image_transform(self, cfg: Config, train: bool):
-        visual = self._preprocess(cfg)
-        return image_transform(
-            visual["image_size"],
-            is_train=train,
-            mean=visual["mean"],
-            std=visual["std"],
-            interpolation=visual["interpolation"],
-            resize_mode=visual["resize_mode"],
-        )
+        visual = self._preprocess(cfg)  # exactly image_transform's keyword arguments
+        return image_transform(visual.pop("image_size"), is_train=train, **visual)
 
     def _preprocess(self, cfg: Config) -> dict:
         """open_clip's preprocessing settings of the model (a pretrained tag's where one is named); the model
@@ -131,13 +121,16 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
     def _name(self, cfg: Config) -> str:
         return register_model_config(self.settings(cfg).model)
 
+    def _model_config(self, cfg: Config) -> dict[str, Any]:
+        """open_clip's config of the named model (registered first if it is a JSON file)."""
+        return open_clip.get_model_config(self._name(cfg)) or {}
+
     def _quick_gelu(self, cfg: Config) -> bool:
         """OpenAI's weights were trained with QuickGELU; open_clip's tags say so."""
         return bool(tag_settings(self._name(cfg), self.settings(cfg).pretrained).get("quick_gelu", False))
 
     def _has_logit_bias(self, cfg: Config) -> bool:
-        config = open_clip.get_model_config(register_model_config(self.settings(cfg).model)) or {}
-        return config.get("init_logit_bias") is not None
+        return self._model_config(cfg).get("init_logit_bias") is not None
 
     def loss_spec(self, cfg: Config) -> ContrastiveLossConfig | SigmoidLossConfig:
         chosen = self.settings(cfg).loss
@@ -213,8 +206,7 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
             return None
         from mmpt.models.open_clip_to_clip_model import convertible
 
-        config = open_clip.get_model_config(register_model_config(self.settings(cfg).model)) or {}
-        problem = convertible(config)
+        problem = convertible(self._model_config(cfg))
         if problem is None and isinstance(self.loss_spec(cfg), SigmoidLossConfig):
             problem = "transformers' CLIPModel has no place for the logit bias the sigmoid loss trained"
         return None if problem is None else f"{problem} (use --format open_clip, onnx or release)"
@@ -223,10 +215,8 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
         """A `CLIPModel` folder (`mmpt.models.open_clip_to_clip_model`) with open_clip's tokenizer and preprocessing."""
         from mmpt.models.open_clip_to_clip_model import write_clip_model, write_tokenizer
 
-        m = self.settings(cfg)
-        config = open_clip.get_model_config(register_model_config(m.model)) or {}
         clip = cast(OpenClipModel, model).clip
-        write_clip_model(clip, config, self._quick_gelu(cfg), self._preprocess(cfg), out)
+        write_clip_model(clip, self._model_config(cfg), self._quick_gelu(cfg), self._preprocess(cfg), out)
         write_tokenizer(self.tokenizer(cfg, run_dir)._tokenizer, out)
 
     def export_towers(self, model: nn.Module, cfg: Config) -> list[Tower]:
@@ -243,12 +233,12 @@ class OpenClipMethod(ImageTextMethod[OpenClipConfig]):
 
     def open_clip_preprocess(self, cfg: Config) -> dict[str, Any]:
         found = self._preprocess(cfg)
+        size = found.pop("image_size")
         return {
-            "size": found["image_size"],
+            "size": size,
+            **found,
             "mean": [float(v) for v in found["mean"]],
             "std": [float(v) for v in found["std"]],
-            "interpolation": found["interpolation"],
-            "resize_mode": found["resize_mode"],
         }
 
     def open_clip_export(self, model: nn.Module, cfg: Config, run_dir: Path, out: Path) -> OpenClipFolder:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mmpt.models.m2_encoder import FIRST_POSITION, M2Encoder
-from mmpt.models.tensor_files import CheckpointMismatch, MappedCheckpoint, check_covers, load_strictly, read_safetensors
+from mmpt.models.tensor_files import CheckpointMismatch, MappedCheckpoint, load_strictly, read_safetensors
 
 DEEPSPEED_PREFIX = "_forward_module."
 VISION_POSITIONS = "backbone.encoder.embed_positions.A.weight"
@@ -115,11 +115,7 @@ def fit_positions(table: torch.Tensor, num_patches: int) -> torch.Tensor:
 
 def load_official(model: M2Encoder, path: str | os.PathLike) -> M2Encoder:
     """Load an official checkpoint strictly; a mismatch names every missing/unexpected/mis-shaped key."""
-    state = convert_official(read_official(path), model)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    check_covers(str(path), {k: tuple(v.shape) for k, v in state.items()}, expected, "this M2-Encoder config")
-    model.load_state_dict(state, strict=True)
-    return model
+    return load_strictly(model, convert_official(read_official(path), model), str(path), "this M2-Encoder config")
 
 
 def load_release_weights(model: M2Encoder, directory: str | os.PathLike) -> M2Encoder:
