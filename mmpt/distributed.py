@@ -12,6 +12,7 @@ rows outside any run.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -28,22 +29,6 @@ import torch.distributed as dist
 from mmpt.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-
-
-def process_info() -> ProcessInfo:
-    """Rank layout from the environment (deepspeed launcher, torchrun) or a single process."""
-    return ProcessInfo(
-        rank=int(os.environ.get("RANK", 0)),
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-    )
 
 
 def ensure_rendezvous_env() -> None:
@@ -196,11 +181,17 @@ def contiguous_group(group_size: int | None) -> dist.ProcessGroup | None:
         return None
     if group_size < 1 or world % group_size:
         raise ValueError(f"group size {group_size} does not divide the {world} ranks")
+    return own_group([list(range(start, start + group_size)) for start in range(0, world, group_size)])
+
+
+def own_group(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
+    """Form a group of each list of ranks, in order (a collective: every rank forms every group), and return
+    this rank's (a non-member gets a placeholder from `new_group`)."""
     mine = None
-    for start in range(0, world, group_size):
-        group = dist.new_group(list(range(start, start + group_size)))
-        if start <= get_rank() < start + group_size:
-            mine = cast(dist.ProcessGroup, group)  # a member's group (others get a placeholder)
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if get_rank() in ranks:
+            mine = cast(dist.ProcessGroup, group)
     return mine
 
 
@@ -230,16 +221,8 @@ def set_sequence_parallel(size: int) -> ParallelLayout:
         raise ConfigError(f"config key 'train.sequence_parallel': {size} must divide the {world} ranks")
     if size == 1:
         return ParallelLayout.whole_world()
-    sequence_group: dist.ProcessGroup | None = None
-    data_group: dist.ProcessGroup | None = None
-    for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)))
-        if start <= rank < start + size:
-            sequence_group = cast(dist.ProcessGroup, group)
-    for offset in range(size):
-        group = dist.new_group(list(range(offset, world, size)))  # one rank when all ranks split one batch
-        if rank % size == offset:
-            data_group = cast(dist.ProcessGroup, group)
+    sequence_group = own_group([list(range(start, start + size)) for start in range(0, world, size)])
+    data_group = own_group([list(range(offset, world, size)) for offset in range(size)])  # one rank if size == world
     return ParallelLayout(size, sequence_group, data_group, rank // size, world // size)
 
 
@@ -333,12 +316,7 @@ def check_node_major(ranks: list[tuple[str, int]]) -> str:
 
 def _spans(ranks: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5': a node's ranks in a line that stays short on large jobs."""
-    runs: list[list[int]] = []
-    for rank in ranks:
-        if runs and rank == runs[-1][-1] + 1:
-            runs[-1].append(rank)
-        else:
-            runs.append([rank])
+    runs = [[rank for _, rank in run] for _, run in itertools.groupby(enumerate(ranks), lambda pair: pair[1] - pair[0])]
     return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 

@@ -5,6 +5,7 @@ metrics, the step hooks. `trainer.train` drives it; nothing is threaded through 
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -338,7 +339,7 @@ def start_process_group(watchdog_timeout: float) -> tuple[int, int]:
     mdist.set_default_group_timeout(timeout)
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", timeout=timeout)
     if use_cuda:
-        torch.cuda.set_device(mdist.process_info().local_rank)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     mdist.barrier()
     deepspeed_private.release_cpu_allreduce_buffer(mdist.get_rank())
     return mdist.get_rank(), mdist.get_world_size()

@@ -55,10 +55,6 @@ class Spans:
         self._open: dict[str, Mark] = {}
         self._marks: list[tuple[str, Mark, Mark]] = []
 
-    @property
-    def cuda(self) -> bool:
-        return self.clock.cuda
-
     def start(self, name: str) -> None:
         self._open[name] = self.clock.mark()
 

@@ -14,14 +14,12 @@ with the workarounds for the DeepSpeed versions named there), `weights` (the saf
 reader) and `checkpointer` (one run's checkpoints, tying them together).
 """
 
-from mmpt.artifacts import WEIGHTS
 from mmpt.engine.checkpoint.checkpointer import Checkpointer
 from mmpt.engine.checkpoint.protocol import CheckpointError, find_resume, rank_states, saved_step, saved_world_size
-from mmpt.engine.checkpoint.rng import RngState, rng_state, set_rng_state
+from mmpt.engine.checkpoint.rng import RngState
 from mmpt.engine.checkpoint.weights import gathered_state_dict, read_weights, write_weights
 
 __all__ = [
-    "WEIGHTS",
     "CheckpointError",
     "Checkpointer",
     "RngState",
@@ -29,9 +27,7 @@ __all__ = [
     "gathered_state_dict",
     "rank_states",
     "read_weights",
-    "rng_state",
     "saved_step",
     "saved_world_size",
-    "set_rng_state",
     "write_weights",
 ]
