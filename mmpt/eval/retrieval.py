@@ -99,20 +99,35 @@ def zeroshot_retrieval(
     data = read_retrieval_set(path, fields)
     texts = [normalize_text(t) for t in data.texts] if normalize_text else data.texts
     dtype = next(model.parameters()).dtype
-    image_features = []
-    for start in range(0, len(data.images), batch_size):
-        batch = []
-        for file in data.images[start : start + batch_size]:
-            try:
-                batch.append(transform(decode_image(file.read_bytes())))
-            except Exception as exc:
-                raise DataError(f"retrieval image {file} cannot be read: {exc}") from None
-        image_features.append(model.encode_image(torch.stack(batch).to(device=device, dtype=dtype)).cpu())
+    encode = lambda batch: model.encode_image(batch.to(device=device, dtype=dtype))
+    image_features = encode_files(data.images, lambda raw: transform(decode_image(raw)), encode, batch_size, "image")
     text_features, rows = encode_texts(model, tokenize, texts, batch_size, device)
-    images = F.normalize(torch.cat(image_features).float(), dim=-1)
+    images = F.normalize(image_features, dim=-1)
     if predictions is not None:
         write_top_images(predictions, text_features[rows] @ images.T, data)
     return recall_metrics(images, text_features[rows], data.matches)
+
+
+def encode_files(
+    files: list[Path],
+    prepare,
+    encode,
+    batch_size: int,
+    what: str,
+    errors: type[Exception] | tuple[type[Exception], ...] = Exception,
+) -> torch.Tensor:
+    """fp32 host features of `files`, read, `prepare`d and `encode`d in batches; a file that fails with `errors`
+    is a DataError naming it (evaluation sets are fixed: skipping one would change the benchmark)."""
+    features = []
+    for start in range(0, len(files), batch_size):
+        batch = []
+        for file in files[start : start + batch_size]:
+            try:
+                batch.append(prepare(file.read_bytes()))
+            except errors as exc:
+                raise DataError(f"retrieval {what} {file} cannot be read: {exc}") from None
+        features.append(encode(torch.stack(batch)).float().cpu())
+    return torch.cat(features)
 
 
 def write_top_images(path: str | os.PathLike, scores: torch.Tensor, data: RetrievalSet, k: int = 10) -> None:

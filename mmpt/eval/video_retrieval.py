@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mmpt.data.shards import DataError, MissingDataError
-from mmpt.eval.retrieval import encode_texts, retrieval_ranks
+from mmpt.eval.retrieval import encode_files, encode_texts, retrieval_ranks
 from mmpt.eval.retrieval_formats import load_retrieval_set
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".avi")
@@ -128,17 +128,10 @@ def video_retrieval(
     texts = [t for group in captions for t in group]
     text_to_video = torch.tensor([i for i, group in enumerate(captions) for _ in group])
     dtype = next(model.parameters()).dtype
-    video_features = []
-    for start in range(0, len(videos), batch_size):
-        clips = []
-        for file in videos[start : start + batch_size]:
-            try:
-                clips.append(decode_video(file.read_bytes()))
-            except (OSError, ValueError) as exc:
-                raise DataError(f"retrieval video {file} cannot be read: {exc}") from None
-        clips = torch.stack(clips).to(device)
-        if clips.is_floating_point():  # normalised frames or features; uint8 frames are normalised by the model
-            clips = clips.to(dtype)
-        video_features.append(model.encode_video(clips).float().cpu())
+    # normalised frames or features in the model's dtype; uint8 frames are normalised by the model
+    encode = lambda clips: model.encode_video(
+        clips.to(device, dtype) if clips.is_floating_point() else clips.to(device)
+    )
+    video_features = encode_files(videos, decode_video, encode, batch_size, "video", (OSError, ValueError))
     text_features, rows = encode_texts(model, tokenize, texts, batch_size, device)
-    return video_rank_metrics(F.normalize(torch.cat(video_features), dim=-1), text_features[rows], text_to_video)
+    return video_rank_metrics(F.normalize(video_features, dim=-1), text_features[rows], text_to_video)
