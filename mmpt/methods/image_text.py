@@ -382,16 +382,8 @@ class ImageTextMethod(Method[SettingsT]):
     def evaluate_set(
         self, model: nn.Module, cfg: Config, run_dir: Path, eval_set, language: str, final: bool
     ) -> dict[str, Any]:
-        return self.zeroshot(
-            model,
-            cfg,
-            run_dir,
-            eval_set.dataset,
-            language,
-            task=eval_set.task,
-            foreign_class_names=eval_set.foreign_class_names,
-            fields=eval_set.sample_fields(),
-        )
+        e = eval_set
+        return self.zeroshot(model, cfg, run_dir, e.dataset, language, e.task, e.foreign_class_names, e.sample_fields())
 
     caption_normalization = None  # applied to retrieval captions, as the method's official evaluation does
     uses_attention_mask = True  # False: training batches carry no attention mask (the model does not read it)

@@ -163,13 +163,7 @@ class VictorMethod(Method[VictorConfig]):
         self, model: VictorModel, cfg: Config, run_dir: Path, eval_set, language: str, final: bool
     ) -> dict[str, Any]:
         return self.zeroshot(
-            model,
-            cfg,
-            run_dir,
-            eval_set.dataset,
-            language,
-            task=eval_set.task,
-            foreign_class_names=eval_set.foreign_class_names,
+            model, cfg, run_dir, eval_set.dataset, language, eval_set.task, eval_set.foreign_class_names
         )
 
     def check_config(self, cfg: Config) -> None:
