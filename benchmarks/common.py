@@ -47,18 +47,6 @@ def save_results(name: str, record: Any, lines: list[str], folder: Path = RESULT
     print("\n".join(lines))
 
 
-def demo_machine() -> str:
-    """The date and set-up of a demo run (2 CPU ranks), for a report's first line."""
-    import platform
-
-    import torch
-
-    return (
-        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 CPU ranks (gloo), ZeRO-2, fp32; "
-        f"python {sys.version.split()[0]}, torch {torch.__version__}"
-    )
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

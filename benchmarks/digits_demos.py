@@ -27,7 +27,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, demo_machine, save_results, train_demo
+from common import RESULTS, machine_line, save_results, train_demo
 
 CLIP = "configs/clip/demo.yaml"
 DEMOS = {
@@ -93,7 +93,7 @@ def main() -> None:
                 }
             )
             print(rows[-1], flush=True)
-    machine = demo_machine()
+    machine = machine_line("2 CPU ranks (gloo), ZeRO-2, fp32")
     rows.sort(key=lambda row: list(DEMOS).index(row["demo"]))
     lines = [
         f"{machine}. Zero-shot top-1 on 359 held-out scans (chance 0.10). Produced by `benchmarks/digits_demos.py`.",

@@ -15,7 +15,7 @@ benchmarks/results/victor_demo.{json,md}.
 
 from __future__ import annotations
 
-from common import demo_machine, save_results, train_demo
+from common import machine_line, save_results, train_demo
 
 VARIANTS = {"all tasks": [], "no dual-VSA": ["method.tasks.dual_vsa=0"]}
 CLIPS = 170
@@ -34,7 +34,7 @@ def train(overrides: list[str]) -> dict:
 def main() -> None:
 
     rows = {name: train(overrides) for name, overrides in VARIANTS.items()}
-    machine = demo_machine()
+    machine = machine_line("2 CPU ranks (gloo), ZeRO-2, fp32")
     lines = [
         f"{machine}. `configs/victor/demo.yaml`, {CLIPS} held-out clips (chance R@1 = {100 / CLIPS:.2f}%). "
         "Produced by `benchmarks/victor_demo.py`.",
