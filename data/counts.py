@@ -43,15 +43,7 @@ def totals(per_source: Counts) -> dict[str, int]:
     return {**total, "skipped": skipped(total)}
 
 
-ROW = (
-    "seen",
-    "decoded",
-    "skipped",
-    *(f"skipped/{r}" for r in SKIP_REASONS),
-    "lost",
-    "broken_shards",
-    "unsized_broken_shards",
-)
+ROW = (*KEYS[:2], "skipped", *(f"skipped/{r}" for r in SKIP_REASONS), *KEYS[-3:])
 
 
 def row(counts: dict[str, int]) -> list[int]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from mmpt.demo import register
-from mmpt.demo.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
+from mmpt.demo.corpus import COMPLETE_MARKER, fresh_staging, is_built, mark_complete, publish
 
 DEFAULT_DOMAIN = "DEFAULT_DOMAIN"
 DEFAULT_INTENT = "DEFAULT_INTENT"
@@ -257,9 +257,10 @@ def build_dialogs(
         "seed": seed,
     }
     (staging / "stats.json").write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
-    (staging / COMPLETE_MARKER).write_text(
-        f"{stats['labelled_dialogs']} labelled, {stats['unlabelled_dialogs']} "
-        f"unlabelled dialogs, {stats['intents']} intents\n"
+    mark_complete(
+        staging,
+        f"{stats['labelled_dialogs']} labelled, {stats['unlabelled_dialogs']} unlabelled dialogs, "
+        f"{stats['intents']} intents",
     )
     if root.is_dir() and any(root.iterdir()) and not is_built(root):
         _replace_outputs(staging, root)  # a partial corpus from an interrupted build: overwrite its outputs

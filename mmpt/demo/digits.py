@@ -81,7 +81,7 @@ LANGUAGES = ("en", "zh")
 VERSION = 2  # 2: adds zeroshot_unseen/
 
 
-def _drawn(scan: np.ndarray, size: int) -> Image.Image:
+def drawn_digit(scan: np.ndarray, size: int) -> Image.Image:
     """The 8x8 scan (values 0-16) as a `size` x `size` grey image."""
     pixels = (scan * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
     return Image.fromarray(pixels, mode="L").resize((size, size), Image.Resampling.BICUBIC)
@@ -94,7 +94,7 @@ def _encoded(image: Image.Image) -> bytes:
 
 
 def _png(scan: np.ndarray, size: int) -> bytes:
-    return _encoded(_drawn(scan, size))
+    return _encoded(drawn_digit(scan, size))
 
 
 def _shifted_png(scan: np.ndarray, size: int, scale: float, dx: int, dy: int) -> bytes:
@@ -103,7 +103,7 @@ def _shifted_png(scan: np.ndarray, size: int, scale: float, dx: int, dy: int) ->
     drawn = round(size * scale)
     canvas = Image.new("L", (size, size))
     corner = (size - drawn) // 2
-    canvas.paste(_drawn(scan, drawn), (corner + dx, corner + dy))
+    canvas.paste(drawn_digit(scan, drawn), (corner + dx, corner + dy))
     return _encoded(canvas)
 
 

@@ -35,19 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from mmpt.data.shards import ShardSetWriter
 from mmpt.data.tokenizer import train_wordpiece
 from mmpt.demo import register
-from mmpt.demo.corpus import COMPLETE_MARKER, fresh_staging, is_built, publish
+from mmpt.demo.corpus import fresh_staging, is_built, mark_complete, publish
+from mmpt.demo.digits import NAMES, drawn_digit
 
 LANGUAGES = ("en", "zh")
 KINDS = ("move", "order")
-NAMES = {
-    "en": ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"],
-    "zh": ["零", "一", "二", "三", "四", "五", "六", "七", "八", "九"],
-}
 # Direction -> (dx, dy), image coordinates (y grows downwards).
 DIRECTIONS = {
     "left": (-1, 0),
@@ -155,13 +151,6 @@ def _split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[dict[in
     return train, test
 
 
-def _glyph(scan: np.ndarray, size: int) -> np.ndarray:
-    pixels = (scan * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
-    return np.asarray(
-        Image.fromarray(pixels, mode="L").resize((size, size), Image.Resampling.BICUBIC), dtype=np.float32
-    )
-
-
 def _combos(kind: str) -> list[tuple]:
     if kind == "move":
         return [(digit, direction) for digit in range(10) for direction in DIRECTIONS]
@@ -171,7 +160,7 @@ def _combos(kind: str) -> list[tuple]:
 def _render(clip: dict, scans: list[np.ndarray], frames: int, size: int, rng: random.Random) -> np.ndarray:
     """Grey frames [T, size, size] uint8 of one clip; `scans` are the digits' 8x8 images, in clip order."""
     glyph_size = size * 3 // 8
-    glyphs = [_glyph(scan, glyph_size) * rng.uniform(0.75, 1.0) for scan in scans]
+    glyphs = [np.asarray(drawn_digit(scan, glyph_size), np.float32) * rng.uniform(0.75, 1.0) for scan in scans]
     lo, hi = 1, size - glyph_size - 1  # top-left corner range that keeps the glyph inside the frame
     canvas = np.zeros((frames, size, size), dtype=np.float32)
 
@@ -379,8 +368,6 @@ def build_moving_digits(
             table.writerows(rows[language])
 
     train_wordpiece(texts, staging / "tokenizer.json", vocab_size=1000)
-    (staging / COMPLETE_MARKER).write_text(
-        f"train clips: {len(train_clips)}, held-out clips: {len(test_clips)}, frames: {frames}, size: {size}, "
-        f"fps: {fps}, codec: {codec}\n"
-    )
+    summary = f"train clips: {len(train_clips)}, held-out clips: {len(test_clips)}, frames: {frames}, size: {size}, "
+    mark_complete(staging, summary + f"fps: {fps}, codec: {codec}")
     return publish(staging, root)
