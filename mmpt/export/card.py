@@ -335,59 +335,28 @@ def release_usage(cfg: Config, folder: str) -> str:
     """How to load a release: mmpt, then the other formats it exports to."""
     lines = ["## How to use it", "", "### With mmpt", "", mmpt_usage(cfg, folder)]
     formats = supported_formats(cfg)
+
+    def export(fmt: str, heading: str, *about: str) -> list[str]:
+        command = f"python launch/export.py --run {folder} --out {folder}-{fmt} --format {fmt}"
+        return ["", f"### {heading}", "", *about, "```bash", command, "```"]
+
     if "onnx" in formats:
-        towers = ", ".join(tower_names(cfg))
-        lines += [
-            "",
-            "### With onnxruntime",
-            "",
-            f"Export the towers ({towers}) to ONNX; the folder it writes holds one `.onnx` file per tower, "
-            "`preprocessing.json` (input names, dtypes, shapes, image size, mean/std, tokenizer) and the "
-            "tokenizer files, and its README.md shows the onnxruntime calls:",
-            "",
-            "```bash",
-            f"python launch/export.py --run {folder} --out {folder}-onnx --format onnx",
-            "```",
-        ]
+        about = (
+            f"Export the towers ({', '.join(tower_names(cfg))}) to ONNX; the folder it writes holds one `.onnx` file "
+            "per tower, `preprocessing.json` (input names, dtypes, shapes, image size, mean/std, tokenizer) and the "
+            "tokenizer files, and its README.md shows the onnxruntime calls:"
+        )
+        lines += export("onnx", "With onnxruntime", about, "")
     if "open_clip" in formats:
-        out = f"{folder}-open_clip"
-        lines += [
-            "",
-            "### With open_clip",
-            "",
-            "```bash",
-            f"python launch/export.py --run {folder} --out {out} --format open_clip",
-            "```",
-            "",
-            "```python",
-            *open_clip_lines(out, cfg),
-            "```",
-        ]
+        lines += [*export("open_clip", "With open_clip"), "", "```python", *open_clip_lines(f"{folder}-open_clip", cfg)]
+        lines.append("```")
     elif tower_names(cfg):
         lines += ["", "### With open_clip", "", f"Not available: {format_problem(cfg, 'open_clip')}."]
     if "transformers" in formats:
-        out = f"{folder}-transformers"
-        lines += [
-            "",
-            "### With transformers",
-            "",
-            "```bash",
-            f"python launch/export.py --run {folder} --out {out} --format transformers",
-            "```",
-            "",
-            *transformers_lines(out, cfg),
-        ]
+        lines += [*export("transformers", "With transformers"), "", *transformers_lines(f"{folder}-transformers", cfg)]
     if "official" in formats:
-        lines += [
-            "",
-            "### In the official layout",
-            "",
-            "```bash",
-            f"python launch/export.py --run {folder} --out {folder}-official --format official",
-            "```",
-            "",
-            f"writes {get_method(cfg.method_name).official_layout}.",
-        ]
+        layout = get_method(cfg.method_name).official_layout
+        lines += [*export("official", "In the official layout"), "", f"writes {layout}."]
     return "\n".join(lines)
 
 
