@@ -185,8 +185,8 @@ def contiguous_group(group_size: int | None) -> dist.ProcessGroup | None:
 
 
 def own_group(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
-    """Form a group of each list of ranks, in order (a collective: every rank forms every group), and return
-    this rank's (a non-member gets a placeholder from `new_group`)."""
+    """Form a group of each list of ranks, in order (a collective: every rank forms every group, each rank is in
+    one), and return this rank's."""
     mine = None
     for ranks in rank_lists:
         group = dist.new_group(ranks)
