@@ -324,7 +324,7 @@ class ImageTextMethod(Method[SettingsT]):
         """`EngineNeeds` keys every image-text method has: its towers, and pooled accumulation where the loss config
         asks for it."""
         needs: dict[str, Any] = {"tower_groups": self.tower_groups(model)}
-        if getattr(self.loss_spec(cfg), "pooled_accumulation", True):  # GBA-ITC always pools
+        if self.loss_spec(cfg).pooled_accumulation:
             needs |= {"pool_features": self.pool_features, "step_pool": self.step_pool, "merged_step": self.merged_step}
         return needs
 

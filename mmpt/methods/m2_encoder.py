@@ -272,7 +272,13 @@ class M2EncoderMethod(ImageTextMethod[M2Config]):
     def engine_needs(self, model: M2Encoder, cfg: Config) -> EngineNeeds:
         # GBA-ITC: the step's K micro-batches form one negative pool. The towers: the modality-expert stack
         # and the shared top (both images and texts run through each, selecting their expert by name).
-        return EngineNeeds(compilable=(model.backbone.encoder, model.backbone_vl), **self.image_text_needs(model, cfg))
+        return EngineNeeds(
+            pool_features=self.pool_features,
+            step_pool=self.step_pool,
+            merged_step=self.merged_step,
+            compilable=(model.backbone.encoder, model.backbone_vl),
+            tower_groups=self.tower_groups(model),
+        )
 
     # --- export ---
 
