@@ -16,7 +16,7 @@ import torch
 
 from mmpt.data.shards import MissingDataError
 from mmpt.eval.templates import VIDEO_TEMPLATES
-from mmpt.eval.video_retrieval import VIDEO_SUFFIXES
+from mmpt.eval.video_retrieval import VIDEO_SUFFIXES, video_encoder
 from mmpt.eval.zeroshot import (
     ClassificationSet,
     build_classifier,
@@ -60,12 +60,4 @@ def video_classification(
     """acc1, acc5 and mean per-class recall of a video-text `model` (`encode_video`, `encode_text`)."""
     model.eval()
     classifier = build_classifier(model, tokenize, dataset.classnames, dataset.templates, device)
-    dtype = next(model.parameters()).dtype
-
-    def encode(clips: torch.Tensor) -> torch.Tensor:
-        clips = clips.to(device)
-        if clips.is_floating_point():  # normalised frames or features; uint8 frames are normalised by the model
-            clips = clips.to(dtype)
-        return model.encode_video(clips).float()
-
-    return classify(encode, decode_video, classifier, dataset, batch_size, what="video")
+    return classify(video_encoder(model, device), decode_video, classifier, dataset, batch_size, what="video")

@@ -107,6 +107,18 @@ def video_rank_metrics(video_features: torch.Tensor, text_features: torch.Tensor
     return metrics
 
 
+def video_encoder(model, device: str | torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A batch of clips to fp32 features: float clips (normalised frames or features) in the model's dtype, uint8
+    frames as they are (the model normalises them)."""
+    dtype = next(model.parameters()).dtype
+
+    def encode(clips: torch.Tensor) -> torch.Tensor:
+        clips = clips.to(device, dtype if clips.is_floating_point() else None)
+        return model.encode_video(clips).float()
+
+    return encode
+
+
 @torch.no_grad()
 def video_retrieval(
     model,
@@ -127,11 +139,7 @@ def video_retrieval(
     videos, captions = load_video_retrieval_set(path, video_root)
     texts = [t for group in captions for t in group]
     text_to_video = torch.tensor([i for i, group in enumerate(captions) for _ in group])
-    dtype = next(model.parameters()).dtype
-    # normalised frames or features in the model's dtype; uint8 frames are normalised by the model
-    encode = lambda clips: model.encode_video(
-        clips.to(device, dtype) if clips.is_floating_point() else clips.to(device)
-    )
+    encode = video_encoder(model, device)
     video_features = encode_files(videos, decode_video, encode, batch_size, "video", (OSError, ValueError))
     text_features, rows = encode_texts(model, tokenize, texts, batch_size, device)
     return video_rank_metrics(F.normalize(video_features, dim=-1), text_features[rows], text_to_video)
