@@ -348,8 +348,8 @@ def release_usage(cfg: Config, folder: str) -> str:
         )
         lines += export("onnx", "With onnxruntime", about, "")
     if "open_clip" in formats:
-        lines += [*export("open_clip", "With open_clip"), "", "```python", *open_clip_lines(f"{folder}-open_clip", cfg)]
-        lines.append("```")
+        python = ["```python", *open_clip_lines(f"{folder}-open_clip", cfg), "```"]
+        lines += [*export("open_clip", "With open_clip"), "", *python]
     elif tower_names(cfg):
         lines += ["", "### With open_clip", "", f"Not available: {format_problem(cfg, 'open_clip')}."]
     if "transformers" in formats:
